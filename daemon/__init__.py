@@ -1,0 +1,1 @@
+"""meshd daemon: one process per machine that joins the inference mesh."""

@@ -1,0 +1,1 @@
+"""Pure partitioner: mesh graph + model description in, plan out. No I/O."""
