@@ -1,0 +1,689 @@
+"""Leaderless agreement on one pipeline plan: the pure protocol core.
+
+Why this exists: exo's old ring let every node compute a partition from its own view and
+nothing made the views agree; exo 1.0 elects a master without a quorum and its elections wedge
+or flap; MLX distributed hangs when a peer disappears. Here no node is special. Every node runs
+the same state machine, `AgreementNode`, and a plan is served only once *every* member of it has
+confirmed exactly that plan. This module is pure: no I/O, no trio, no gRPC, no clock. Time is
+the `now` argument (monotonic seconds), the outside world is the arguments of `on_membership`,
+`on_message` and `on_tick`, and what the node wants done comes back as a list of outputs
+(`Broadcast`, `Send`, `Committed`, `Withdrawn`, `Refused`) that the daemon maps to gRPC and to
+its data plane.
+
+The protocol
+------------
+1. *Eligible members.* A node's candidate membership is itself plus every peer that its
+   liveness layer reports alive continuously for at least `join_stability_s` and whose profile
+   digest it holds. A starting node proposes nothing for `startup_grace_s` after
+   `started_at`, so that it hears its peers (and they become stable) instead of first
+   committing a one-node plan; set it above `join_stability_s` plus the discovery time.
+   A peer that flaps faster than `join_stability_s` never becomes a member.
+2. *Proposal.* From the sorted members, their profile digests, the model and the plan settings
+   digest (`PlanInputs`) the node computes `compute_plan(inputs)`: a `Plan` (plan id, members
+   that hold stages) or a `Refusal` ("not enough memory in this mesh for X: need A, have B").
+   The pair is the node's `Proposal`. Because `compute_plan` is a pure function, two nodes with
+   the same view make the same proposal: concurrent rounds resolve by construction, and any
+   node may start one (a round is nothing but a changed proposal).
+3. *Confirmation.* A node confirms its proposal by sending it to every peer it sees alive
+   (`ProposalMessage`, with a per-node `(incarnation, seq)` stamp: a receiver keeps only the
+   newest message per sender, so reordered and duplicated messages are ignored). It re-sends
+   every `retransmit_interval_s` until it has committed its proposal, then every
+   `gossip_interval_s`; a committed node also answers a peer that confirms the same proposal
+   but has not committed it yet, so a lost message costs one retransmission, not a gossip
+   period.
+4. *Commit.* A node commits proposal P when P is its own current proposal, P is a `Plan`, and
+   either (a) for every member m of P, the newest message it holds from m carries P, or
+   (b) a member's newest message carries P with `committed=True` (a commit certificate: that
+   member applied (a) or (b) itself). A node forgets a peer's proposal when the peer is lost or
+   reconnects, so evidence from a previous connection (perhaps a previous incarnation) is not
+   counted again.
+5. *Serving (epochs and fencing).* The plan id is the epoch every data-plane message carries.
+   A node serves the plans it committed: the newest is *active* (new requests go there); the
+   one it replaced is *draining* (requests already running may finish on it). `is_serving`
+   and `check_serving` answer the fencing question; `check_serving` raises
+   `PlanNotCommittedError` naming the plan, this node and what it serves. A served plan is
+   withdrawn as soon as one of its members is lost or reconnects (its `alive_since` differs
+   from the one recorded at commit), so nothing waits on a dead stage. A draining plan also
+   ends when the daemon calls `release_draining` (its last request finished) or after
+   `drain_timeout_s`. When a node's own proposal becomes a refusal or disappears (no model,
+   own profile unknown) its active plan turns draining: it starts nothing new.
+6. *Partitions.* Each side of a partition sees only its own nodes, so it proposes a plan of
+   its own members (a different member set, so a different plan id). A side that can hold the
+   model commits it; a side that cannot proposes a refusal, reports it (`Refused`, `status`)
+   and serves nothing. When the network heals, every node's view grows back to the whole mesh
+   after `join_stability_s` and they all commit the merged plan.
+
+Safety (holds under any message delay, loss, duplication and reordering, crashes, restarts
+and partitions, given A1-A3):
+  S1 Unanimity: a node commits P only if every member of P proposed P (sent it as its own
+     proposal) at some point, and P is the committing node's own current proposal.
+  S2 One plan per id: all nodes that commit plan id X commit the same plan (A1).
+  S3 Fencing: `is_serving(X)` is true only for a plan this node committed and has not
+     withdrawn; nothing else is ever served.
+  S4 No dead stages: a node never serves a plan with a member its liveness layer reports lost
+     or reconnected since the commit.
+  S5 A node whose own view cannot hold the model (refusal) starts no new request.
+
+Liveness (given A1-A5): if from time T on the network is stable (every node's alive set is
+exactly the group of nodes it can reach, each group is fully connected, the digests and the
+model every node holds agree, and links lose at most k messages in a row), then every node of
+every group commits the same plan of exactly that group, or reports the same refusal, by
+T + detection delay + `join_stability_s` + (k + 1) resend periods (a resend period is
+`retransmit_interval_s` plus the daemon's tick granularity plus a message delay). Proof
+sketch: after the views settle all nodes compute the same proposal, each unsettled node
+re-sends it every period, so within k + 1 periods every member holds every other member's
+proposal (rule a) or a certificate (rule b); no view changes afterwards, so nothing is
+withdrawn.
+No plan storms: the proposal changes only when membership, a digest, the model or the
+settings change, and a joining peer enters the membership only after `join_stability_s` of
+uninterrupted liveness.
+
+Assumptions:
+  A1 `compute_plan` is deterministic and the plan id identifies the plan's content (it is a
+     hash of it), so equal inputs give the same plan id on every node.
+  A2 Nodes are not Byzantine, and the transport authenticates `ProposalMessage.sender`.
+  A3 A node's `incarnation` grows across restarts (e.g. `time.time_ns()` at start), so a
+     restarted node's messages supersede those of its previous life.
+  A4 The liveness layer is eventually accurate within each group of mutually reachable nodes,
+     and reachability is eventually transitive (clean partitions). It gives a peer a new
+     `alive_since` whenever the peer reconnects or restarts.
+  A5 Links are fair-lossy: a message re-sent often enough gets through.
+If reachability stays non-transitive (A can reach B, B can reach C, A cannot reach C), the
+nodes' views keep differing and they stay uncommitted; safety still holds and `status`
+names the peer whose view differs and what it sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+NodeId = str
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """The selected model: a name for people, a digest so that all nodes mean the same bytes."""
+
+    name: str
+    digest: str
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything a plan is computed from; equal inputs must give equal plans (A1)."""
+
+    members: tuple[NodeId, ...]
+    digests: tuple[str, ...]
+    model: ModelRef
+    settings: str = ""
+
+    def __post_init__(self) -> None:
+        if list(self.members) != sorted(set(self.members)):
+            raise ValueError(f"plan members must be sorted and unique, got {self.members}")
+        if len(self.digests) != len(self.members):
+            raise ValueError(
+                f"need one profile digest per member: {len(self.members)} members, "
+                f"{len(self.digests)} digests"
+            )
+
+    def digest_of(self, member: NodeId) -> str:
+        """The profile digest these inputs hold for `member`."""
+        return self.digests[self.members.index(member)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A computed plan: its id (the epoch data-plane messages carry) and who holds stages."""
+
+    plan_id: str
+    stage_members: tuple[NodeId, ...]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """`compute_plan` found no plan, e.g. "not enough memory in this mesh for X: need A, have B"."""
+
+    reason: str
+
+
+PlanOutcome = Plan | Refusal
+ComputePlan = Callable[[PlanInputs], PlanOutcome]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A node's current proposal: what it computed and from what. Compared as a whole."""
+
+    inputs: PlanInputs
+    outcome: PlanOutcome
+
+    @property
+    def members(self) -> tuple[NodeId, ...]:
+        return self.inputs.members
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan, or None when the outcome is a refusal."""
+        return self.outcome if isinstance(self.outcome, Plan) else None
+
+
+@dataclass(frozen=True)
+class ProposalMessage:
+    """The one message of the protocol: the sender's current proposal (a confirmation).
+
+    `(incarnation, seq)` orders a sender's messages; `committed` says that the sender has
+    committed exactly `proposal`, which makes the message a commit certificate.
+    """
+
+    sender: NodeId
+    incarnation: int
+    seq: int
+    proposal: Proposal | None
+    committed: bool
+
+    @property
+    def stamp(self) -> tuple[int, int]:
+        return (self.incarnation, self.seq)
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """Send `message` to each of `recipients` (every peer the node currently sees alive)."""
+
+    recipients: frozenset[NodeId]
+    message: ProposalMessage
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send `message` to one peer."""
+
+    to: NodeId
+    message: ProposalMessage
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The node now serves `proposal`'s plan as its active plan; new requests go there.
+
+    The previously active plan, if any, now drains (see `AgreementNode.draining`).
+    """
+
+    proposal: Proposal
+
+    @property
+    def plan_id(self) -> str:
+        plan = self.proposal.plan
+        assert plan is not None, "only plans are committed"
+        return plan.plan_id
+
+    @property
+    def members(self) -> tuple[NodeId, ...]:
+        return self.proposal.members
+
+
+@dataclass(frozen=True)
+class Withdrawn:
+    """The node stopped serving plan `plan_id`; requests still running on it must fail."""
+
+    plan_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """This node's view cannot hold the model; it starts no new request (its plan drains)."""
+
+    reason: str
+
+
+Output = Broadcast | Send | Committed | Withdrawn | Refused
+
+
+@dataclass(frozen=True)
+class ServedPlan:
+    """A committed plan this node serves, with what it needs to decide when to stop."""
+
+    proposal: Proposal
+    committed_at: float
+    member_since: tuple[tuple[NodeId, float], ...]
+    draining_since: float | None = None
+
+    @property
+    def plan(self) -> Plan:
+        plan = self.proposal.plan
+        assert plan is not None, "only plans are served"
+        return plan
+
+    @property
+    def plan_id(self) -> str:
+        return self.plan.plan_id
+
+    @property
+    def members(self) -> tuple[NodeId, ...]:
+        return self.proposal.members
+
+
+@dataclass(frozen=True)
+class AgreementStatus:
+    """What `meshd status` shows about agreement on this node.
+
+    `confirmed_by` and `committed_by` refer to the current `proposal` (they equal its members
+    once converged): the members whose newest message carries it, and those known to have
+    committed it. `reasons` says, in words, why the proposal is not committed yet or what is
+    about to change it (a peer still stabilizing); empty when converged.
+    """
+
+    node_id: NodeId
+    active: ServedPlan | None
+    draining: tuple[ServedPlan, ...]
+    proposal: Proposal | None
+    confirmed_by: frozenset[NodeId]
+    committed_by: frozenset[NodeId]
+    reasons: tuple[str, ...]
+
+    @property
+    def converged(self) -> bool:
+        """True when the proposal is committed and nothing is pending."""
+        return not self.reasons
+
+    @property
+    def reason(self) -> str:
+        """Why the node is not (or not yet) serving its current view, in one line."""
+        return "; ".join(self.reasons)
+
+
+class PlanNotCommittedError(RuntimeError):
+    """Data-plane work arrived for a plan this node does not serve (fencing)."""
+
+
+@dataclass(frozen=True)
+class AgreementConfig:
+    """Timing of the protocol, in seconds.
+
+    join_stability_s: how long a peer must stay alive before it joins the membership.
+    startup_grace_s: how long a starting node listens before proposing anything.
+    retransmit_interval_s: re-send period while the node's proposal is not committed.
+    gossip_interval_s: re-send period once it is (anti-entropy only).
+    drain_timeout_s: the longest a replaced plan keeps serving requests already running.
+    """
+
+    join_stability_s: float = 2.0
+    startup_grace_s: float = 3.0
+    retransmit_interval_s: float = 0.5
+    gossip_interval_s: float = 5.0
+    drain_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not value >= 0:
+                raise ValueError(f"{field.name} must be >= 0 seconds, got {value}")
+        if self.retransmit_interval_s <= 0 or self.gossip_interval_s <= 0:
+            raise ValueError(
+                "retransmit_interval_s and gossip_interval_s must be > 0 "
+                f"(got {self.retransmit_interval_s} and {self.gossip_interval_s})"
+            )
+
+
+class AgreementNode:
+    """One node's side of the protocol (see the module docstring). Not thread-safe."""
+
+    def __init__(
+        self,
+        node_id: NodeId,
+        incarnation: int,
+        compute_plan: ComputePlan,
+        started_at: float,
+        config: AgreementConfig | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self.config = config or AgreementConfig()
+        self._compute_plan = compute_plan
+        self._started_at = started_at
+        self._alive: dict[NodeId, float] = {}
+        self._digests: dict[NodeId, str] = {}
+        self._model: ModelRef | None = None
+        self._settings = ""
+        self._proposal: Proposal | None = None
+        self._last_computed: tuple[PlanInputs, PlanOutcome] | None = None
+        self._latest: dict[NodeId, ProposalMessage] = {}
+        self._active: ServedPlan | None = None
+        self._draining: dict[str, ServedPlan] = {}
+        self._seq = 0
+        self._next_send_at = float("-inf")
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def proposal(self) -> Proposal | None:
+        return self._proposal
+
+    @property
+    def active(self) -> ServedPlan | None:
+        """The plan new requests go to, or None."""
+        return self._active
+
+    @property
+    def draining(self) -> tuple[ServedPlan, ...]:
+        return tuple(self._draining.values())
+
+    def is_serving(self, plan_id: str) -> bool:
+        """Whether data-plane work tagged `plan_id` may run here (active or draining)."""
+        active = self._active is not None and self._active.plan_id == plan_id
+        return active or plan_id in self._draining
+
+    def check_serving(self, plan_id: str) -> None:
+        """Fencing: raise `PlanNotCommittedError` unless `plan_id` is served here."""
+        if self.is_serving(plan_id):
+            return
+        serving = sorted(self._served_ids())
+        raise PlanNotCommittedError(
+            f"plan {plan_id} is not committed on node {self.node_id} "
+            f"(it serves {', '.join(serving) if serving else 'no plan'}); "
+            "the mesh is changing plans: retry once the sender and this node agree"
+        )
+
+    def status(self, now: float) -> AgreementStatus:
+        """The committed plan, who confirmed the proposal, and why it is not committed yet."""
+        confirmed, committed = self._confirmations()
+        return AgreementStatus(
+            node_id=self.node_id,
+            active=self._active,
+            draining=self.draining,
+            proposal=self._proposal,
+            confirmed_by=confirmed,
+            committed_by=committed,
+            reasons=tuple(self._pending_reasons(now)),
+        )
+
+    # ------------------------------------------------------------------ events
+
+    def on_membership(
+        self,
+        now: float,
+        alive: Mapping[NodeId, float],
+        digests: Mapping[NodeId, str],
+        model: ModelRef | None,
+        settings: str = "",
+    ) -> list[Output]:
+        """The liveness layer's view changed: peers alive (with since when), digests, model.
+
+        `alive` maps each peer seen alive to the time it became alive (this node's clock); it
+        must change whenever the peer reconnects. `digests` holds the profile digest of this
+        node and of each peer whose profile it fetched. `settings` digests the mesh-wide
+        settings that change plans; all nodes must pass the same.
+        """
+        self._forget_reconnected(alive)
+        self._alive = {peer: since for peer, since in alive.items() if peer != self.node_id}
+        self._digests = dict(digests)
+        self._model = model
+        self._settings = settings
+        return self._refresh(now)
+
+    def on_message(self, now: float, message: ProposalMessage) -> list[Output]:
+        """A peer's proposal arrived (possibly late, duplicated or out of order)."""
+        if message.sender == self.node_id:
+            return []
+        previous = self._latest.get(message.sender)
+        if previous is not None and message.stamp <= previous.stamp:
+            return []
+        self._latest[message.sender] = message
+        outputs = self._try_commit(now)
+        if not outputs and self._should_answer(message):
+            outputs.append(Send(message.sender, self._next_message(now)))
+        return outputs
+
+    def on_tick(self, now: float) -> list[Output]:
+        """Time passed: stability delays expire, drains time out, messages are re-sent."""
+        outputs = self._refresh(now)
+        outputs += self._expire_draining(now)
+        already_sent = any(isinstance(output, Broadcast) for output in outputs)
+        if not already_sent and now >= self._next_send_at:
+            outputs.append(self._broadcast(now))
+        return outputs
+
+    def release_draining(self, plan_id: str) -> list[Output]:
+        """The daemon's last request on draining plan `plan_id` finished: stop serving it."""
+        plan = self._draining.pop(plan_id, None)
+        if plan is None:
+            return []
+        return [Withdrawn(plan_id, f"plan {plan_id} drained: its last request finished")]
+
+    # --------------------------------------------------------------- internals
+
+    def _refresh(self, now: float) -> list[Output]:
+        outputs = self._withdraw_plans_with_lost_members()
+        outputs += self._update_proposal(now)
+        outputs += self._try_commit(now)
+        return outputs
+
+    def _forget_reconnected(self, alive: Mapping[NodeId, float]) -> None:
+        """Drop proposals of peers that were lost or reconnected; keep their stamp watermark."""
+        for peer, message in self._latest.items():
+            was_alive_since = self._alive.get(peer)
+            if message.proposal is None or was_alive_since is None:
+                continue
+            if alive.get(peer) != was_alive_since:
+                self._latest[peer] = dataclasses.replace(message, proposal=None, committed=False)
+
+    def _eligible_members(self, now: float) -> tuple[NodeId, ...]:
+        stable_since = now - self.config.join_stability_s
+        peers = [
+            peer
+            for peer, since in self._alive.items()
+            if since <= stable_since and peer in self._digests
+        ]
+        return tuple(sorted([self.node_id, *peers]))
+
+    def _current_inputs(self, now: float) -> PlanInputs | None:
+        starting = now - self._started_at < self.config.startup_grace_s
+        if starting or self._model is None or self.node_id not in self._digests:
+            return None
+        members = self._eligible_members(now)
+        digests = tuple(self._digests[member] for member in members)
+        return PlanInputs(members, digests, self._model, self._settings)
+
+    def _outcome_for(self, inputs: PlanInputs) -> PlanOutcome:
+        """`compute_plan(inputs)`, remembered for the last inputs (it may be expensive)."""
+        if self._last_computed is None or self._last_computed[0] != inputs:
+            self._last_computed = (inputs, self._compute_plan(inputs))
+        return self._last_computed[1]
+
+    def _update_proposal(self, now: float) -> list[Output]:
+        inputs = self._current_inputs(now)
+        proposal = None if inputs is None else Proposal(inputs, self._outcome_for(inputs))
+        if proposal == self._proposal:
+            return []
+        self._proposal = proposal
+        outputs: list[Output] = []
+        if proposal is None or proposal.plan is None:
+            self._start_draining_active(now)
+        if proposal is not None and isinstance(proposal.outcome, Refusal):
+            outputs.append(Refused(proposal.outcome.reason))
+        outputs.append(self._broadcast(now))
+        return outputs
+
+    def _try_commit(self, now: float) -> list[Output]:
+        proposal = self._proposal
+        if proposal is None or proposal.plan is None:
+            return []
+        if self._active is not None and self._active.proposal == proposal:
+            return []
+        if not (self._all_members_confirmed(proposal) or self._certified(proposal)):
+            return []
+        self._start_draining_active(now)
+        self._draining.pop(proposal.plan.plan_id, None)
+        member_since = tuple((m, self._alive[m]) for m in proposal.members if m != self.node_id)
+        self._active = ServedPlan(proposal, now, member_since)
+        return [Committed(proposal), self._broadcast(now)]
+
+    def _all_members_confirmed(self, proposal: Proposal) -> bool:
+        return all(
+            member == self.node_id or self._holds(member, proposal) for member in proposal.members
+        )
+
+    def _certified(self, proposal: Proposal) -> bool:
+        return any(
+            self._holds(member, proposal) and self._latest[member].committed
+            for member in proposal.members
+            if member != self.node_id
+        )
+
+    def _holds(self, member: NodeId, proposal: Proposal) -> bool:
+        message = self._latest.get(member)
+        return message is not None and message.proposal == proposal
+
+    def _start_draining_active(self, now: float) -> None:
+        if self._active is None:
+            return
+        self._draining[self._active.plan_id] = dataclasses.replace(self._active, draining_since=now)
+        self._active = None
+
+    def _withdraw_plans_with_lost_members(self) -> list[Output]:
+        outputs: list[Output] = []
+        if self._active is not None:
+            reason = self._lost_member_reason(self._active)
+            if reason:
+                outputs.append(Withdrawn(self._active.plan_id, reason))
+                self._active = None
+        for plan_id, plan in list(self._draining.items()):
+            reason = self._lost_member_reason(plan)
+            if reason:
+                outputs.append(Withdrawn(plan_id, reason))
+                del self._draining[plan_id]
+        return outputs
+
+    def _lost_member_reason(self, plan: ServedPlan) -> str:
+        for member, since in plan.member_since:
+            if member not in self._alive:
+                return f"member {member} of plan {plan.plan_id} was lost"
+            if self._alive[member] != since:
+                return f"member {member} of plan {plan.plan_id} reconnected (it may have restarted)"
+        return ""
+
+    def _expire_draining(self, now: float) -> list[Output]:
+        outputs: list[Output] = []
+        for plan_id, plan in list(self._draining.items()):
+            assert plan.draining_since is not None
+            if now - plan.draining_since >= self.config.drain_timeout_s:
+                del self._draining[plan_id]
+                reason = f"plan {plan_id} still draining after {self.config.drain_timeout_s} s"
+                outputs.append(Withdrawn(plan_id, reason))
+        return outputs
+
+    def _settled(self) -> bool:
+        """True when this node has nothing to push: its proposal is committed or not a plan."""
+        if self._proposal is None or self._proposal.plan is None:
+            return True
+        return self._active is not None and self._active.proposal == self._proposal
+
+    def _next_message(self, now: float) -> ProposalMessage:
+        self._seq += 1
+        interval = (
+            self.config.gossip_interval_s if self._settled() else self.config.retransmit_interval_s
+        )
+        self._next_send_at = now + interval
+        committed = self._active is not None and self._active.proposal == self._proposal
+        return ProposalMessage(self.node_id, self.incarnation, self._seq, self._proposal, committed)
+
+    def _broadcast(self, now: float) -> Broadcast:
+        return Broadcast(frozenset(self._alive), self._next_message(now))
+
+    def _should_answer(self, message: ProposalMessage) -> bool:
+        """A peer confirms our committed proposal but lacks a certificate: send it ours."""
+        return (
+            message.sender in self._alive
+            and not message.committed
+            and message.proposal is not None
+            and message.proposal == self._proposal
+            and self._active is not None
+            and self._active.proposal == self._proposal
+        )
+
+    def _served_ids(self) -> set[str]:
+        served = set(self._draining)
+        if self._active is not None:
+            served.add(self._active.plan_id)
+        return served
+
+    def _confirmations(self) -> tuple[frozenset[NodeId], frozenset[NodeId]]:
+        """Members whose newest message carries our proposal, and those that committed it."""
+        proposal = self._proposal
+        if proposal is None:
+            return frozenset(), frozenset()
+        confirmed = {m for m in proposal.members if m != self.node_id and self._holds(m, proposal)}
+        committed = {m for m in confirmed if self._latest[m].committed}
+        confirmed.add(self.node_id)
+        if self._active is not None and self._active.proposal == proposal:
+            committed.add(self.node_id)
+        return frozenset(confirmed), frozenset(committed)
+
+    # ----------------------------------------------------------- status words
+
+    def _pending_reasons(self, now: float) -> list[str]:
+        reasons = self._view_reasons(now)
+        proposal = self._proposal
+        if proposal is None:
+            return reasons
+        if isinstance(proposal.outcome, Refusal):
+            return [*reasons, proposal.outcome.reason]
+        if self._active is None or self._active.proposal != proposal:
+            reasons += self._disagreement_reasons(proposal)
+        return reasons
+
+    def _view_reasons(self, now: float) -> list[str]:
+        reasons = []
+        stability, grace = self.config.join_stability_s, self.config.startup_grace_s
+        if now - self._started_at < grace:
+            age = now - self._started_at
+            reasons.append(f"started {age:.1f} s ago; waiting {grace:.1f} s to hear peers")
+        if self._model is None:
+            reasons.append("no model selected")
+        if self.node_id not in self._digests:
+            reasons.append("this node's own profile is not measured yet")
+        for peer, since in sorted(self._alive.items()):
+            if now - since < stability:
+                reasons.append(
+                    f"peer {peer} joined {now - since:.1f} s ago; "
+                    f"waiting {stability:.1f} s for it to be stable"
+                )
+            elif peer not in self._digests:
+                reasons.append(f"waiting for the profile of peer {peer}")
+        return reasons
+
+    def _disagreement_reasons(self, proposal: Proposal) -> list[str]:
+        waiting = []
+        reasons = []
+        for member in proposal.members:
+            if member == self.node_id:
+                continue
+            message = self._latest.get(member)
+            if message is None or message.proposal is None:
+                waiting.append(member)
+            elif message.proposal != proposal:
+                reasons.append(_difference(member, message.proposal, proposal))
+        if waiting:
+            reasons.insert(0, f"waiting for confirmation from {', '.join(waiting)}")
+        return reasons
+
+
+def _difference(peer: NodeId, theirs: Proposal, ours: Proposal) -> str:
+    """Why `peer`'s proposal differs from ours, in words for `meshd status`."""
+    a, b = theirs.inputs, ours.inputs
+    if a.members != b.members:
+        return f"{peer}'s view differs: it sees {{{', '.join(a.members)}}}"
+    if a.model != b.model:
+        return f"{peer} selects model {a.model.name} ({a.model.digest})"
+    if a.settings != b.settings:
+        return f"{peer} uses different plan settings ({a.settings!r} vs ours {b.settings!r})"
+    differing = [m for m in a.members if a.digest_of(m) != b.digest_of(m)]
+    if differing:
+        return f"{peer} holds a different profile digest for {', '.join(differing)}"
+    return (
+        f"{peer} computed a different plan from the same inputs "
+        "(compute_plan must be deterministic)"
+    )
