@@ -1,0 +1,248 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REFUSAL_NONE: _ClassVar[Refusal]
+    REFUSAL_DUPLICATE_NODE_ID: _ClassVar[Refusal]
+    REFUSAL_OTHER_MESH: _ClassVar[Refusal]
+    REFUSAL_PROTOCOL_VERSION: _ClassVar[Refusal]
+    REFUSAL_IDENTITY_MISMATCH: _ClassVar[Refusal]
+REFUSAL_NONE: Refusal
+REFUSAL_DUPLICATE_NODE_ID: Refusal
+REFUSAL_OTHER_MESH: Refusal
+REFUSAL_PROTOCOL_VERSION: Refusal
+REFUSAL_IDENTITY_MISMATCH: Refusal
+
+class NodeProfile(_message.Message):
+    __slots__ = ("node_id", "name", "total_memory", "available_memory", "memory_budget", "flops", "mem_bandwidth", "dtype", "platform", "chip", "mlx_device", "blas", "cores", "measured_at", "versions", "fingerprint")
+    class VersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_FIELD_NUMBER: _ClassVar[int]
+    MEM_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    CHIP_FIELD_NUMBER: _ClassVar[int]
+    MLX_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BLAS_FIELD_NUMBER: _ClassVar[int]
+    CORES_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_AT_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    name: str
+    total_memory: int
+    available_memory: int
+    memory_budget: int
+    flops: float
+    mem_bandwidth: float
+    dtype: str
+    platform: str
+    chip: str
+    mlx_device: str
+    blas: str
+    cores: int
+    measured_at: float
+    versions: _containers.ScalarMap[str, str]
+    fingerprint: str
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., total_memory: _Optional[int] = ..., available_memory: _Optional[int] = ..., memory_budget: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., dtype: _Optional[str] = ..., platform: _Optional[str] = ..., chip: _Optional[str] = ..., mlx_device: _Optional[str] = ..., blas: _Optional[str] = ..., cores: _Optional[int] = ..., measured_at: _Optional[float] = ..., versions: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class LinkMeasurement(_message.Message):
+    __slots__ = ("src", "dst", "tcp_rtt_s", "grpc_rtt_s", "latency_s", "bandwidth", "probe_bytes", "measured_at")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    TCP_RTT_S_FIELD_NUMBER: _ClassVar[int]
+    GRPC_RTT_S_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_AT_FIELD_NUMBER: _ClassVar[int]
+    src: str
+    dst: str
+    tcp_rtt_s: float
+    grpc_rtt_s: float
+    latency_s: float
+    bandwidth: float
+    probe_bytes: int
+    measured_at: float
+    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., tcp_rtt_s: _Optional[float] = ..., grpc_rtt_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., bandwidth: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., measured_at: _Optional[float] = ...) -> None: ...
+
+class NodeState(_message.Message):
+    __slots__ = ("profile", "links", "version", "instance_id", "alive_peers")
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_PEERS_FIELD_NUMBER: _ClassVar[int]
+    profile: NodeProfile
+    links: _containers.RepeatedCompositeFieldContainer[LinkMeasurement]
+    version: int
+    instance_id: str
+    alive_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., version: _Optional[int] = ..., instance_id: _Optional[str] = ..., alive_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ("node_id", "instance_id", "mesh_name", "protocol_version", "grpc_port", "started_at")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MESH_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GRPC_PORT_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    instance_id: str
+    mesh_name: str
+    protocol_version: int
+    grpc_port: int
+    started_at: float
+    def __init__(self, node_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., protocol_version: _Optional[int] = ..., grpc_port: _Optional[int] = ..., started_at: _Optional[float] = ...) -> None: ...
+
+class HelloReply(_message.Message):
+    __slots__ = ("accepted", "reason", "refusal", "node_id", "instance_id", "mesh_name", "protocol_version", "started_at")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MESH_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    refusal: Refusal
+    node_id: str
+    instance_id: str
+    mesh_name: str
+    protocol_version: int
+    started_at: float
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., refusal: _Optional[_Union[Refusal, str]] = ..., node_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., protocol_version: _Optional[int] = ..., started_at: _Optional[float] = ...) -> None: ...
+
+class Beat(_message.Message):
+    __slots__ = ("node_id", "seq", "state_version", "sent_at")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STATE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    seq: int
+    state_version: int
+    sent_at: float
+    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., state_version: _Optional[int] = ..., sent_at: _Optional[float] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class PingReply(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class ProbeChunk(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class ProbeSummary(_message.Message):
+    __slots__ = ("bytes", "receive_seconds", "chunks")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    receive_seconds: float
+    chunks: int
+    def __init__(self, bytes: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., chunks: _Optional[int] = ...) -> None: ...
+
+class PeerStatus(_message.Message):
+    __slots__ = ("profile", "address", "alive", "last_seen_s", "joined_at", "source", "instance_id")
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+    JOINED_AT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    profile: NodeProfile
+    address: str
+    alive: bool
+    last_seen_s: float
+    joined_at: float
+    source: str
+    instance_id: str
+    def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., joined_at: _Optional[float] = ..., source: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class MeshStatus(_message.Message):
+    __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MESH_NAME_FIELD_NUMBER: _ClassVar[int]
+    MESH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    BLAS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_AT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    mesh_name: str
+    mesh_fingerprint: str
+    protocol_version: int
+    peer_address: str
+    nodes: _containers.RepeatedCompositeFieldContainer[PeerStatus]
+    links: _containers.RepeatedCompositeFieldContainer[LinkMeasurement]
+    events: _containers.RepeatedScalarFieldContainer[str]
+    blas: str
+    generated_at: float
+    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchStatusRequest(_message.Message):
+    __slots__ = ("min_interval_s",)
+    MIN_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    min_interval_s: float
+    def __init__(self, min_interval_s: _Optional[float] = ...) -> None: ...
+
+class TokenRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenReply(_message.Message):
+    __slots__ = ("token", "mesh_name", "fingerprint")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MESH_NAME_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    mesh_name: str
+    fingerprint: str
+    def __init__(self, token: _Optional[str] = ..., mesh_name: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class RemeasureRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
