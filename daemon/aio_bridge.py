@@ -110,17 +110,38 @@ class AsyncioThread:
         """Run `coro_fn(*args)` on the asyncio thread and return its result.
 
         Cancellation of the trio caller cancels the asyncio task; the caller
-        then waits (shielded, bounded) for the task to wind down.
+        then waits (shielded, bounded) until that task has really finished.
         """
-        fut = asyncio.run_coroutine_threadsafe(coro_fn(*args), self.loop)
+        loop = self.loop
+        token = self._trio_token
+        assert token is not None
+        finished = trio.Event()
+        outcome: dict[str, Any] = {}
+        tasks: list[asyncio.Task[None]] = []
+
+        async def wrapper() -> None:
+            try:
+                outcome["value"] = await coro_fn(*args)
+            except asyncio.CancelledError:
+                outcome["error"] = RuntimeError("the asyncio side was cancelled")
+            except BaseException as exc:
+                outcome["error"] = exc
+            finally:
+                with contextlib.suppress(trio.RunFinishedError):
+                    token.run_sync_soon(finished.set)
+
+        loop.call_soon_threadsafe(lambda: tasks.append(loop.create_task(wrapper())))
         try:
-            await self._wait_future(fut)
+            await finished.wait()
         except BaseException:
-            fut.cancel()
+            # Runs after the task was created: call_soon_threadsafe keeps FIFO order.
+            loop.call_soon_threadsafe(lambda: tasks[0].cancel())
             with trio.CancelScope(shield=True), trio.move_on_after(CANCEL_GRACE_S):
-                await self._wait_future(fut)
+                await finished.wait()
             raise
-        return fut.result()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
     def call_soon_in_trio(self, fn: Callable[..., object], *args: Any) -> None:
         """From the asyncio thread: schedule a plain function on the trio thread."""
