@@ -1,0 +1,219 @@
+"""Per-request sampling: parameters, a seeded token sampler and stop-string detection.
+
+Why not mlx-lm's ``make_sampler`` as is: it draws from MLX's global random state, so two
+requests running at once would disturb each other and a seed could not reproduce a request.
+:class:`TokenSampler` keeps its own key per request and splits it every step, and reuses
+mlx-lm's filters (``apply_top_p``, ``apply_min_p``, ``apply_top_k``) and logits processors
+(repetition penalty) in the order mlx-lm applies them, so results match mlx-lm's semantics.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+MAX_TOKENS_LIMIT = 32768
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+REPETITION_CONTEXT_SIZE = 20
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks of the sampler. ``temperature == 0`` means greedy (argmax).
+
+    ``top_p == 1``, ``top_k == 0``, ``min_p == 0`` and ``repetition_penalty == 1`` disable those
+    filters. ``seed=None`` draws a fresh seed per request (see :attr:`TokenSampler.seed`).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        _check_finite_range("temperature", self.temperature, 0.0, 100.0)
+        if not 0.0 < self.top_p <= 1.0 or not math.isfinite(self.top_p):
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}.")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}.")
+        _check_finite_range("min_p", self.min_p, 0.0, 1.0)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(
+                "repetition_penalty must be in (0, 10] (1 disables it), "
+                f"got {self.repetition_penalty}."
+            )
+        if self.seed is not None and not (
+            isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED
+        ):
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}.")
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise ValueError(
+                f"max_tokens must be an integer in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}."
+            )
+        _check_stop_strings(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_finite_range(name: str, value: float, low: float, high: float) -> None:
+    if not isinstance(value, int | float) or not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}.")
+
+
+def _check_stop_strings(stop: tuple[str, ...]) -> None:
+    if not isinstance(stop, tuple):
+        raise ValueError(f"stop must be a tuple of strings, got {type(stop).__name__}.")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"At most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}.")
+    for item in stop:
+        if not isinstance(item, str) or not 0 < len(item) <= MAX_STOP_STRING_CHARS:
+            raise ValueError(
+                f"Each stop string must be a non-empty str of at most {MAX_STOP_STRING_CHARS} "
+                f"characters, got {item!r}."
+            )
+
+
+class TokenSampler:
+    """Turns one request's last-position logits into token ids, deterministically per seed.
+
+    The random key is the request's own: ``key_{n+1}, draw_n = split(key_n)``, so the same seed
+    and the same logits give the same tokens no matter what else runs in the process.
+    """
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
+        self._key = mx.random.key(self.seed)
+        self._processors = make_logits_processors(
+            repetition_penalty=(
+                params.repetition_penalty if params.repetition_penalty != 1.0 else None
+            ),
+            repetition_context_size=REPETITION_CONTEXT_SIZE,
+        )
+
+    def sample(self, logits_last_row: mx.array, generated_ids: list[int]) -> int:
+        """Next token id from logits ``(vocab,)`` or ``(1, vocab)``.
+
+        ``generated_ids`` are the ids the repetition penalty looks at (mlx-lm passes the prompt
+        and the generated ids; it uses the last 20).
+        """
+        logits = logits_last_row.reshape(1, -1).astype(mx.float32)
+        logits = self._apply_processors(logits, generated_ids)
+        if self.params.greedy:
+            return int(mx.argmax(logits, axis=-1).item())
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logprobs = self._filter(logprobs)
+        self._key, draw_key = mx.random.split(self._key)
+        token = mx.random.categorical(logprobs * (1.0 / self.params.temperature), key=draw_key)
+        return int(token.item())
+
+    def _apply_processors(self, logits: mx.array, generated_ids: list[int]) -> mx.array:
+        if not self._processors or not generated_ids:
+            return logits
+        context = mx.array(generated_ids)
+        for processor in self._processors:
+            logits = processor(context, logits)
+        return logits
+
+    def _filter(self, logprobs: mx.array) -> mx.array:
+        """top_p, then min_p, then top_k: the order of mlx-lm's ``make_sampler``."""
+        params = self.params
+        if params.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, params.top_p)
+        if params.min_p > 0.0:
+            logprobs = apply_min_p(logprobs, params.min_p)
+        if 0 < params.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, params.top_k)
+        return logprobs
+
+
+@dataclass(frozen=True)
+class StopUpdate:
+    """What a token added to the visible text: ``text`` to emit now, and whether to stop."""
+
+    text: str
+    stopped: bool
+
+
+class StopChecker:
+    """Streams detokenized text and ends it at the first stop string, which is not emitted.
+
+    Text that could still turn out to start a stop string is held back until the next token
+    decides it, so nothing emitted ever has to be taken back.
+    """
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+        """``tokenizer`` is mlx-lm's ``TokenizerWrapper`` (its ``detokenizer`` streams text)."""
+        self._detokenizer = tokenizer.detokenizer
+        self._detokenizer.reset()
+        self._stop = tuple(stop)
+        self._text = ""
+        self._emitted = 0
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (without any stop string)."""
+        return self._text[: self._emitted]
+
+    def add_token(self, token_id: int) -> StopUpdate:
+        """Feed one generated token; returns the newly emittable text."""
+        if self.stopped:
+            return StopUpdate("", True)
+        self._detokenizer.add_token(token_id)
+        self._text += self._detokenizer.last_segment
+        return self._advance(final=False)
+
+    def finish(self) -> StopUpdate:
+        """Flush what the detokenizer and the hold-back kept (call when generation ends)."""
+        if self.stopped:
+            return StopUpdate("", True)
+        self._detokenizer.finalize()
+        self._text += self._detokenizer.last_segment
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> StopUpdate:
+        stop_at = self._first_stop()
+        if stop_at is not None:
+            self.stopped = True
+            return self._emit_up_to(stop_at, stopped=True)
+        end = len(self._text) if final else len(self._text) - self._held_back()
+        return self._emit_up_to(max(end, self._emitted), stopped=False)
+
+    def _emit_up_to(self, end: int, *, stopped: bool) -> StopUpdate:
+        new_text = self._text[self._emitted : end]
+        self._emitted = end
+        return StopUpdate(new_text, stopped)
+
+    def _first_stop(self) -> int | None:
+        """Start of the earliest stop string in the text not yet emitted, if any.
+
+        No stop string can begin inside emitted text: its start would have been held back.
+        """
+        positions = [
+            found for stop in self._stop if (found := self._text.find(stop, self._emitted)) != -1
+        ]
+        return min(positions) if positions else None
+
+    def _held_back(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self._stop:
+            for length in range(min(len(stop) - 1, len(self._text)), longest, -1):
+                if self._text.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest
