@@ -15,11 +15,16 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = REPO_ROOT / "proto"
 WIRE_DIR = Path(__file__).resolve().parent
-GENERATED = ("meshd_pb2.py", "meshd_pb2.pyi", "meshd_pb2_grpc.py")
+PROTOS = tuple(sorted(p.name for p in PROTO_DIR.glob("*.proto")))
+GENERATED = tuple(
+    f"{Path(proto).stem}{suffix}"
+    for proto in PROTOS
+    for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+)
 
 
 def generate(out_dir: Path) -> None:
-    """Run protoc (from grpcio-tools) on proto/meshd.proto into `out_dir`."""
+    """Run protoc (from grpcio-tools) on every proto/*.proto into `out_dir`."""
     import grpc_tools
     from grpc_tools import protoc  # dev dependency: only needed to regenerate
 
@@ -31,16 +36,20 @@ def generate(out_dir: Path) -> None:
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        str(PROTO_DIR / "meshd.proto"),
+        *(str(PROTO_DIR / proto) for proto in PROTOS),
     ]
     if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed on {PROTO_DIR / 'meshd.proto'}")
-    grpc_module = out_dir / "meshd_pb2_grpc.py"
-    # protoc emits an absolute import; the modules live in a package.
-    text = grpc_module.read_text().replace(
-        "import meshd_pb2 as meshd__pb2", "from . import meshd_pb2 as meshd__pb2"
-    )
-    grpc_module.write_text(text)
+        raise RuntimeError(f"protoc failed on {', '.join(PROTOS)} in {PROTO_DIR}")
+    # protoc emits absolute imports between generated modules; they live in a package.
+    for module in out_dir.glob("*_pb2*.py"):
+        text = module.read_text()
+        for proto in PROTOS:
+            stem = Path(proto).stem
+            alias = stem.replace("_", "__") + "__pb2"
+            text = text.replace(
+                f"import {stem}_pb2 as {alias}", f"from . import {stem}_pb2 as {alias}"
+            )
+        module.write_text(text)
 
 
 def main() -> int:
