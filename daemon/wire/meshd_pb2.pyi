@@ -84,18 +84,92 @@ class LinkMeasurement(_message.Message):
     def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., tcp_rtt_s: _Optional[float] = ..., grpc_rtt_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., bandwidth: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., measured_at: _Optional[float] = ...) -> None: ...
 
 class NodeState(_message.Message):
-    __slots__ = ("profile", "links", "version", "instance_id", "alive_peers")
+    __slots__ = ("profile", "links", "version", "instance_id", "alive_peers", "model")
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ALIVE_PEERS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     profile: NodeProfile
     links: _containers.RepeatedCompositeFieldContainer[LinkMeasurement]
     version: int
     instance_id: str
     alive_peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., version: _Optional[int] = ..., instance_id: _Optional[str] = ..., alive_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    model: ModelSelection
+    def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., version: _Optional[int] = ..., instance_id: _Optional[str] = ..., alive_peers: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelSelection, _Mapping]] = ...) -> None: ...
+
+class ModelSelection(_message.Message):
+    __slots__ = ("name", "digest", "spec_json", "options_json", "set_at", "set_by")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    SET_AT_FIELD_NUMBER: _ClassVar[int]
+    SET_BY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: str
+    spec_json: str
+    options_json: str
+    set_at: float
+    set_by: str
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., spec_json: _Optional[str] = ..., options_json: _Optional[str] = ..., set_at: _Optional[float] = ..., set_by: _Optional[str] = ...) -> None: ...
+
+class ModelRef(_message.Message):
+    __slots__ = ("name", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class PlanInputs(_message.Message):
+    __slots__ = ("members", "digests", "model", "settings")
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    members: _containers.RepeatedScalarFieldContainer[str]
+    digests: _containers.RepeatedScalarFieldContainer[str]
+    model: ModelRef
+    settings: str
+    def __init__(self, members: _Optional[_Iterable[str]] = ..., digests: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelRef, _Mapping]] = ..., settings: _Optional[str] = ...) -> None: ...
+
+class PlanRef(_message.Message):
+    __slots__ = ("plan_id", "stage_members")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    stage_members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, plan_id: _Optional[str] = ..., stage_members: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Proposal(_message.Message):
+    __slots__ = ("inputs", "plan", "refusal")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    inputs: PlanInputs
+    plan: PlanRef
+    refusal: str
+    def __init__(self, inputs: _Optional[_Union[PlanInputs, _Mapping]] = ..., plan: _Optional[_Union[PlanRef, _Mapping]] = ..., refusal: _Optional[str] = ...) -> None: ...
+
+class ProposalMessage(_message.Message):
+    __slots__ = ("sender", "incarnation", "seq", "proposal", "committed")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    incarnation: int
+    seq: int
+    proposal: Proposal
+    committed: bool
+    def __init__(self, sender: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., committed: _Optional[bool] = ...) -> None: ...
+
+class ProposeAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ("node_id", "instance_id", "mesh_name", "protocol_version", "grpc_port", "started_at")
@@ -196,7 +270,7 @@ class PeerStatus(_message.Message):
     def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., joined_at: _Optional[float] = ..., source: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class MeshStatus(_message.Message):
-    __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at")
+    __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at", "agreement")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_NAME_FIELD_NUMBER: _ClassVar[int]
     MESH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +281,7 @@ class MeshStatus(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     BLAS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_AT_FIELD_NUMBER: _ClassVar[int]
+    AGREEMENT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     mesh_name: str
     mesh_fingerprint: str
@@ -217,7 +292,34 @@ class MeshStatus(_message.Message):
     events: _containers.RepeatedScalarFieldContainer[str]
     blas: str
     generated_at: float
-    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ...) -> None: ...
+    agreement: AgreementView
+    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ..., agreement: _Optional[_Union[AgreementView, _Mapping]] = ...) -> None: ...
+
+class AgreementView(_message.Message):
+    __slots__ = ("model", "active_plan_id", "members", "confirmed_by", "committed_by", "draining", "proposal_plan_id", "refusal", "reason", "converged", "plan_json")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_BY_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_BY_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CONVERGED_FIELD_NUMBER: _ClassVar[int]
+    PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    active_plan_id: str
+    members: _containers.RepeatedScalarFieldContainer[str]
+    confirmed_by: _containers.RepeatedScalarFieldContainer[str]
+    committed_by: _containers.RepeatedScalarFieldContainer[str]
+    draining: _containers.RepeatedScalarFieldContainer[str]
+    proposal_plan_id: str
+    refusal: str
+    reason: str
+    converged: bool
+    plan_json: str
+    def __init__(self, model: _Optional[str] = ..., active_plan_id: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., confirmed_by: _Optional[_Iterable[str]] = ..., committed_by: _Optional[_Iterable[str]] = ..., draining: _Optional[_Iterable[str]] = ..., proposal_plan_id: _Optional[str] = ..., refusal: _Optional[str] = ..., reason: _Optional[str] = ..., converged: _Optional[bool] = ..., plan_json: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

