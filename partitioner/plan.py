@@ -1,0 +1,173 @@
+"""The Plan: ordered stages, per-node memory, predictions and a stable id. JSON round-trippable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: a node (or a tensor-parallel group) holding layers [start, end)."""
+
+    nodes: tuple[str, ...]
+    layer_start: int
+    layer_end: int
+    has_embedding: bool
+    has_head: bool
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer_start, self.layer_end)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return len(self.nodes) > 1
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """Predicted peak memory of one node (bytes); total_bytes <= usable_bytes always."""
+
+    node: str
+    stage: int
+    weights_bytes: int
+    kv_cache_bytes: int
+    activation_bytes: int
+    overhead_bytes: int
+    total_bytes: int
+    budget_bytes: int
+    usable_bytes: int
+
+
+@dataclass(frozen=True)
+class Hop:
+    """A transfer between stages: hidden states forward, or the sampled token back to stage 0.
+
+    path: the nodes the payload travels through (two when there is a direct link).
+    decode_s: one decode step's transfer; prompt_s: the prompt's hidden states (None for the
+    token hop, which does not occur during prefill).
+    """
+
+    src_stage: int
+    dst_stage: int
+    carries: str
+    path: tuple[str, ...]
+    decode_s: float
+    prompt_s: float | None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted speed under partitioner.cost's model.
+
+    decode_s_per_token: one sequence alone (sum of stages and hops); tokens_per_s = its inverse.
+    time_per_token_s: between two tokens of one sequence when `concurrency` sequences decode
+        together (what the speed strategy minimises); aggregate_tokens_per_s over all of them.
+    ttft_s: time to first token for a prompt of prompt_len tokens.
+    """
+
+    decode_s_per_token: float
+    tokens_per_s: float
+    time_per_token_s: float
+    aggregate_tokens_per_s: float
+    ttft_s: float
+    prompt_len: int
+    stage_decode_s: tuple[float, ...]
+    stage_prefill_s: tuple[float, ...]
+    hops_decode_s: float
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """A mesh node that holds no layers in this plan, and why."""
+
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which node holds which layers, what that costs, and an id every node agrees on.
+
+    plan_id: sha256 hex of the algorithm version and the quantized inputs that matter (the
+    same on every machine, for any order of the input nodes); `short_id` for display.
+    """
+
+    plan_id: str
+    algorithm_version: str
+    strategy: str
+    model_name: str
+    num_layers: int
+    context_length: int
+    concurrency: int
+    stages: tuple[Stage, ...]
+    memory: tuple[NodeMemory, ...]
+    hops: tuple[Hop, ...]
+    prediction: Prediction
+    left_out: tuple[LeftOut, ...]
+
+    @property
+    def short_id(self) -> str:
+        return self.plan_id[:12]
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Nodes holding layers, in stage order."""
+        return tuple(node for stage in self.stages for node in stage.nodes)
+
+    def stage_of(self, node_id: str) -> int | None:
+        for index, stage in enumerate(self.stages):
+            if node_id in stage.nodes:
+                return index
+        return None
+
+    def node_layers(self, node_id: str) -> range:
+        """The layers node_id holds (for a tensor-parallel member: its stage's layers, split by
+        heads); an empty range when it holds none."""
+        index = self.stage_of(node_id)
+        return range(0) if index is None else self.stages[index].layers
+
+    def memory_of(self, node_id: str) -> NodeMemory | None:
+        return next((entry for entry in self.memory if entry.node == node_id), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe (lists, ints, floats, strings); `Plan.from_dict(p.to_dict()) == p`."""
+        return _to_jsonable(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        return cls(
+            plan_id=data["plan_id"],
+            algorithm_version=data["algorithm_version"],
+            strategy=data["strategy"],
+            model_name=data["model_name"],
+            num_layers=data["num_layers"],
+            context_length=data["context_length"],
+            concurrency=data["concurrency"],
+            stages=tuple(
+                Stage(**{**item, "nodes": tuple(item["nodes"])}) for item in data["stages"]
+            ),
+            memory=tuple(NodeMemory(**item) for item in data["memory"]),
+            hops=tuple(Hop(**{**item, "path": tuple(item["path"])}) for item in data["hops"]),
+            prediction=Prediction(
+                **{
+                    **data["prediction"],
+                    "stage_decode_s": tuple(data["prediction"]["stage_decode_s"]),
+                    "stage_prefill_s": tuple(data["prediction"]["stage_prefill_s"]),
+                }
+            ),
+            left_out=tuple(LeftOut(**item) for item in data["left_out"]),
+        )
+
+
+def _to_jsonable(value: Any) -> Any:
+    if hasattr(value, "__dataclass_fields__"):
+        return {field.name: _to_jsonable(getattr(value, field.name)) for field in fields(value)}
+    if isinstance(value, tuple | list):
+        return [_to_jsonable(item) for item in value]
+    return value

@@ -1,0 +1,216 @@
+"""`meshd plan` end to end: mesh files, model directories and model spec files, output formats."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlx.nn as nn
+import pytest
+from mlx_lm.utils import _get_classes, save_model
+
+from daemon.plan_cli import (
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    EXIT_REFUSED,
+    PlanInputError,
+    add_plan_arguments,
+    load_mesh_json,
+    load_model_spec_json,
+    parse_flops,
+    parse_latency_s,
+    parse_rate,
+    parse_size,
+    render_plan_table,
+    run_plan,
+)
+from partitioner import Plan, PlanOptions, plan_model
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "meshes"
+CONFIG: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+EXAMPLE_MODELS = {
+    "two-studios-laptop.json": "model-llama-3.1-405b-4bit.json",
+    "exo-16-8-8.json": "model-llama-3.1-8b-8bit.json",
+    "weak-device.json": "model-llama-3.1-70b-4bit.json",
+    "tb5-pair-ethernet.json": "model-llama-3.1-70b-8bit.json",
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model_class, args_class = _get_classes(CONFIG)
+    model: nn.Module = model_class(args_class.from_dict(CONFIG))
+    save_model(path, model)
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    return path
+
+
+def write_mesh(path: Path, budgets: dict[str, str]) -> Path:
+    nodes = [
+        {"id": node, "memory_budget": size, "flops": "1TFLOPS", "mem_bandwidth": "100GB/s"}
+        for node, size in budgets.items()
+    ]
+    mesh = {"nodes": nodes, "default_link": {"latency_ms": 0.5, "bandwidth": "1Gbit/s"}}
+    path.write_text(json.dumps(mesh))
+    return path
+
+
+def run(*argv: str, **extra: Any) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    args = parser.parse_args(list(argv))
+    for key, value in extra.items():
+        setattr(args, key, value)
+    out, err = io.StringIO(), io.StringIO()
+    code = run_plan(args, out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_plan_from_a_mesh_file_and_a_model_directory(tmp_path: Path, model_dir: Path) -> None:
+    mesh = write_mesh(tmp_path / "mesh.json", {"big": "200MiB", "small": "100MiB"})
+    code, out, err = run("--mesh", str(mesh), "--model", str(model_dir))
+    assert (code, err) == (EXIT_OK, "")
+    lines = out.splitlines()
+    assert lines[0].startswith("plan ") and "strategy speed" in lines[0]
+    assert lines[1].split() == [
+        "stage",
+        "node",
+        "layers",
+        "memory",
+        "used",
+        "/",
+        "usable",
+        "ms/token",
+    ]
+    assert lines[2].split()[:3] == ["0", "big", "0-3"]
+    assert any(line.startswith("total") and "4 layers" in line for line in lines)
+    assert "tokens/s" in out and "left out: small" in out
+
+
+def test_both_strategies_side_by_side(tmp_path: Path, model_dir: Path) -> None:
+    mesh = write_mesh(tmp_path / "mesh.json", {"a": "100MiB", "b": "100MiB"})
+    code, out, _ = run("--mesh", str(mesh), "--model", str(model_dir), "--strategy", "both")
+    assert code == EXIT_OK
+    assert "strategy speed" in out and "strategy memory" in out
+    assert "comparison:" in out and "as fast as memory per token" in out
+
+
+def test_json_output_is_a_plan(tmp_path: Path, model_dir: Path) -> None:
+    mesh = write_mesh(tmp_path / "mesh.json", {"a": "90MiB", "b": "90MiB", "c": "90MiB"})
+    argv = ["--mesh", str(mesh), "--model", str(model_dir), "--json", "--strategy", "memory"]
+    code, out, _ = run(*argv, "--context", "128", "--exclude", "c")
+    assert code == EXIT_OK
+    plan = Plan.from_dict(json.loads(out))
+    assert [stage.nodes for stage in plan.stages] == [("a",), ("b",)]
+    assert plan.context_length == 128
+    assert [entry.node for entry in plan.left_out] == ["c"]
+    code, out, _ = run(
+        "--mesh", str(mesh), "--model", str(model_dir), "--json", "--strategy", "both"
+    )
+    assert set(json.loads(out)) == {"speed", "memory"}
+
+
+def test_refusal_exits_1_and_explains(tmp_path: Path, model_dir: Path) -> None:
+    mesh = write_mesh(tmp_path / "mesh.json", {"a": "50MiB"})
+    code, out, err = run("--mesh", str(mesh), "--model", str(model_dir))
+    assert code == EXIT_REFUSED and out == ""
+    assert err.startswith("not enough memory in this mesh for")
+    code, out, _ = run("--mesh", str(mesh), "--model", str(model_dir), "--json")
+    assert code == EXIT_REFUSED and json.loads(out)["error"] == "insufficient_memory"
+
+
+def test_bad_inputs_exit_2_with_a_reason(tmp_path: Path, model_dir: Path) -> None:
+    code, _, err = run("--mesh", str(tmp_path / "none.json"), "--model", str(model_dir))
+    assert code == EXIT_BAD_INPUT and "cannot read mesh file" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"nodes": [{"id": "a", "memory": "1GB"}]}))
+    code, _, err = run("--mesh", str(bad), "--model", str(model_dir))
+    assert code == EXIT_BAD_INPUT and "unknown key(s) ['memory']" in err
+    code, _, err = run("--mesh", str(bad), "--model", str(tmp_path))
+    assert code == EXIT_BAD_INPUT
+
+
+def test_live_view_without_a_daemon_is_a_clear_error(model_dir: Path) -> None:
+    code, _, err = run("--model", str(model_dir))
+    assert code == EXIT_BAD_INPUT and "--mesh FILE.json" in err
+    code, _, err = run("--model", str(model_dir), api="127.0.0.1:9")
+    assert code == EXIT_BAD_INPUT and "--mesh FILE.json" in err
+
+
+def test_human_units() -> None:
+    assert parse_size("16GB") == 16 * 10**9
+    assert parse_size("16 GiB") == 16 * 2**30
+    assert parse_size(1024) == 1024
+    assert parse_rate("800GB/s") == 800e9
+    assert parse_rate("10Gbit/s") == parse_rate("10Gbps") == parse_rate("10Gb/s") == 1.25e9
+    assert parse_flops("25TFLOPS") == parse_flops("25 TFLOP/s") == 25e12
+    assert parse_latency_s({"latency": "300us"}) == pytest.approx(300e-6)
+    assert parse_latency_s({"latency_ms": 2}) == pytest.approx(2e-3)
+    with pytest.raises(PlanInputError, match="sizes end in B"):
+        parse_size("16G")
+    with pytest.raises(PlanInputError, match="unknown unit prefix"):
+        parse_size("16XB")
+
+
+@pytest.mark.parametrize("mesh_file", sorted(EXAMPLE_MODELS))
+def test_example_meshes_plan_and_speed_beats_memory(mesh_file: str) -> None:
+    mesh = load_mesh_json(EXAMPLES / mesh_file)
+    model = load_model_spec_json(EXAMPLES / EXAMPLE_MODELS[mesh_file])
+    speed = plan_model(mesh, model)
+    memory = plan_model(mesh, model, PlanOptions(strategy="memory"))
+    assert speed.prediction.decode_s_per_token <= memory.prediction.decode_s_per_token
+    assert "total" in render_plan_table(speed, mesh)
+
+
+def test_example_cases_show_what_they_promise() -> None:
+    exo = load_mesh_json(EXAMPLES / "exo-16-8-8.json")
+    small = load_model_spec_json(EXAMPLES / "model-llama-3.1-8b-8bit.json")
+    memory = plan_model(exo, small, PlanOptions(strategy="memory"))
+    assert [stage.num_layers for stage in memory.stages] == [16, 8, 8]
+    weak = load_mesh_json(EXAMPLES / "weak-device.json")
+    model = load_model_spec_json(EXAMPLES / "model-llama-3.1-70b-4bit.json")
+    assert {"pi", "old-laptop"} <= {entry.node for entry in plan_model(weak, model).left_out}
+    tb5 = load_mesh_json(EXAMPLES / "tb5-pair-ethernet.json")
+    big = load_model_spec_json(EXAMPLES / "model-llama-3.1-70b-8bit.json")
+    grouped = plan_model(tb5, big, PlanOptions(allow_tensor_parallel=True))
+    assert grouped.stages[0].nodes == ("max-a", "max-b")
+
+
+def test_run_plan_in_a_fresh_process(tmp_path: Path, model_dir: Path) -> None:
+    mesh = write_mesh(tmp_path / "mesh.json", {"a": "100MiB", "b": "100MiB"})
+    script = (
+        "import argparse, sys\n"
+        "from daemon.plan_cli import add_plan_arguments, run_plan\n"
+        "parser = argparse.ArgumentParser()\n"
+        "add_plan_arguments(parser)\n"
+        "sys.exit(run_plan(parser.parse_args(sys.argv[1:])))\n"
+    )
+    argv = ["--mesh", str(mesh), "--model", str(model_dir), "--json"]
+    done = subprocess.run(
+        [sys.executable, "-c", script, *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["num_layers"] == 4
