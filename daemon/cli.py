@@ -127,7 +127,7 @@ def _config_flags(args: argparse.Namespace) -> dict[str, object]:
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        format="%(asctime)s.%(msecs)03d %(name)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
     for noisy in ("zeroconf", "asyncio", "grpc"):

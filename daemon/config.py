@@ -57,7 +57,7 @@ class Config:
     heartbeat_interval_s: float = 0.2
     peer_timeout_s: float = 1.0
     link_probe_interval_s: float = 30.0
-    join_stability_s: float = 1.0
+    join_stability_s: float = 0.5
     startup_grace_s: float = 1.5
     model: str | None = None
     strategy: str = "speed"

@@ -1,0 +1,115 @@
+"""No-master agreement with real daemons in network namespaces.
+
+The model is a random-weight llama whose weights need three of the test hosts'
+120 MB budgets, so a one-host side of a partition cannot hold it while a
+three-host side can.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from daemon.launcher import DaemonProcess, alive_ids
+from daemon.random_model import make_random_model_dir
+from daemon.wire import pb
+
+BUDGET = ["--memory-budget", "120MB", "--context-length", "256"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_model_dir(
+        tmp_path_factory.mktemp("model") / "tiny-llama",
+        "llama",
+        layers=8,
+        hidden=512,
+        heads=8,
+        kv_heads=4,
+        intermediate=1376,
+    )
+
+
+def start(daemons, mesh, i: int, token: str, model: Path) -> DaemonProcess:
+    args = ["--interface", "eth0", "--join", token, "--model", str(model), *BUDGET]
+    return daemons(args, netns=mesh.nodes[i].ns)
+
+
+def committed(status: pb.MeshStatus) -> tuple[str, frozenset[str]]:
+    view = status.agreement
+    return view.active_plan_id, frozenset(view.members)
+
+
+def wait_same_plan(nodes: list[DaemonProcess], members: int, timeout_s: float) -> str:
+    """Wait until every node serves the same committed plan over `members` nodes."""
+    deadline = time.monotonic() + timeout_s
+    for d in nodes:
+        d.wait_ready(timeout_s)
+    seen: list[tuple[str, frozenset[str]]] = []
+    while time.monotonic() < deadline:
+        seen = [committed(d.status()) for d in nodes]
+        plan_ids = {plan for plan, _ in seen}
+        if len(plan_ids) == 1 and "" not in plan_ids and all(len(m) == members for _, m in seen):
+            return plan_ids.pop()
+        time.sleep(0.1)
+    reasons = [d.status().agreement.reason for d in nodes]
+    raise AssertionError(f"no common plan over {members} nodes: {seen}; reasons: {reasons}")
+
+
+def test_hosts_commit_one_plan_and_replan_on_join_and_kill(
+    daemons, netns_mesh, mesh_token, model_dir
+) -> None:
+    mesh = netns_mesh(5)
+    first = [start(daemons, mesh, i, mesh_token, model_dir) for i in range(4)]
+    plan4 = wait_same_plan(first, 4, 30)
+    status = first[0].status()
+    assert status.agreement.converged and set(status.agreement.confirmed_by) == set(
+        status.agreement.members
+    )
+    assert len(json.loads(status.agreement.plan_json)["stages"]) >= 3
+
+    fifth = start(daemons, mesh, 4, mesh_token, model_dir)
+    plan5 = wait_same_plan([*first, fifth], 5, 30)
+    assert plan5 != plan4
+
+    victim = first[3]
+    victim_id = victim.status().node_id
+    os.killpg(victim.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    survivors = [*first[:3], fifth]
+    plan_after = wait_same_plan(survivors, 4, 10)
+    replanned_s = time.monotonic() - killed_at
+    assert plan_after not in (plan4, plan5)
+    assert all(victim_id not in alive_ids(d.status()) for d in survivors)
+    assert replanned_s < 5.0, f"survivors took {replanned_s:.1f} s to commit a new plan"
+
+
+def test_partition_runs_only_where_the_model_fits_and_heals(
+    daemons, netns_mesh, mesh_token, model_dir
+) -> None:
+    mesh = netns_mesh(4)
+    nodes = [start(daemons, mesh, i, mesh_token, model_dir) for i in range(4)]
+    whole = wait_same_plan(nodes, 4, 30)
+
+    mesh.link_down(3)
+    side = wait_same_plan(nodes[:3], 3, 15)
+    assert side != whole
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        alone = nodes[3].status().agreement
+        if not alone.active_plan_id and "not enough memory" in alone.refusal:
+            break
+        time.sleep(0.1)
+    assert not alone.active_plan_id, "a host that cannot hold the model must serve nothing"
+    assert "not enough memory in this mesh for tiny-llama: need" in alone.refusal
+
+    mesh.link_up(3)
+    healed = wait_same_plan(nodes, 4, 30)
+    # Same members; the id differs from `whole` only if a link re-measured into another bucket.
+    assert set(nodes[0].status().agreement.members) == {d.status().node_id for d in nodes}
+    assert healed != side
