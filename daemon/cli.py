@@ -112,11 +112,59 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_arguments(plan)
 
+    generate = sub.add_parser("generate", help="stream a completion from the mesh")
+    _add_common(generate)
+    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument("--raw", action="store_true", help="no chat template around the prompt")
+    _add_sampling(generate)
+
+    chat = sub.add_parser("chat", help="chat with the mesh's model in the terminal")
+    _add_common(chat)
+    chat.add_argument("--system", help="a system message")
+    _add_sampling(chat)
+
+    models = sub.add_parser("models", help="models in this node's store, and the mesh's model")
+    _add_common(models)
+    models.add_argument("--json", action="store_true")
+
+    load = sub.add_parser("load", help="select the model the mesh runs")
+    _add_common(load)
+    load.add_argument("model", help="a store name, a model directory or a .gguf file")
+    load.add_argument("--strategy", choices=["speed", "memory"])
+    load.add_argument("--context-length", type=int)
+    load.add_argument("--concurrency", type=int)
+
     demo = sub.add_parser("demo", help="start a small local mesh on loopback, show it, stop it")
     demo.add_argument("--nodes", type=int, default=3, help="number of local daemons (default 3)")
     demo.add_argument("--keep-state", type=Path, help="keep the daemons' state here")
     demo.add_argument("--timeout", type=float, default=60.0, help="give up after this many seconds")
     return parser
+
+
+def _add_sampling(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, help="0 = greedy (default)")
+    group.add_argument("--top-p", type=float)
+    group.add_argument("--top-k", type=int)
+    group.add_argument("--min-p", type=float)
+    group.add_argument("--repetition-penalty", type=float)
+    group.add_argument("--seed", type=int, help="same seed, same output")
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--model", help="fail unless the mesh runs this model")
+    group.add_argument("--plan", dest="plan_id", help="run on exactly this committed plan id")
+
+
+def _sampling(args: argparse.Namespace):
+    from daemon.wire import pb
+
+    sampling = pb.Sampling(stop=args.stop)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    sampling.max_tokens = args.max_tokens
+    return sampling
 
 
 def _config_flags(args: argparse.Namespace) -> dict[str, object]:
@@ -266,6 +314,99 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run_plan(args)
 
 
+def _print_stream(api: str, request) -> int:
+    from daemon import client
+
+    for event in client.stream_generation(api, request):
+        if event.HasField("done"):
+            done = event.done
+            print(
+                f"\n[{done.completion_tokens} tokens, {done.finish_reason}; first token "
+                f"{done.ttft_s * 1e3:.0f} ms, {done.decode_tokens_per_s:.1f} tokens/s; "
+                f"plan {done.plan_id[:12]}]",
+                file=sys.stderr,
+            )
+        else:
+            print(event.text, end="", flush=True)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from daemon.wire import pb
+
+    request = pb.GenerateRequest(
+        prompt=args.prompt,
+        sampling=_sampling(args),
+        model=args.model or "",
+        plan_id=args.plan_id or "",
+        chat_template=not args.raw,
+    )
+    return _print_stream(_api(args), request)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from daemon import client
+    from daemon.wire import pb
+
+    api = _api(args)
+    history: list[pb.ChatMessage] = []
+    if args.system:
+        history.append(pb.ChatMessage(role="system", content=args.system))
+    print("chat with the mesh (empty line or Ctrl-D to quit)", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append(pb.ChatMessage(role="user", content=line))
+        request = pb.ChatRequest(
+            messages=history,
+            sampling=_sampling(args),
+            model=args.model or "",
+            plan_id=args.plan_id or "",
+        )
+        answer = []
+        for event in client.stream_generation(api, request):
+            if event.HasField("text"):
+                answer.append(event.text)
+                print(event.text, end="", flush=True)
+        print()
+        history.append(pb.ChatMessage(role="assistant", content="".join(answer)))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from daemon import client, render
+
+    models = client.list_models(_api(args))
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps(MessageToDict(models, preserving_proto_field_name=True), indent=2))
+    else:
+        print(render.models_table(models))
+    return 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    from daemon import client
+    from daemon.wire import pb
+
+    reply = client.load_model(
+        _api(args),
+        pb.LoadModelRequest(
+            model=args.model,
+            strategy=args.strategy or "",
+            context_length=args.context_length or 0,
+            concurrency=args.concurrency or 0,
+        ),
+    )
+    print(f"{reply.model} ({reply.digest}): {reply.message}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from daemon.demo import run_demo
 
@@ -281,17 +422,21 @@ COMMANDS = {
     "profile": cmd_profile,
     "plan": cmd_plan,
     "demo": cmd_demo,
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "models": cmd_models,
+    "load": cmd_load,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from daemon.client import DaemonUnreachable
+    from daemon.client import DaemonUnreachable, GenerationFailed
     from daemon.security import InvalidJoinToken
 
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, DaemonUnreachable, InvalidJoinToken) as exc:
+    except (ConfigError, DaemonUnreachable, InvalidJoinToken, GenerationFailed) as exc:
         print(f"meshd: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

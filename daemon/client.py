@@ -78,3 +78,45 @@ def watch_status(api_address: str, min_interval_s: float = 0.5) -> Iterator[pb.M
 def fetch_mesh_graph(api_address: str, timeout_s: float = 5.0) -> nx.DiGraph:
     """The daemon's live mesh view as the partitioner's input graph."""
     return graph_from_status(fetch_status(api_address, timeout_s))
+
+
+class GenerationFailed(RuntimeError):
+    """The daemon refused or could not finish a request; the message is the daemon's."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def stream_generation(
+    api_address: str,
+    request: pb.GenerateRequest | pb.ChatRequest,
+    timeout_s: float = 600.0,
+) -> Iterator[pb.GenerateEvent]:
+    """Stream the events of a Generate or Chat request (text pieces, then `done`)."""
+    with local_stub(api_address) as stub:
+        method = stub.Chat if isinstance(request, pb.ChatRequest) else stub.Generate
+        try:
+            yield from method(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or ""):
+                raise _unreachable(api_address, exc) from exc
+            raise GenerationFailed(exc.code(), exc.details() or exc.code().name) from exc
+
+
+def list_models(api_address: str, timeout_s: float = 10.0) -> pb.ModelList:
+    with local_stub(api_address) as stub:
+        try:
+            return stub.ListModels(pb.ListModelsRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise _unreachable(api_address, exc) from exc
+
+
+def load_model(api_address: str, request: pb.LoadModelRequest, timeout_s: float = 600.0):
+    with local_stub(api_address) as stub:
+        try:
+            return stub.LoadModel(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                raise GenerationFailed(exc.code(), exc.details() or "") from exc
+            raise _unreachable(api_address, exc) from exc

@@ -14,7 +14,7 @@ import ipaddress
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -36,6 +36,12 @@ class StatusSource(Protocol):
     async def wait_changed(self) -> None: ...
 
     async def remeasure(self) -> None: ...
+
+    inference: Any
+
+    async def select_model(self, model: str, **options: Any) -> pb.ModelSelection: ...
+
+    def list_models(self) -> pb.ModelList: ...
 
 
 class LocalService(rpc.LocalServicer):
@@ -72,6 +78,99 @@ class LocalService(rpc.LocalServicer):
     async def Remeasure(self, request: pb.RemeasureRequest, context: grpc.aio.ServicerContext):
         await self._bridge.run_in_trio(self._node.remeasure)
         return await self._in_trio(self._node.status)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        events = self._node.inference.generate(
+            prompt=request.prompt,
+            messages=None,
+            sampling=request.sampling,
+            model=request.model,
+            plan_id=request.plan_id,
+            chat_template=request.chat_template,
+        )
+        async for reply in self._stream(events, context):
+            yield reply
+
+    async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext):
+        events = self._node.inference.generate(
+            prompt=None,
+            messages=[{"role": m.role, "content": m.content} for m in request.messages],
+            sampling=request.sampling,
+            model=request.model,
+            plan_id=request.plan_id,
+            chat_template=True,
+        )
+        async for reply in self._stream(events, context):
+            yield reply
+
+    async def _stream(self, events, context: grpc.aio.ServicerContext):
+        """GenerateEvents from data-plane events; failures become gRPC statuses."""
+        from daemon.dataplane import FinalEvent
+        from daemon.inference import RequestError
+
+        try:
+            async for event in events:
+                if not isinstance(event, FinalEvent):
+                    if event.text:
+                        yield pb.GenerateEvent(text=event.text)
+                    continue
+                if event.text:
+                    yield pb.GenerateEvent(text=event.text)
+                if event.finish_reason == "error":
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.error or "failed")
+                usage = event.usage
+                yield pb.GenerateEvent(
+                    done=pb.GenerationDone(
+                        finish_reason=event.finish_reason,
+                        prompt_tokens=usage.prompt_tokens,
+                        completion_tokens=usage.completion_tokens,
+                        ttft_s=usage.ttft_s,
+                        decode_tokens_per_s=usage.decode_tokens_per_s,
+                        total_s=usage.total_s,
+                        plan_id=self._node.inference.snapshot.active,
+                        model=self._node.inference.snapshot.model,
+                        seed=usage.seed,
+                    )
+                )
+        except RequestError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
+        return await self._in_trio(self._node.list_models)
+
+    async def LoadModel(self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext):
+        if not request.model.strip():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name a model to load")
+        options = {
+            "strategy": request.strategy or None,
+            "context_length": request.context_length or None,
+            "concurrency": request.concurrency or None,
+        }
+        if options["strategy"] not in (None, "speed", "memory"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"strategy {request.strategy!r} is not speed or memory",
+            )
+        try:
+            selection = await self._bridge.run_in_trio(
+                lambda: self._node.select_model(request.model, **options)
+            )
+        except Exception as exc:
+            from daemon.model_store import UnknownModel
+
+            code = (
+                grpc.StatusCode.NOT_FOUND
+                if isinstance(exc, UnknownModel | FileNotFoundError)
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )
+            await context.abort(code, f"cannot load {request.model!r}: {exc}")
+        return pb.LoadModelReply(
+            model=selection.name,
+            digest=selection.digest,
+            message=f"the mesh is re-planning for {selection.name}",
+        )
 
 
 def check_api_address(address: str) -> None:

@@ -35,6 +35,7 @@ from daemon.identity import Identity
 from daemon.wire import pb, rpc
 
 log = logging.getLogger("meshd.membership")
+events_log = logging.getLogger("meshd")
 
 PROTOCOL_VERSION = 1
 HELLO_TIMEOUT_S = 2.0
@@ -80,7 +81,7 @@ class EventLog:
 
     def add(self, message: str, *args: object, level: int = logging.INFO) -> None:
         text = message % args if args else message
-        log.log(level, text)
+        events_log.log(level, text)
         self._lines.append(f"{time.strftime('%H:%M:%S')} {text}")
 
     def lines(self) -> list[str]:

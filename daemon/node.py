@@ -23,10 +23,13 @@ from daemon.agreement import AgreementConfig
 from daemon.aio_bridge import AsyncioThread
 from daemon.client_api import start_api_server
 from daemon.config import Config
+from daemon.dataplane import DataPlane, mtls_channel_factory
 from daemon.identity import Identity, load_or_create_node_id
+from daemon.inference import Inference
 from daemon.membership import PROTOCOL_VERSION, EventLog, Membership
 from daemon.peer_service import PeerService
 from daemon.planning import PlanAgreement, model_selection
+from daemon.wire import dataplane_pb2_grpc as dataplane_rpc
 from daemon.wire import pb, rpc
 
 log = logging.getLogger("meshd.node")
@@ -117,6 +120,29 @@ class Node:
             options.append(("grpc.use_local_subchannel_pool", 1))
         return grpc.aio.secure_channel(address, self._channel_credentials, options=options)
 
+    async def _create_inference(self) -> Inference:
+        """The data plane lives on the asyncio thread, so it is created there."""
+        holder: list[Inference] = []
+
+        def check_serving(plan_id: str) -> None:
+            holder[0].check_serving(plan_id)
+
+        plane = DataPlane(
+            self.identity.node_id,
+            mtls_channel_factory(self.credentials),
+            check_serving,
+        )
+        inference = Inference(
+            self.membership,
+            self.agreement,
+            self.bridge,
+            self.events,
+            plane,
+            self.model_dir_for_selection,
+        )
+        holder.append(inference)
+        return inference
+
     async def _start_peer_server(self) -> grpc.aio.Server:
         server = grpc.aio.server(
             options=[
@@ -129,6 +155,7 @@ class Node:
         service = PeerService(self.membership, self.bridge)
         service.agreement = self.agreement
         rpc.add_PeerServicer_to_server(service, server)
+        dataplane_rpc.add_DataPlaneServicer_to_server(self.inference.plane.servicer(), server)
         address = f"{self.config.peer_host}:{self.config.peer_port}"
         port = server.add_secure_port(address, security.server_credentials(self.credentials))
         if port == 0:
@@ -186,6 +213,23 @@ class Node:
             generated_at=time.time(),
         )
 
+    def list_models(self) -> pb.ModelList:
+        from daemon.model_store import ModelStore
+
+        selection = self.agreement.selection
+        models = [
+            pb.ModelInfo(
+                name=entry.name,
+                architecture=entry.architecture,
+                size_bytes=entry.size_bytes,
+                layers=entry.num_layers or 0,
+                source=entry.source,
+                path=str(entry.path),
+            )
+            for entry in ModelStore(self.store_root).list_models()
+        ]
+        return pb.ModelList(models=models, selected=selection.name if selection else "")
+
     def token(self) -> pb.TokenReply:
         return pb.TokenReply(
             token=security.encode_join_token(self.secret),
@@ -196,33 +240,69 @@ class Node:
     async def wait_changed(self) -> None:
         await self.membership.wait_changed()
 
-    async def _select_model(self, model: str) -> None:
-        """Read the model's description (no weights) and propose it to the mesh."""
+    @property
+    def store_root(self) -> Path:
+        return self.config.state_dir / "models"
+
+    async def select_model(
+        self,
+        model: str,
+        *,
+        strategy: str | None = None,
+        context_length: int | None = None,
+        concurrency: int | None = None,
+    ) -> pb.ModelSelection:
+        """Read the model's description (no weights) and propose it to the mesh.
+
+        `model` is a model directory, a .gguf file (imported into the store first), or a
+        name in this node's store; the embedded default is imported on first use.
+        """
         from daemon.modelinfo import read_model_spec
 
-        model_dir = self.resolve_model_dir(model)
+        model_dir = await trio.to_thread.run_sync(self.resolve_model_dir, model)
         spec = await trio.to_thread.run_sync(read_model_spec, model_dir)
         options = partitioner.PlanOptions(
-            strategy=self.config.strategy,
-            context_length=self.config.context_length,
-            concurrency=self.config.concurrency,
+            strategy=strategy or self.config.strategy,
+            context_length=context_length or self.config.context_length,
+            concurrency=concurrency or self.config.concurrency,
         )
-        self.membership.set_model(model_selection(spec, options, self.identity.node_id))
+        selection = model_selection(spec, options, self.identity.node_id, str(model_dir))
+        self.membership.set_model(selection)
         self.events.add(
             "selected model %s (%d layers, %.2f GB of weights)",
             spec.name,
             spec.num_layers,
             spec.total_weight_bytes / 1e9,
         )
+        return selection
+
+    async def _select_configured_model(self, model: str) -> None:
+        try:
+            await self.select_model(model)
+        except Exception as exc:
+            self.events.add("cannot use model %r: %s", model, exc, level=logging.ERROR)
 
     def resolve_model_dir(self, model: str) -> Path:
-        """A model directory path, or a name in this node's model store."""
+        """A model directory path, a .gguf file to import, or a name in the model store."""
+        from daemon.model_store import DEFAULT_MODEL, ModelStore
+
+        store = ModelStore(self.store_root)
         path = Path(model).expanduser()
         if path.is_dir():
             return path
-        from daemon.model_store import ModelStore
+        if path.suffix == ".gguf" and path.is_file():
+            name = path.stem.lower()
+            if name in {entry.name for entry in store.list_models()}:
+                return store.model_dir(name)
+            return store.import_gguf(path, name=name).path
+        if model == DEFAULT_MODEL:
+            return store.ensure_default().path
+        return store.model_dir(model)
 
-        return ModelStore(self.config.state_dir / "models").model_dir(model)
+    def model_dir_for_selection(self, selection: pb.ModelSelection) -> Path:
+        from daemon.inference import model_dir_for
+
+        return model_dir_for(selection, self.config.model, self.store_root)
 
     async def remeasure(self) -> None:
         await self._measure_profile(remeasure=True)
@@ -255,6 +335,7 @@ class Node:
         self, *, task_status: trio.TaskStatus[NodeInfo] = trio.TASK_STATUS_IGNORED
     ) -> None:
         async with self.bridge:
+            self.inference = await self.bridge.run(self._create_inference)
             peer_server = await self.bridge.run(self._start_peer_server)
             self.membership.grpc_port = self.peer_port
             api_server = await self.bridge.run(
@@ -265,8 +346,9 @@ class Node:
                     await nursery.start(self.membership.run)
                     nursery.start_soon(self._measure_profile_task)
                     if self.config.model:
-                        nursery.start_soon(self._select_model, self.config.model)
+                        nursery.start_soon(self._select_configured_model, self.config.model)
                     await nursery.start(self.agreement.run)
+                    await nursery.start(self.inference.run)
                     for address in self.config.peers:
                         self.membership.want(address, "static")
                     if self.config.mdns:
@@ -285,6 +367,7 @@ class Node:
             finally:
                 with trio.CancelScope(shield=True):
                     await self.bridge.run(_stop_servers, peer_server, api_server)
+                    await self.bridge.run(self.inference.plane.close)
                     _remove_socket(self.config.api_address)
 
     async def _measure_profile_task(self) -> None:

@@ -70,7 +70,10 @@ def state_digest(state: pb.NodeState) -> str:
 
 
 def model_selection(
-    spec: partitioner.ModelSpec, options: partitioner.PlanOptions, node_id: str
+    spec: partitioner.ModelSpec,
+    options: partitioner.PlanOptions,
+    node_id: str,
+    path: str = "",
 ) -> pb.ModelSelection:
     """A selection record for `spec`; the digest names the model description exactly."""
     spec_json = json.dumps(spec.to_dict(), sort_keys=True)
@@ -81,6 +84,7 @@ def model_selection(
         options_json=json.dumps(options.to_dict(), sort_keys=True),
         set_at=time.time(),
         set_by=node_id,
+        path=path,
     )
 
 
@@ -334,6 +338,10 @@ class PlanAgreement:
                 log.debug("proposal to %s not delivered: %s", peer, exc)
 
     # ------------------------------------------------------------ status
+
+    def release(self, plan_id: str) -> None:
+        """A draining plan has no request left here: stop serving it."""
+        self._apply(self.core.release_draining(plan_id))
 
     def is_serving(self, plan_id: str) -> bool:
         return self.core.is_serving(plan_id)

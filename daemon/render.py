@@ -140,3 +140,18 @@ def profile_text(profile: Any) -> str:
         f"{'versions':18} " + ", ".join(f"{k} {v}" for k, v in d.get("versions", {}).items())
     )
     return "\n".join(lines)
+
+
+def models_table(models: pb.ModelList) -> str:
+    rows = [
+        [
+            m.name + (" *" if m.name == models.selected else ""),
+            m.architecture,
+            str(m.layers),
+            f"{m.size_bytes / 1e9:.2f} GB",
+            m.source,
+        ]
+        for m in models.models
+    ]
+    table = _table(["MODEL", "ARCH", "LAYERS", "SIZE", "SOURCE"], rows) if rows else "no models"
+    return f"{table}\n\nthe mesh runs: {models.selected or 'no model'}"

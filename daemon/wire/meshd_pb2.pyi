@@ -100,20 +100,22 @@ class NodeState(_message.Message):
     def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., version: _Optional[int] = ..., instance_id: _Optional[str] = ..., alive_peers: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelSelection, _Mapping]] = ...) -> None: ...
 
 class ModelSelection(_message.Message):
-    __slots__ = ("name", "digest", "spec_json", "options_json", "set_at", "set_by")
+    __slots__ = ("name", "digest", "spec_json", "options_json", "set_at", "set_by", "path")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     SET_AT_FIELD_NUMBER: _ClassVar[int]
     SET_BY_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     name: str
     digest: str
     spec_json: str
     options_json: str
     set_at: float
     set_by: str
-    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., spec_json: _Optional[str] = ..., options_json: _Optional[str] = ..., set_at: _Optional[float] = ..., set_by: _Optional[str] = ...) -> None: ...
+    path: str
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., spec_json: _Optional[str] = ..., options_json: _Optional[str] = ..., set_at: _Optional[float] = ..., set_by: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ModelRef(_message.Message):
     __slots__ = ("name", "digest")
@@ -348,3 +350,137 @@ class TokenReply(_message.Message):
 class RemeasureRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens", "stop")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    seed: int
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "sampling", "model", "plan_id", "chat_template")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    sampling: Sampling
+    model: str
+    plan_id: str
+    chat_template: bool
+    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., model: _Optional[str] = ..., plan_id: _Optional[str] = ..., chat_template: _Optional[bool] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatRequest(_message.Message):
+    __slots__ = ("messages", "sampling", "model", "plan_id")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    sampling: Sampling
+    model: str
+    plan_id: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., model: _Optional[str] = ..., plan_id: _Optional[str] = ...) -> None: ...
+
+class GenerationDone(_message.Message):
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "ttft_s", "decode_tokens_per_s", "total_s", "plan_id", "model", "seed")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    decode_tokens_per_s: float
+    total_s: float
+    plan_id: str
+    model: str
+    seed: int
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., plan_id: _Optional[str] = ..., model: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GenerateEvent(_message.Message):
+    __slots__ = ("text", "done")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    done: GenerationDone
+    def __init__(self, text: _Optional[str] = ..., done: _Optional[_Union[GenerationDone, _Mapping]] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "architecture", "size_bytes", "layers", "source", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    architecture: str
+    size_bytes: int
+    layers: int
+    source: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., size_bytes: _Optional[int] = ..., layers: _Optional[int] = ..., source: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelList(_message.Message):
+    __slots__ = ("models", "selected")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    SELECTED_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    selected: str
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., selected: _Optional[str] = ...) -> None: ...
+
+class LoadModelRequest(_message.Message):
+    __slots__ = ("model", "strategy", "context_length", "concurrency")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    strategy: str
+    context_length: int
+    concurrency: int
+    def __init__(self, model: _Optional[str] = ..., strategy: _Optional[str] = ..., context_length: _Optional[int] = ..., concurrency: _Optional[int] = ...) -> None: ...
+
+class LoadModelReply(_message.Message):
+    __slots__ = ("model", "digest", "message")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    digest: str
+    message: str
+    def __init__(self, model: _Optional[str] = ..., digest: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...

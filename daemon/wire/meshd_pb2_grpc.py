@@ -332,6 +332,26 @@ class LocalStub:
                 request_serializer=meshd__pb2.StatusRequest.SerializeToString,
                 response_deserializer=meshd__pb2.MeshStatus.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/meshd.v1.Local/Generate',
+                request_serializer=meshd__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=meshd__pb2.GenerateEvent.FromString,
+                _registered_method=True)
+        self.Chat = channel.unary_stream(
+                '/meshd.v1.Local/Chat',
+                request_serializer=meshd__pb2.ChatRequest.SerializeToString,
+                response_deserializer=meshd__pb2.GenerateEvent.FromString,
+                _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/meshd.v1.Local/ListModels',
+                request_serializer=meshd__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=meshd__pb2.ModelList.FromString,
+                _registered_method=True)
+        self.LoadModel = channel.unary_unary(
+                '/meshd.v1.Local/LoadModel',
+                request_serializer=meshd__pb2.LoadModelRequest.SerializeToString,
+                response_deserializer=meshd__pb2.LoadModelReply.FromString,
+                _registered_method=True)
         self.WatchStatus = channel.unary_stream(
                 '/meshd.v1.Local/WatchStatus',
                 request_serializer=meshd__pb2.WatchStatusRequest.SerializeToString,
@@ -354,6 +374,34 @@ class LocalServicer:
 
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Generate(self, request, context):
+        """Stream text for a prompt; ends with GenerationDone. Errors are gRPC statuses:
+        INVALID_ARGUMENT (bad input), NOT_FOUND (unknown model), FAILED_PRECONDITION (no
+        committed plan, or the asked plan is not committed), UNAVAILABLE (a stage was lost).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Chat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModels(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadModel(self, request, context):
+        """Select the model the mesh runs (every node adopts it and re-plans).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -385,6 +433,26 @@ def add_LocalServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=meshd__pb2.StatusRequest.FromString,
                     response_serializer=meshd__pb2.MeshStatus.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=meshd__pb2.GenerateRequest.FromString,
+                    response_serializer=meshd__pb2.GenerateEvent.SerializeToString,
+            ),
+            'Chat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=meshd__pb2.ChatRequest.FromString,
+                    response_serializer=meshd__pb2.GenerateEvent.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=meshd__pb2.ListModelsRequest.FromString,
+                    response_serializer=meshd__pb2.ModelList.SerializeToString,
+            ),
+            'LoadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadModel,
+                    request_deserializer=meshd__pb2.LoadModelRequest.FromString,
+                    response_serializer=meshd__pb2.LoadModelReply.SerializeToString,
             ),
             'WatchStatus': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchStatus,
@@ -429,6 +497,114 @@ class Local:
             '/meshd.v1.Local/Status',
             meshd__pb2.StatusRequest.SerializeToString,
             meshd__pb2.MeshStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/meshd.v1.Local/Generate',
+            meshd__pb2.GenerateRequest.SerializeToString,
+            meshd__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/meshd.v1.Local/Chat',
+            meshd__pb2.ChatRequest.SerializeToString,
+            meshd__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshd.v1.Local/ListModels',
+            meshd__pb2.ListModelsRequest.SerializeToString,
+            meshd__pb2.ModelList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshd.v1.Local/LoadModel',
+            meshd__pb2.LoadModelRequest.SerializeToString,
+            meshd__pb2.LoadModelReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,280 @@
+"""Model execution in the daemon: install committed plans on the data plane, serve requests.
+
+The agreement (daemon.planning) says which plan is committed; this component turns that
+into running stages and answers the local API's Generate and Chat:
+
+* **Plan changes** arrive on the trio thread and are applied one at a time, in order, by
+  one task: a committed plan is installed (this node loads only its own layers, on the
+  data plane's compute thread), a withdrawn one is uninstalled (its running requests end
+  with the agreement's reason), a draining one is released as soon as no request runs on
+  it here.
+* **Requests** run on the asyncio thread (where grpc.aio and the data plane live). They go
+  to the active plan, or to the plan the client names (fencing: a plan this node has not
+  committed is refused). A request that arrives while the committed plan is still loading
+  waits for it, bounded; bad input is refused before anything is sent.
+
+Fencing reads `serving`, an immutable set the trio side replaces after every agreement
+step, so the asyncio thread never looks into trio-owned state mid-change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from daemon.aio_bridge import AsyncioThread
+from daemon.dataplane import Assignment, DataPlane, DataPlaneError, FinalEvent, TokenEvent
+from daemon.membership import EventLog, Membership
+from daemon.planning import PlanAgreement, PlanChange
+from daemon.sampling import SamplingParams
+from daemon.wire import pb
+
+log = logging.getLogger("meshd.inference")
+
+INSTALL_WAIT_S = 120.0
+ROLES = ("system", "user", "assistant")
+
+
+class RequestError(Exception):
+    """A request that cannot be served; `code` is the gRPC status name to answer with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ServingSnapshot:
+    """What the asyncio side may read: serving plan ids and the active one."""
+
+    serving: frozenset[str] = frozenset()
+    active: str = ""
+    model: str = ""
+
+
+class Inference:
+    """Owns the data plane of one daemon and the installed plans."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        agreement: PlanAgreement,
+        bridge: AsyncioThread,
+        events: EventLog,
+        plane: DataPlane,
+        resolve_model_dir,
+    ) -> None:
+        self._membership = membership
+        self._agreement = agreement
+        self._bridge = bridge
+        self._events = events
+        self.plane = plane
+        self._resolve_model_dir = resolve_model_dir
+        self.snapshot = ServingSnapshot()
+        self._installed: dict[str, asyncio.Event] = {}
+        self._install_errors: dict[str, str] = {}
+        self._changes_send, self._changes_receive = trio.open_memory_channel[PlanChange](256)
+        agreement.listeners.append(self._on_change)
+
+    # ------------------------------------------------------------ trio side
+
+    def check_serving(self, plan_id: str) -> None:
+        """Fencing for the data plane (asyncio thread): raise unless the plan is committed."""
+        if plan_id not in self.snapshot.serving:
+            raise DataPlaneError(
+                f"plan {plan_id[:12]} is not committed on node {self._membership.identity.node_id}"
+                f" (it serves {', '.join(p[:12] for p in self.snapshot.serving) or 'no plan'})"
+            )
+
+    def _on_change(self, change: PlanChange) -> None:
+        self._refresh_snapshot()
+        self._changes_send.send_nowait(change)
+
+    def _refresh_snapshot(self) -> None:
+        core = self._agreement.core
+        active = core.active.plan_id if core.active else ""
+        serving = frozenset([active] * bool(active) + [served.plan_id for served in core.draining])
+        selection = self._agreement.selection
+        self.snapshot = ServingSnapshot(serving, active, selection.name if selection else "")
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._release_drained)
+            task_status.started()
+            async for change in self._changes_receive:
+                self._refresh_snapshot()
+                if change.kind == "committed" and change.plan is not None:
+                    await self._install(change)
+                elif change.kind == "withdrawn":
+                    await self._bridge.run(self.plane.uninstall, change.plan_id, change.reason)
+                    self._installed.pop(change.plan_id, None)
+
+    async def _install(self, change: PlanChange) -> None:
+        plan = change.plan
+        assert plan is not None
+        selection = self._agreement.selection
+        if selection is None:
+            return
+        try:
+            model_dir = self._resolve_model_dir(selection)
+            assignment = Assignment.from_plan(plan, model_dir, self._addresses())
+            ready = await self._bridge.run(self._ready_event, plan.plan_id)
+            await self._bridge.run(self.plane.install, assignment)
+        except Exception as exc:
+            reason = f"cannot serve plan {plan.plan_id[:12]} here: {exc}"
+            self._install_errors[plan.plan_id] = reason
+            self._events.add("%s", reason, level=logging.ERROR)
+            return
+        self._bridge.loop.call_soon_threadsafe(ready.set)
+        stage = plan.stage_of(self._membership.identity.node_id)
+        where = (
+            f"layers {plan.stages[stage].layer_start}-{plan.stages[stage].layer_end - 1}"
+            if stage is not None
+            else "no layers (origin only)"
+        )
+        self._events.add("plan %s ready here: %s of %s", plan.plan_id[:12], where, selection.name)
+
+    async def _ready_event(self, plan_id: str) -> asyncio.Event:
+        return self._installed.setdefault(plan_id, asyncio.Event())
+
+    def _addresses(self) -> dict[str, str]:
+        addresses = {rec.node_id: rec.address for rec in self._membership.alive_peers()}
+        own = self._membership.identity.node_id
+        addresses[own] = f"127.0.0.1:{self._membership.grpc_port}"
+        return addresses
+
+    async def _release_drained(self) -> None:
+        """Let the agreement drop a replaced plan once no request runs on it here."""
+        while True:
+            await trio.sleep(0.5)
+            core = self._agreement.core
+            for served in core.draining:
+                busy = await self._bridge.run(_count, self.plane, served.plan_id)
+                if busy == 0:
+                    self._agreement.release(served.plan_id)
+
+    # ------------------------------------------------------------ asyncio side (API)
+
+    async def generate(
+        self,
+        *,
+        prompt: str | None,
+        messages: Sequence[Mapping[str, str]] | None,
+        sampling: pb.Sampling,
+        model: str,
+        plan_id: str,
+        chat_template: bool,
+    ) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """Validate, pick the plan, tokenize and stream events (asyncio thread)."""
+        params = sampling_params(sampling)
+        if messages is None:
+            if not prompt or not prompt.strip():
+                raise RequestError("INVALID_ARGUMENT", "the prompt is empty; give some text")
+        else:
+            check_messages(messages)
+        snapshot = self.snapshot
+        if model and snapshot.model and model != snapshot.model:
+            raise RequestError(
+                "NOT_FOUND",
+                f"model {model!r} is not loaded in this mesh (it runs {snapshot.model!r}); "
+                "select it first with `meshd load`",
+            )
+        chosen = plan_id or snapshot.active
+        if not chosen:
+            reason = self._agreement.last_refusal or "the mesh has not agreed on a plan yet"
+            if not snapshot.model:
+                reason = "no model is selected; load one with `meshd load MODEL`"
+            raise RequestError("FAILED_PRECONDITION", f"no committed plan: {reason}")
+        if chosen not in snapshot.serving:
+            raise RequestError(
+                "FAILED_PRECONDITION",
+                f"plan {chosen[:12]} is not committed on this node; the active plan is "
+                f"{snapshot.active[:12] or 'none'}",
+            )
+        await self._wait_installed(chosen)
+        if messages is not None:
+            tokens = self.plane.encode_chat(chosen, messages)
+        elif chat_template:
+            tokens = self.plane.encode_chat(chosen, [{"role": "user", "content": prompt or ""}])
+        else:
+            tokens = list(self.plane.tokenizer(chosen).encode(prompt or ""))
+        request_id = secrets.token_hex(8)
+        async for event in self.plane.generate(chosen, tokens, params, request_id=request_id):
+            yield event
+
+    async def _wait_installed(self, plan_id: str) -> None:
+        ready = self._installed.setdefault(plan_id, asyncio.Event())
+        if plan_id in self._install_errors:
+            raise RequestError("UNAVAILABLE", self._install_errors[plan_id])
+        try:
+            await asyncio.wait_for(ready.wait(), INSTALL_WAIT_S)
+        except TimeoutError as exc:
+            raise RequestError(
+                "UNAVAILABLE", f"plan {plan_id[:12]} is still loading its model; retry shortly"
+            ) from exc
+
+
+async def _count(plane: DataPlane, plan_id: str) -> int:
+    return plane.active_requests(plan_id)
+
+
+def sampling_params(sampling: pb.Sampling) -> SamplingParams:
+    """The request's sampling settings, validated (bad values -> INVALID_ARGUMENT)."""
+    fields = {
+        name: getattr(sampling, name)
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "seed",
+            "max_tokens",
+        )
+        if sampling.HasField(name)
+    }
+    try:
+        return SamplingParams(**fields, stop=tuple(sampling.stop))
+    except (TypeError, ValueError) as exc:
+        raise RequestError("INVALID_ARGUMENT", str(exc)) from exc
+
+
+def check_messages(messages: Sequence[Mapping[str, str]]) -> None:
+    if not messages:
+        raise RequestError("INVALID_ARGUMENT", "a chat needs at least one message")
+    for i, message in enumerate(messages):
+        role = message.get("role", "")
+        if role not in ROLES:
+            raise RequestError(
+                "INVALID_ARGUMENT",
+                f"message {i} has role {role!r}; use one of {', '.join(ROLES)}",
+            )
+        if not message.get("content", "").strip():
+            raise RequestError("INVALID_ARGUMENT", f"message {i} ({role}) has no content")
+    if messages[-1]["role"] == "assistant":
+        raise RequestError(
+            "INVALID_ARGUMENT", "the last message is from the assistant; end with a user message"
+        )
+
+
+def model_dir_for(selection: pb.ModelSelection, own_model: str | None, store_root: Path) -> Path:
+    """Where this node finds the selected model: its own --model, the store, or the hint."""
+    from daemon.model_store import ModelStore, UnknownModel
+
+    if own_model:
+        path = Path(own_model).expanduser()
+        if path.is_dir() and path.name == selection.name:
+            return path
+    try:
+        return ModelStore(store_root).model_dir(selection.name)
+    except UnknownModel:
+        hint = Path(selection.path) if selection.path else None
+        if hint is not None and hint.is_dir():
+            return hint
+        raise
