@@ -210,7 +210,27 @@ class Node:
             events=self.events.lines(),
             blas=me.profile.blas,
             agreement=self.agreement.view(),
+            memory=self.runtime_memory(),
             generated_at=time.time(),
+        )
+
+    def runtime_memory(self) -> pb.RuntimeMemory:
+        """MLX allocator counters and RSS, next to the budget and the plan's prediction."""
+        import resource
+
+        import mlx.core as mx
+        import psutil
+
+        active = self.agreement.core.active
+        plan = self.agreement.plans.get(active.plan_id) if active else None
+        planned = plan.memory_of(self.identity.node_id) if plan else None
+        return pb.RuntimeMemory(
+            mlx_active=mx.get_active_memory(),
+            mlx_peak=mx.get_peak_memory(),
+            rss=psutil.Process().memory_info().rss,
+            peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            budget=self.membership.profile.memory_budget,
+            planned=planned.total_bytes if planned else 0,
         )
 
     def list_models(self) -> pb.ModelList:
@@ -321,6 +341,9 @@ class Node:
         self.membership.set_profile(
             profile_to_proto(profile, self.identity.node_id, self.config.name)
         )
+        import mlx.core as mx
+
+        mx.reset_peak_memory()  # the benchmark's buffers are not the model's memory
         self.events.add(
             "profile measured: %.1f GFLOP/s, %.1f GB/s memory, budget %.2f GB (%s)",
             profile.flops / 1e9,

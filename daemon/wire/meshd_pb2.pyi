@@ -272,7 +272,7 @@ class PeerStatus(_message.Message):
     def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., joined_at: _Optional[float] = ..., source: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class MeshStatus(_message.Message):
-    __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at", "agreement")
+    __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at", "agreement", "memory")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_NAME_FIELD_NUMBER: _ClassVar[int]
     MESH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,7 @@ class MeshStatus(_message.Message):
     BLAS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_AT_FIELD_NUMBER: _ClassVar[int]
     AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     mesh_name: str
     mesh_fingerprint: str
@@ -295,7 +296,24 @@ class MeshStatus(_message.Message):
     blas: str
     generated_at: float
     agreement: AgreementView
-    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ..., agreement: _Optional[_Union[AgreementView, _Mapping]] = ...) -> None: ...
+    memory: RuntimeMemory
+    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ..., agreement: _Optional[_Union[AgreementView, _Mapping]] = ..., memory: _Optional[_Union[RuntimeMemory, _Mapping]] = ...) -> None: ...
+
+class RuntimeMemory(_message.Message):
+    __slots__ = ("mlx_active", "mlx_peak", "rss", "peak_rss", "budget", "planned")
+    MLX_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    MLX_PEAK_FIELD_NUMBER: _ClassVar[int]
+    RSS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RSS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
+    mlx_active: int
+    mlx_peak: int
+    rss: int
+    peak_rss: int
+    budget: int
+    planned: int
+    def __init__(self, mlx_active: _Optional[int] = ..., mlx_peak: _Optional[int] = ..., rss: _Optional[int] = ..., peak_rss: _Optional[int] = ..., budget: _Optional[int] = ..., planned: _Optional[int] = ...) -> None: ...
 
 class AgreementView(_message.Message):
     __slots__ = ("model", "active_plan_id", "members", "confirmed_by", "committed_by", "draining", "proposal_plan_id", "refusal", "reason", "converged", "plan_json")
