@@ -20,6 +20,7 @@ from partitioner.layout import Evaluator, Layout
 
 MAX_IMPROVE_PASSES = 12
 TIME_TOLERANCE = 1e-9
+DP_BUDGET = 20_000
 
 
 def largest_remainder(total: int, weights: Sequence[int | float]) -> list[int]:
@@ -74,14 +75,23 @@ def repair_bounds(
 ) -> tuple[int, ...] | None:
     """Boundaries as close to `bounds` as the memory allows, or None when this order cannot fit.
 
-    Forward pass: a stage over budget gives its last layers to the next stage. Backward pass:
-    if the last stage is then over budget, it gives its first layers back, and so on towards
-    the front. Each stage keeps at least one layer.
+    Quick passes first. Forward: a stage over budget gives its last layers to the next stage.
+    Backward: if the last stage is then over budget, it gives its first layers back, and so on
+    towards the front. When that fails, an exact search over boundary positions decides.
     """
     count = len(units)
-    total = cost.num_layers
-    if count == 0 or count > total:
+    if count == 0 or count > cost.num_layers:
         return None
+    quick = _quick_repair(cost, units, bounds)
+    if quick is not None and _all_fit(cost, units, quick):
+        return quick
+    return _exact_bounds(cost, units, bounds)
+
+
+def _quick_repair(
+    cost: CostModel, units: Sequence[Unit], bounds: Sequence[int]
+) -> tuple[int, ...] | None:
+    count, total = len(units), cost.num_layers
     fixed = list(bounds)
     for i in range(count - 1):
         limit = min(fixed[i + 1], total - (count - 1 - i))
@@ -98,8 +108,43 @@ def repair_bounds(
         if new_start >= end:
             return None
         fixed[i] = new_start
-    result = tuple(fixed)
-    return result if _all_fit(cost, units, result) else None
+    return tuple(fixed)
+
+
+def _exact_bounds(
+    cost: CostModel, units: Sequence[Unit], target: Sequence[int]
+) -> tuple[int, ...] | None:
+    """Fitting boundaries for this order if any exist, each as close to `target` as possible.
+
+    reachable[i] holds every position where stage i can start after stages 0..i-1 fit (a
+    stage's possible ends from one start form a range, because memory grows with the range);
+    then boundaries are picked from the back, each the reachable one nearest its target.
+    """
+    count, total = len(units), cost.num_layers
+    reachable: list[list[int]] = [[0]]
+    for i in range(count - 1):
+        limit = total - (count - 1 - i)
+        covered = [False] * (total + 1)
+        for start in reachable[-1]:
+            end = cost.max_end(units[i], start, first=i == 0, last=False, limit=limit)
+            for position in range(start + 1, end + 1):
+                covered[position] = True
+        positions = [p for p in range(total + 1) if covered[p]]
+        if not positions:
+            return None
+        reachable.append(positions)
+    bounds = [0] * count + [total]
+    for i in range(count - 1, -1, -1):
+        options = [
+            start
+            for start in reachable[i]
+            if start < bounds[i + 1]
+            and cost.fits(units[i], start, bounds[i + 1], first=i == 0, last=i == count - 1)
+        ]
+        if not options:
+            return None
+        bounds[i] = min(options, key=lambda start: (abs(start - target[i]), start))
+    return tuple(bounds)
 
 
 def _all_fit(cost: CostModel, units: Sequence[Unit], bounds: Sequence[int]) -> bool:
@@ -233,9 +278,10 @@ def split_for_order(
 ) -> tuple[Layout, float] | None:
     """The fastest fitting split the search finds for units in this order, with its time.
 
-    Starting points: the fastest units filled first (best for one sequence) and, under
-    concurrency, stage times balanced by speed (water-filling within memory caps); each is
-    refined by local search and the faster result kept."""
+    Starting points: the exact minimum of the summed stage times (dynamic programming, when
+    stages x layers^2 is at most DP_BUDGET: this is the optimum for one sequence), the fastest
+    units filled first, and under concurrency stage times balanced by speed (water-filling
+    within memory caps). Each is refined by local search and the fastest result kept."""
     cost = evaluator.cost
     total = cost.num_layers
     if not units or len(units) > total:
@@ -247,18 +293,56 @@ def split_for_order(
         return layout, evaluator.time_per_token(evaluator.stage_s(layout), hops_s)
     rates = [cost.per_layer_decode_s(unit) for unit in units]
     caps = role_caps(cost, units)
+    starts: list[tuple[int, ...]] = []
+    if len(units) * total * total <= DP_BUDGET:
+        exact = min_sum_bounds(cost, units)
+        if exact is None:
+            return None
+        starts.append(exact)
     proposals = [fill_fastest_counts(rates, caps, total)]
     if cost.concurrency > 1:
         balanced = balanced_counts(rates, caps, total)
         if balanced is not None:
             proposals.append(balanced)
-    best: tuple[Layout, float] | None = None
-    for counts in dict.fromkeys(tuple(counts) for counts in proposals):
+    for counts in proposals:
         repaired = repair_bounds(cost, units, bounds_from_counts(counts))
-        if repaired is None:
-            continue
-        bounds, seconds = improve_bounds(evaluator, units, repaired, hops_s)
+        if repaired is not None:
+            starts.append(repaired)
+    best: tuple[Layout, float] | None = None
+    for start in dict.fromkeys(starts):
+        bounds, seconds = improve_bounds(evaluator, units, start, hops_s)
         candidate = Layout(units, bounds)
         if best is None or (seconds, candidate.tie_key()) < (best[1], best[0].tie_key()):
             best = (candidate, seconds)
     return best
+
+
+def min_sum_bounds(cost: CostModel, units: Sequence[Unit]) -> tuple[int, ...] | None:
+    """Boundaries minimising the sum of stage decode times with every stage fitting (exact).
+
+    best[i][k]: least time for stages 0..i-1 holding layers [0, k). A stage's start is tried
+    from its end backwards and stops at the first range that does not fit (ranges only grow).
+    """
+    count, total = len(units), cost.num_layers
+    best = [[math.inf] * (total + 1) for _ in range(count + 1)]
+    came_from = [[-1] * (total + 1) for _ in range(count + 1)]
+    best[0][0] = 0.0
+    for i, unit in enumerate(units):
+        first, last = i == 0, i == count - 1
+        ends = [total] if last else range(i + 1, total - (count - 1 - i) + 1)
+        for end in ends:
+            for start in range(end - 1, i - 1, -1):
+                if not cost.fits(unit, start, end, first=first, last=last):
+                    break
+                if best[i][start] == math.inf:
+                    continue
+                value = best[i][start] + cost.stage_decode_s(unit, start, end, last=last)
+                if value < best[i + 1][end]:
+                    best[i + 1][end] = value
+                    came_from[i + 1][end] = start
+    if best[count][total] == math.inf:
+        return None
+    bounds = [total]
+    for i in range(count, 0, -1):
+        bounds.append(came_from[i][bounds[-1]])
+    return tuple(reversed(bounds))

@@ -7,20 +7,29 @@ memory: nodes in order of memory budget (largest first, then id), layers in prop
     proportion (water-filling by memory), and boundaries are repaired. The order ignores links:
     that is what a baseline does.
 
-speed: minimises the predicted time per token (partitioner.cost) subject to memory.
+speed: minimises the predicted time per token (partitioner.cost) subject to memory. With one
+    sequence a pipeline runs its stages one after another, so the time is the sum of the stage
+    times plus the hops: the fastest nodes should hold as many layers as fit, and a node whose
+    extra hop costs more than its layers save is left out (prima.cpp's finding). Under
+    concurrency the slowest stage matters too, and balanced stages (water-filling by speed
+    within memory caps) win.
     1. Units (nodes, tensor-parallel groups) are ranked by seconds per layer.
-    2. Candidate sets: the fastest unit that holds the whole model alone; the fastest units
-       until their capacity covers the model (and one or two more, which helps only when
-       concurrency rewards balanced stages); the largest units until they cover the model
-       (fewest hops); the memory baseline's set.
-    3. Each set is ordered by the cheapest ring over the measured links (partitioner.order),
-       every rotation is split (fastest units filled first, or balanced, then local search on
-       the boundaries) and the best rotation is kept.
-    4. Local search over sets: drop a unit, swap one for one of the next-fastest unused units,
-       add one; repeated while the time improves (bounded rounds). Dropping a unit is how a
-       node that makes the mesh slower is left out.
-    5. The memory baseline and the fitting layout are candidates too, so `speed` is never
+    2. Candidate sets of units. Up to EXHAUSTIVE_UNITS units: every set. Beyond: the fastest
+       unit that holds the whole model alone; the fastest units until their capacity covers
+       the model (plus one or two more); the largest units until they cover it (fewest hops);
+       sets grown from each of the fastest nodes over their cheapest direct links; small
+       baseline sets. Sets that cannot beat the best so far (lower_bound) are skipped.
+    3. Orders: every order up to PERMUTE_LIMIT units; else every rotation of the cheapest ring
+       over the measured links and of its reverse (partitioner.order: exact up to 8 units,
+       heuristic beyond); if none fits, the order the feasibility search packs them in.
+    4. Splits (partitioner.split): exact minimum of summed stage times by dynamic programming
+       when small enough, fastest-first filling, balanced filling; then local search on the
+       boundaries.
+    5. Local search over sets: drop a unit, swap one for one of the next-fastest unused units,
+       add one; repeated while the time improves (bounded rounds).
+    6. The memory baseline and the fitting layout are candidates too, so `speed` is never
        predicted slower than `memory`.
+    Checked against brute force (tests): the optimum on meshes of up to four nodes.
 All choices break ties on node ids, so every machine picks the same plan.
 """
 
@@ -203,7 +212,8 @@ class SpeedSearch:
         Every layer is read and computed by some unit, at best the fastest of the set (a
         tensor-parallel group counts as its members together), the head by one member; a
         ring of S > 1 stages has S hops of at least the smallest latency in the mesh; and under
-        concurrency the slowest stage takes at least the average.
+        concurrency the slowest stage takes at least as long as all units sharing the work
+        in proportion to their speed.
         """
         cost = self.cost
         read = cost.layer_bytes(0, cost.num_layers)
@@ -218,7 +228,11 @@ class SpeedSearch:
         )
         count = len(unit_set)
         hops = count * self._min_latency if count > 1 else 0.0
-        return max(stages + hops, cost.concurrency * stages / count)
+        slowest_stage = max(  # stages in parallel, perfectly balanced
+            read / sum(unit.mem_bandwidth * unit.degree for unit in unit_set),
+            flops / sum(unit.flops * unit.degree for unit in unit_set),
+        )
+        return max(stages + hops, cost.concurrency * slowest_stage)
 
     def evaluate(self, unit_set: frozenset[Unit]) -> Ranked | None:
         """Best layout for this set of units (order, rotation and split), cached."""
