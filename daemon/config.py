@@ -55,7 +55,7 @@ class Config:
     peers: list[str] = field(default_factory=list)
     memory_budget: int | None = None
     heartbeat_interval_s: float = 0.2
-    peer_timeout_s: float = 1.0
+    peer_timeout_s: float = 1.5
     link_probe_interval_s: float = 30.0
     join_stability_s: float = 0.5
     startup_grace_s: float = 1.5
