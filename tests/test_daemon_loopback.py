@@ -153,3 +153,28 @@ def test_cli_without_daemon_says_so(tmp_path) -> None:
     )
     assert result.returncode == 2
     assert "no meshd daemon answers" in result.stderr
+
+
+def test_cli_plan_from_the_live_view(daemons, mesh_token, tmp_path) -> None:
+    from daemon.random_model import make_random_model_dir
+
+    model = make_random_model_dir(
+        tmp_path / "m", "llama", layers=6, hidden=256, heads=4, kv_heads=2, intermediate=688
+    )
+    a = daemons([*LOOPBACK, "--join", mesh_token, "--memory-budget", "90MB"])
+    daemons([*LOOPBACK, "--join", mesh_token, "--memory-budget", "90MB"])
+    a.wait_for(lambda s: fully_meshed(s, 2), 30, "two nodes and their links")
+    cli = [sys.executable, "-m", "daemon.cli", "plan", "--state-dir", str(a.state_dir)]
+    result = subprocess.run(
+        [*cli, "--model", str(model), "--context", "128", "--strategy", "memory", "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)  # one strategy: the plan itself
+    layers = [range(s["layer_start"], s["layer_end"]) for s in plan["stages"]]
+    assert [i for r in layers for i in r] == list(range(6))
+    assert {n for s in plan["stages"] for n in s["nodes"]} <= alive_ids(a.status())
+    table = subprocess.run(
+        [*cli, "--model", str(model), "--context", "128"], capture_output=True, text=True, timeout=60
+    )
+    assert table.returncode == 0 and "ms/token" in table.stdout, table.stderr
