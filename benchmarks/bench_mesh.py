@@ -54,7 +54,7 @@ def start_daemons(
     return daemons
 
 
-def convergence_round(n: int, root: Path, profile: Path) -> tuple[float, float, float]:
+def convergence_round(n: int, root: Path, profile: Path) -> tuple[float, float, float, float]:
     token = security.encode_join_token(security.create_mesh_secret("bench"))
     with Mesh(n) as mesh:
         daemons = start_daemons(mesh, root / f"r{time.monotonic_ns()}", token, profile, 30)
@@ -76,7 +76,14 @@ def convergence_round(n: int, root: Path, profile: Path) -> tuple[float, float, 
             for d in daemons[:-1]:
                 d.wait_for(lambda s: victim_id not in alive_ids(s), 30, "the victim lost")
             noticed = time.monotonic() - killed
-            return ready, converged, noticed
+            # Pull the cable of another host: noticed by the heartbeat gap.
+            cut_id = daemons[-2].status().node_id
+            mesh.link_down(n - 2)
+            cut = time.monotonic()
+            for d in daemons[:-2]:
+                d.wait_for(lambda s: cut_id not in alive_ids(s), 30, "the cut host lost")
+            cut_noticed = time.monotonic() - cut
+            return ready, converged, noticed, cut_noticed
         finally:
             for d in daemons:
                 d.kill()
@@ -122,16 +129,18 @@ def main() -> int:
         profile = root / "profile.json"
         print(f"{args.nodes}-host namespace mesh, {args.rounds} rounds")
         results = [convergence_round(args.nodes, root, profile) for _ in range(args.rounds)]
-        for i, (ready, converged, noticed) in enumerate(results):
+        for i, (ready, converged, noticed, cut) in enumerate(results):
             print(
                 f"  round {i + 1}: API up {ready:.2f} s, all see all + links measured "
                 f"{converged:.2f} s after the last start ({converged - ready:.2f} s after its "
-                f"API was up), kill -9 noticed by all in {noticed * 1e3:.0f} ms"
+                f"API was up), kill -9 noticed by all in {noticed * 1e3:.0f} ms, "
+                f"cut cable noticed in {cut:.2f} s"
             )
         med = [statistics.median(col) for col in zip(*results, strict=True)]
         print(
             f"  median: API up {med[0]:.2f} s, converged {med[1]:.2f} s "
-            f"({med[1] - med[0]:.2f} s after API up), kill -9 noticed {med[2] * 1e3:.0f} ms"
+            f"({med[1] - med[0]:.2f} s after API up), kill -9 noticed {med[2] * 1e3:.0f} ms, "
+            f"cut cable noticed {med[3]:.2f} s"
         )
         print("link bandwidth, measured vs configured (tbf on the sender's egress):")
         for rate, measured in bandwidth_round(

@@ -70,7 +70,8 @@ async def tcp_rtt(host: str, port: int, samples: int = 5, timeout_s: float = 2.0
                 best = min(best, time.perf_counter() - start)
         return best
 
-    return await trio.to_thread.run_sync(measure)
+    # A probe of a dead link must not hold up its session's shutdown: abandon the thread.
+    return await trio.to_thread.run_sync(measure, abandon_on_cancel=True)
 
 
 async def grpc_rtt(stub: rpc.PeerStub, samples: int = RTT_SAMPLES) -> float:

@@ -327,6 +327,8 @@ class Membership:
                 nursery.start_soon(self._fetch_states, stub, record)
                 nursery.start_soon(self._probe_links, stub, rpc.PeerStub(probe_channel), record)
                 await self._heartbeat(stub, record)
+                # Lost now: tell everyone before the helper tasks have wound down.
+                self._mark_lost(record)
                 nursery.cancel_scope.cancel()
         finally:
             if record is not None:

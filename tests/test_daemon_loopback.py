@@ -175,6 +175,9 @@ def test_cli_plan_from_the_live_view(daemons, mesh_token, tmp_path) -> None:
     assert [i for r in layers for i in r] == list(range(6))
     assert {n for s in plan["stages"] for n in s["nodes"]} <= alive_ids(a.status())
     table = subprocess.run(
-        [*cli, "--model", str(model), "--context", "128"], capture_output=True, text=True, timeout=60
+        [*cli, "--model", str(model), "--context", "128"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert table.returncode == 0 and "ms/token" in table.stdout, table.stderr
