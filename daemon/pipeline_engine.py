@@ -281,10 +281,8 @@ class StageEngine:
 
     def release_all(self) -> None:
         """Drop every request's state (the plan is being uninstalled)."""
-        if self._caches is not None:
-            for request_id in list(self._samplers):
-                self._caches.release(request_id)
-            self._caches = RequestCaches(self.stage, self.max_requests) if self.stage else None
+        if self.stage is not None:
+            self._caches = RequestCaches(self.stage, self.max_requests)
         self._samplers.clear()
 
     def unload(self) -> None:
