@@ -89,7 +89,6 @@ from daemon.pipeline_engine import (
     encode_hidden,
 )
 from daemon.sampling import MAX_SEED, SamplingParams, StopChecker
-from daemon.shard import TooManyRequests
 from daemon.wire import dataplane_pb2 as dp
 from daemon.wire import dataplane_pb2_grpc as dp_grpc
 
@@ -1316,6 +1315,8 @@ class DataPlane:
         assert engine is not None
         loop = self._loop
         assert loop is not None
+
+        from daemon.shard import TooManyRequests
 
         def job() -> None:
             if request.ended:

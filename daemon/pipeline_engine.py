@@ -24,12 +24,15 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
 from daemon.sampling import SamplingParams, TokenSampler
-from daemon.shard import RequestCaches, StageModel, load_stage
+
+if TYPE_CHECKING:  # daemon.shard imports mlx_lm (and transformers): loaded on first use
+    from daemon.shard import RequestCaches, StageModel
 
 log = logging.getLogger("meshd.compute")
 
@@ -187,6 +190,8 @@ class StageEngine:
 
     def load(self, shared: StageModel | None = None) -> None:
         """Load the stage's weights (or adopt ``shared``, identical weights already loaded)."""
+        from daemon.shard import RequestCaches, load_stage  # mlx_lm: loaded on first use
+
         try:
             self.stage = shared or load_stage(
                 self.key.model_dir,
@@ -281,6 +286,8 @@ class StageEngine:
 
     def release_all(self) -> None:
         """Drop every request's state (the plan is being uninstalled)."""
+        from daemon.shard import RequestCaches
+
         if self.stage is not None:
             self._caches = RequestCaches(self.stage, self.max_requests)
         self._samplers.clear()

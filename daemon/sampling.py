@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 MAX_TOKENS_LIMIT = 32768
 MAX_STOP_STRINGS = 16
@@ -97,6 +96,10 @@ class TokenSampler:
         self.params = params
         self.seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
         self._key = mx.random.key(self.seed)
+        # Imported here: the mlx_lm package pulls in transformers (~0.6 s), which a daemon
+        # should not pay for at start-up, before it serves any request.
+        from mlx_lm.sample_utils import make_logits_processors
+
         self._processors = make_logits_processors(
             repetition_penalty=(
                 params.repetition_penalty if params.repetition_penalty != 1.0 else None
@@ -130,6 +133,8 @@ class TokenSampler:
 
     def _filter(self, logprobs: mx.array) -> mx.array:
         """top_p, then min_p, then top_k: the order of mlx-lm's ``make_sampler``."""
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
         params = self.params
         if params.top_p < 1.0:
             logprobs = apply_top_p(logprobs, params.top_p)
