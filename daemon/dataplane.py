@@ -661,6 +661,9 @@ class DataPlane:
         plan = self._new_plan(assignment)
         self._plans[assignment.plan_id] = plan
         try:
+            # One thread imports mlx_lm before two threads use it: concurrent first imports
+            # of the same package can trip Python's import-lock deadlock detection.
+            await asyncio.to_thread(_import_runtime)
             loading = [asyncio.to_thread(_load_tokenizer, assignment.model_dir)]
             if plan.engine is not None:
                 loading.append(self._load_engine(plan.engine))
@@ -1593,6 +1596,14 @@ def _unreachable(plan: _InstalledPlan | None, peer: str, reason: str) -> str:
 def _unserved(error: str, prompt_tokens: int, seed: int) -> FinalEvent:
     usage = Usage(prompt_tokens, 0, 0.0, 0.0, 0.0, 0.0, seed)
     return FinalEvent("error", usage, "", error)
+
+
+def _import_runtime() -> None:
+    """Import what loading and running a stage needs (mlx_lm pulls in transformers)."""
+    import mlx_lm.sample_utils
+    import mlx_lm.utils  # noqa: F401
+
+    import daemon.shard  # noqa: F401
 
 
 def _load_tokenizer(model_dir: Path) -> tuple[Any, dict[str, Any]]:

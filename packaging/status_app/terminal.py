@@ -1,0 +1,79 @@
+"""Terminal front end of the status app: redraws the mesh menu on every update.
+
+    python packaging/status_app/terminal.py [--state-dir DIR | --api ADDRESS]
+
+Works on Linux and over ssh. On a terminal the screen is cleared before each redraw; when the
+output is a pipe or a file, each update is appended below a rule instead. Ctrl-C quits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from status_model import SEPARATOR, Menu, StatusFeed
+
+from daemon.client import api_address_for
+
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+RULE = "-" * 60
+POLL_S = 0.5  # how often the main thread wakes to notice Ctrl-C or --exit-after
+
+
+def render(menu: Menu, updated_at: float) -> str:
+    """The menu as terminal text: title, items (a blank line per separator), a footer."""
+    lines = [menu.title, ""]
+    lines += ["" if item == SEPARATOR else f"  {item}" for item in menu.items]
+    lines += ["", f"updated {time.strftime('%H:%M:%S', time.localtime(updated_at))} · Ctrl-C quits"]
+    return "\n".join(lines)
+
+
+def draw(menu: Menu, out: TextIO) -> None:
+    prefix = CLEAR_SCREEN if out.isatty() else RULE + "\n"
+    out.write(prefix + render(menu, time.time()) + "\n")
+    out.flush()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Show the meshd mesh status, redrawn live.")
+    parser.add_argument(
+        "--state-dir", type=Path, help="the daemon's state directory (default: the per-user one)"
+    )
+    parser.add_argument("--api", help="the daemon's API address (overrides --state-dir)")
+    parser.add_argument(
+        "--exit-after",
+        type=float,
+        metavar="SECONDS",
+        help="quit by itself after this long (for scripts; default: run until Ctrl-C)",
+    )
+    return parser.parse_args(argv)
+
+
+def run(api_address: str, exit_after_s: float | None, out: TextIO) -> None:
+    """Draw every Menu the feed delivers until Ctrl-C or exit_after_s."""
+    updates: queue.Queue[Menu] = queue.Queue()
+    deadline = None if exit_after_s is None else time.monotonic() + exit_after_s
+    with StatusFeed(api_address, updates.put):
+        while deadline is None or time.monotonic() < deadline:
+            try:
+                menu = updates.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            draw(menu, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        run(api_address_for(args.state_dir, args.api), args.exit_after, sys.stdout)
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
