@@ -134,14 +134,48 @@ class ProbeReceiver:
         return pb.ProbeSummary(bytes=counted, receive_seconds=seconds, chunks=chunks)
 
 
-def materially_different(old: pb.LinkMeasurement, new: pb.LinkMeasurement) -> bool:
-    """True when `new` leaves the planner's buckets of `old` (with hysteresis)."""
-    from partitioner.quantize import bucket_index, latency_bucket_index, sticky_bucket_index
+def with_planning_buckets(
+    new: pb.LinkMeasurement, published: pb.LinkMeasurement | None
+) -> pb.LinkMeasurement:
+    """Set `new`'s planning buckets, keeping the published ones unless the link really moved.
 
-    old_bw, old_lat = bucket_index(old.bandwidth), latency_bucket_index(old.latency_s)
-    new_bw = sticky_bucket_index(new.bandwidth, old_bw)
-    new_lat = sticky_bucket_index(max(new.latency_s, 1e-6), old_lat)
-    return new_bw != old_bw or new_lat != old_lat
+    Hysteresis (sticky buckets) happens here, at the measurer, so all nodes plan with the
+    same numbers and a measurement wobbling around a bucket edge changes no plan.
+    """
+    from partitioner.quantize import (
+        MIN_LATENCY_S,
+        bucket_index,
+        latency_bucket_index,
+        sticky_bucket_index,
+    )
+
+    old_bw = published.bandwidth_bucket if published is not None else None
+    old_lat = published.latency_bucket if published is not None else None
+    new.bandwidth_bucket = (
+        sticky_bucket_index(new.bandwidth, old_bw)
+        if old_bw is not None
+        else bucket_index(new.bandwidth)
+    )
+    latency = max(new.latency_s, MIN_LATENCY_S)
+    new.latency_bucket = (
+        sticky_bucket_index(latency, old_lat)
+        if old_lat is not None
+        else latency_bucket_index(latency)
+    )
+    return new
+
+
+def worth_publishing(new: pb.LinkMeasurement, published: pb.LinkMeasurement | None) -> bool:
+    """A new sample is published when its planning buckets moved or its numbers changed by
+    more than 10 % (peers re-fetch state on every publication; noise is not news)."""
+    if published is None:
+        return True
+    if (new.bandwidth_bucket, new.latency_bucket) != (
+        published.bandwidth_bucket,
+        published.latency_bucket,
+    ):
+        return True
+    return abs(new.bandwidth - published.bandwidth) > 0.1 * published.bandwidth
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -462,9 +462,9 @@ class Membership:
         peers re-fetch state for nothing. A sample inside the hysteresis band of the
         published one's buckets keeps the published one.
         """
-        fresh = sample.to_proto(self.identity.node_id, peer)
         published = self.links.get(peer)
-        if published is not None and not links.materially_different(published, fresh):
+        fresh = links.with_planning_buckets(sample.to_proto(self.identity.node_id, peer), published)
+        if not links.worth_publishing(fresh, published):
             return
         self.links[peer] = fresh
         log.info(

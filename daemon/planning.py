@@ -36,7 +36,7 @@ import partitioner
 from daemon import agreement as ag
 from daemon.aio_bridge import AsyncioThread
 from daemon.membership import EventLog, Membership
-from daemon.view import mesh_graph
+from daemon.view import mesh_graph, planning_bandwidth, planning_latency
 from daemon.wire import pb, rpc
 from partitioner.quantize import bucket_index, latency_bucket_index
 
@@ -55,7 +55,7 @@ def state_digest(state: pb.NodeState) -> str:
     if profile.flops <= 0 or profile.mem_bandwidth <= 0 or profile.memory_budget <= 0:
         return ""
     links = sorted(
-        [m.dst, latency_bucket_index(m.latency_s), bucket_index(m.bandwidth)]
+        [m.dst, latency_bucket_index(planning_latency(m)), bucket_index(planning_bandwidth(m))]
         for m in state.links
         if m.bandwidth > 0
     )

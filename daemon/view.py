@@ -6,8 +6,9 @@ node that has fetched the same states builds the same graph, attribute for
 attribute. Links to or from nodes that are not alive are left out.
 
 Node attributes: memory_budget (bytes), flops (FLOP/s), mem_bandwidth (bytes/s), name.
-Edge attributes (directed src -> dst): latency_s, bandwidth (bytes/s), tcp_rtt_s,
-grpc_rtt_s, measured_at.
+Edge attributes (directed src -> dst): latency_s and bandwidth (bytes/s) as planning uses
+them (the measurer's bucket, with hysteresis), measured_latency_s and measured_bandwidth
+(the last raw sample), tcp_rtt_s, grpc_rtt_s, measured_at.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Iterable
 import networkx as nx
 
 from daemon.wire import pb
+from partitioner.quantize import bucket_value
 
 
 def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
@@ -41,13 +43,28 @@ def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
             graph.add_edge(
                 link.src,
                 link.dst,
-                latency_s=link.latency_s,
-                bandwidth=link.bandwidth,
+                latency_s=planning_latency(link),
+                bandwidth=planning_bandwidth(link),
+                measured_latency_s=link.latency_s,
+                measured_bandwidth=link.bandwidth,
                 tcp_rtt_s=link.tcp_rtt_s,
                 grpc_rtt_s=link.grpc_rtt_s,
                 measured_at=link.measured_at,
             )
     return graph
+
+
+def planning_bandwidth(link: pb.LinkMeasurement) -> float:
+    """The bandwidth planning uses: the measurer's (sticky) bucket, else the raw number."""
+    if link.HasField("bandwidth_bucket"):
+        return bucket_value(link.bandwidth_bucket)
+    return link.bandwidth
+
+
+def planning_latency(link: pb.LinkMeasurement) -> float:
+    if link.HasField("latency_bucket"):
+        return bucket_value(link.latency_bucket)
+    return link.latency_s
 
 
 def graph_from_status(status: pb.MeshStatus) -> nx.DiGraph:

@@ -64,7 +64,7 @@ class NodeProfile(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., total_memory: _Optional[int] = ..., available_memory: _Optional[int] = ..., memory_budget: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., dtype: _Optional[str] = ..., platform: _Optional[str] = ..., chip: _Optional[str] = ..., mlx_device: _Optional[str] = ..., blas: _Optional[str] = ..., cores: _Optional[int] = ..., measured_at: _Optional[float] = ..., versions: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class LinkMeasurement(_message.Message):
-    __slots__ = ("src", "dst", "tcp_rtt_s", "grpc_rtt_s", "latency_s", "bandwidth", "probe_bytes", "measured_at")
+    __slots__ = ("src", "dst", "tcp_rtt_s", "grpc_rtt_s", "latency_s", "bandwidth", "probe_bytes", "measured_at", "latency_bucket", "bandwidth_bucket")
     SRC_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
     TCP_RTT_S_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,8 @@ class LinkMeasurement(_message.Message):
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEASURED_AT_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BUCKET_FIELD_NUMBER: _ClassVar[int]
     src: str
     dst: str
     tcp_rtt_s: float
@@ -81,7 +83,9 @@ class LinkMeasurement(_message.Message):
     bandwidth: float
     probe_bytes: int
     measured_at: float
-    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., tcp_rtt_s: _Optional[float] = ..., grpc_rtt_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., bandwidth: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., measured_at: _Optional[float] = ...) -> None: ...
+    latency_bucket: int
+    bandwidth_bucket: int
+    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., tcp_rtt_s: _Optional[float] = ..., grpc_rtt_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., bandwidth: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., measured_at: _Optional[float] = ..., latency_bucket: _Optional[int] = ..., bandwidth_bucket: _Optional[int] = ...) -> None: ...
 
 class NodeState(_message.Message):
     __slots__ = ("profile", "links", "version", "instance_id", "alive_peers", "model")
