@@ -314,10 +314,22 @@ class Node:
             name = path.stem.lower()
             if name in {entry.name for entry in store.list_models()}:
                 return store.model_dir(name)
-            return store.import_gguf(path, name=name).path
+            return store.import_gguf(path, name=name, progress=self._import_progress(name)).path
         if model == DEFAULT_MODEL:
-            return store.ensure_default().path
+            return store.ensure_default(progress=self._import_progress(model)).path
         return store.model_dir(model)
+
+    def _import_progress(self, name: str):
+        """Log a model import's progress in quarters (shown by `meshd status`)."""
+        reported: dict[str, int] = {}
+
+        def report(phase: str, done: int, total: int) -> None:
+            quarter = 4 * done // total if total else 4
+            if reported.get(phase, -1) < quarter:
+                reported[phase] = quarter
+                self.events.add("importing %s: %s %d%%", name, phase, 25 * quarter)
+
+        return report
 
     def model_dir_for_selection(self, selection: pb.ModelSelection) -> Path:
         from daemon.inference import model_dir_for

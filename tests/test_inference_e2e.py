@@ -146,3 +146,29 @@ def test_bad_input_gets_clear_errors_and_the_daemon_keeps_serving(mesh_of_three)
     text, _ = chat(node, QUESTION)
     assert "Paris" in text
     assert client.list_models(node.api).selected == "smollm2-135m-instruct"
+
+
+def test_cli_generate_and_chat_stream_from_any_node(mesh_of_three) -> None:
+    import subprocess
+    import sys
+
+    node = mesh_of_three[0]
+    cli = [sys.executable, "-m", "daemon.cli"]
+    state = ["--state-dir", str(node.state_dir)]
+    generated = subprocess.run(
+        [*cli, "generate", QUESTION, *state, "--max-tokens", "24"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert generated.returncode == 0, generated.stderr
+    assert "Paris" in generated.stdout
+    assert "tokens/s" in generated.stderr  # usage and timing at the end
+    chatted = subprocess.run(
+        [*cli, "chat", *state, "--max-tokens", "24"],
+        input=f"{QUESTION}\n\n", capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert chatted.returncode == 0, chatted.stderr
+    assert "Paris" in chatted.stdout
+    refused = subprocess.run(
+        [*cli, "generate", "", *state], capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 2 and "prompt is empty" in refused.stderr

@@ -82,16 +82,22 @@ def test_cut_link_is_noticed_and_rate_limit_is_measured(daemons, netns_mesh, mes
 
 
 def test_other_meshes_are_ignored(daemons, netns_mesh, mesh_token) -> None:
-    mesh = netns_mesh(3)
+    mesh = netns_mesh(4)
     member_a = start(daemons, mesh, 0, mesh_token)
     member_b = start(daemons, mesh, 1, mesh_token)
     # Same mesh name, different secret: another mesh that only looks alike.
-    stranger_token = security.encode_join_token(security.create_mesh_secret("test"))
-    stranger = start(daemons, mesh, 2, stranger_token)
+    lookalike_token = security.encode_join_token(security.create_mesh_secret("test"))
+    lookalike = start(daemons, mesh, 2, lookalike_token)
+    # Another mesh name altogether.
+    other_token = security.encode_join_token(security.create_mesh_secret("elsewhere"))
+    other = start(daemons, mesh, 3, other_token)
     member_a.wait_for(lambda s: len(alive_ids(s)) == 2, 30, "the other member")
-    stranger.wait_ready()
+    lookalike.wait_ready()
+    other.wait_ready()
     time.sleep(2)
     assert len(alive_ids(member_a.status())) == 2
-    assert len(alive_ids(stranger.status())) == 1
     assert len(alive_ids(member_b.status())) == 2
-    assert "fingerprint" in stranger.log_tail(200)
+    assert len(alive_ids(lookalike.status())) == 1
+    assert len(alive_ids(other.status())) == 1
+    assert "fingerprint" in lookalike.log_tail(200)
+    assert "mesh name 'test' differs" in other.log_tail(200)
