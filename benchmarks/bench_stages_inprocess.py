@@ -10,19 +10,6 @@ Run: ``.venv/bin/python benchmarks/bench_stages_inprocess.py [--store DIR] [--js
 store for SmolLM2).
 """
 
-# ruff: noqa: E402
-# Load OpenBLAS before mlx.core; the lead replaces this with daemon.blas.enable_fast_blas().
-import contextlib
-import ctypes
-
-for _library in (
-    "/usr/lib/x86_64-linux-gnu/libquadmath.so.0",
-    "libgfortran.so.5",
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-):
-    with contextlib.suppress(OSError):
-        ctypes.CDLL(_library, mode=ctypes.RTLD_GLOBAL)
-
 import argparse
 import gc
 import json
@@ -31,6 +18,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import daemon  # noqa: F401  (importing the package loads OpenBLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
 import mlx_lm
 

@@ -6,20 +6,7 @@ mlx-lm process and as three in-process stages. Synthetic GGUF files, written fro
 models the way llama.cpp writes them (q/k rows permuted), check the tensor mapping exactly.
 """
 
-# ruff: noqa: E402
-# Load OpenBLAS before mlx.core; the lead replaces this with daemon.blas.enable_fast_blas().
-import contextlib
-import ctypes
 import io
-
-for _library in (
-    "/usr/lib/x86_64-linux-gnu/libquadmath.so.0",
-    "libgfortran.so.5",
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-):
-    with contextlib.suppress(OSError):
-        ctypes.CDLL(_library, mode=ctypes.RTLD_GLOBAL)
-
 import json
 import shutil
 import threading
@@ -33,6 +20,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model, load_tokenizer
 
+import daemon  # noqa: F401  (importing the package loads OpenBLAS before mlx.core)
 from daemon.gguf_import import (
     GGUFImportError,
     hf_tensor_name,

@@ -1,18 +1,5 @@
 """Per-request sampling: seeded determinism, filters, stop strings and parameter validation."""
 
-# ruff: noqa: E402
-# Load OpenBLAS before mlx.core; the lead replaces this with daemon.blas.enable_fast_blas().
-import contextlib
-import ctypes
-
-for _library in (
-    "/usr/lib/x86_64-linux-gnu/libquadmath.so.0",
-    "libgfortran.so.5",
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-):
-    with contextlib.suppress(OSError):
-        ctypes.CDLL(_library, mode=ctypes.RTLD_GLOBAL)
-
 import math
 from typing import Any
 
@@ -20,6 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_tokenizer
 
+import daemon  # noqa: F401  (importing the package loads OpenBLAS before mlx.core)
 from daemon.random_model import write_byte_level_tokenizer
 from daemon.sampling import MAX_TOKENS_LIMIT, SamplingParams, StopChecker, TokenSampler
 

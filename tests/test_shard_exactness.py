@@ -6,20 +6,6 @@ prefill and 24 decode steps. Greedy decoding of random weights degenerates into 
 tests compare logits, not just tokens.
 """
 
-# ruff: noqa: E402
-# Load OpenBLAS before mlx.core (float32 matmuls are ~50x faster); the lead replaces this with
-# daemon.blas.enable_fast_blas().
-import contextlib
-import ctypes
-
-for _library in (
-    "/usr/lib/x86_64-linux-gnu/libquadmath.so.0",
-    "libgfortran.so.5",
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-):
-    with contextlib.suppress(OSError):
-        ctypes.CDLL(_library, mode=ctypes.RTLD_GLOBAL)
-
 import json
 import struct
 from pathlib import Path
