@@ -43,28 +43,25 @@ def _unreachable(api_address: str, exc: grpc.RpcError) -> DaemonUnreachable:
     )
 
 
-def fetch_status(api_address: str, timeout_s: float = 5.0) -> pb.MeshStatus:
+def _unary(api_address: str, method: str, request, timeout_s: float):
+    """One call on the Local service; an unreachable daemon becomes DaemonUnreachable."""
     with local_stub(api_address) as stub:
         try:
-            return stub.Status(pb.StatusRequest(), timeout=timeout_s)
+            return getattr(stub, method)(request, timeout=timeout_s)
         except grpc.RpcError as exc:
             raise _unreachable(api_address, exc) from exc
+
+
+def fetch_status(api_address: str, timeout_s: float = 5.0) -> pb.MeshStatus:
+    return _unary(api_address, "Status", pb.StatusRequest(), timeout_s)
 
 
 def fetch_token(api_address: str, timeout_s: float = 5.0) -> pb.TokenReply:
-    with local_stub(api_address) as stub:
-        try:
-            return stub.GetToken(pb.TokenRequest(), timeout=timeout_s)
-        except grpc.RpcError as exc:
-            raise _unreachable(api_address, exc) from exc
+    return _unary(api_address, "GetToken", pb.TokenRequest(), timeout_s)
 
 
 def remeasure(api_address: str, timeout_s: float = 60.0) -> pb.MeshStatus:
-    with local_stub(api_address) as stub:
-        try:
-            return stub.Remeasure(pb.RemeasureRequest(), timeout=timeout_s)
-        except grpc.RpcError as exc:
-            raise _unreachable(api_address, exc) from exc
+    return _unary(api_address, "Remeasure", pb.RemeasureRequest(), timeout_s)
 
 
 def watch_status(api_address: str, min_interval_s: float = 0.5) -> Iterator[pb.MeshStatus]:
@@ -105,11 +102,7 @@ def stream_generation(
 
 
 def list_models(api_address: str, timeout_s: float = 10.0) -> pb.ModelList:
-    with local_stub(api_address) as stub:
-        try:
-            return stub.ListModels(pb.ListModelsRequest(), timeout=timeout_s)
-        except grpc.RpcError as exc:
-            raise _unreachable(api_address, exc) from exc
+    return _unary(api_address, "ListModels", pb.ListModelsRequest(), timeout_s)
 
 
 def load_model(api_address: str, request: pb.LoadModelRequest, timeout_s: float = 600.0):
