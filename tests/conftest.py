@@ -55,6 +55,22 @@ def daemons(tmp_path: Path, profile_template: Path) -> Iterator[DaemonFactory]:
         daemon.kill()
 
 
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight llama of 94 MB: three 120 MB budgets are needed to hold it."""
+    from daemon.random_model import make_random_model_dir
+
+    return make_random_model_dir(
+        tmp_path_factory.mktemp("model") / "tiny-llama",
+        "llama",
+        layers=8,
+        hidden=512,
+        heads=8,
+        kv_heads=4,
+        intermediate=1376,
+    )
+
+
 @pytest.fixture
 def mesh_token() -> str:
     return security.encode_join_token(security.create_mesh_secret("test"))

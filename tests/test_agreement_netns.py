@@ -16,23 +16,14 @@ from pathlib import Path
 import pytest
 
 from daemon.launcher import DaemonProcess, alive_ids
-from daemon.random_model import make_random_model_dir
 from daemon.wire import pb
 
 BUDGET = ["--memory-budget", "120MB", "--context-length", "256"]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_model_dir(
-        tmp_path_factory.mktemp("model") / "tiny-llama",
-        "llama",
-        layers=8,
-        hidden=512,
-        heads=8,
-        kv_heads=4,
-        intermediate=1376,
-    )
+@pytest.fixture
+def model_dir(tiny_llama: Path) -> Path:
+    return tiny_llama
 
 
 def start(daemons, mesh, i: int, token: str, model: Path) -> DaemonProcess:

@@ -13,24 +13,15 @@ from pathlib import Path
 import pytest
 
 from daemon import client
-from daemon.random_model import make_random_model_dir
 from daemon.wire import pb
 
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 BUDGET = 120_000_000
 
 
-@pytest.fixture(scope="module")
-def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_model_dir(
-        tmp_path_factory.mktemp("model") / "tiny-llama",
-        "llama",
-        layers=8,
-        hidden=512,
-        heads=8,
-        kv_heads=4,
-        intermediate=1376,
-    )
+@pytest.fixture
+def big_model(tiny_llama: Path) -> Path:
+    return tiny_llama
 
 
 def test_model_bigger_than_any_node_runs_within_every_budget(daemons, mesh_token, big_model):
