@@ -12,7 +12,8 @@ if [ "$(uname -s)" = "Linux" ]; then
   SYSTEM_PACKAGES=(libopenblas0-pthread iproute2)
 fi
 missing=()
-for pkg in "${SYSTEM_PACKAGES[@]}"; do
+# ${a[@]+"${a[@]}"}: an empty array under `set -u` on macOS's bash 3.2.
+for pkg in ${SYSTEM_PACKAGES[@]+"${SYSTEM_PACKAGES[@]}"}; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then
