@@ -106,10 +106,14 @@ class LocalService(rpc.LocalServicer):
     async def _stream(self, events, context: grpc.aio.ServicerContext):
         """GenerateEvents from data-plane events; failures become gRPC statuses."""
         from daemon.dataplane import FinalEvent
-        from daemon.inference import RequestError
+        from daemon.inference import RequestError, Routed
 
+        routed = Routed("", "")
         try:
             async for event in events:
+                if isinstance(event, Routed):
+                    routed = event
+                    continue
                 if not isinstance(event, FinalEvent):
                     if event.text:
                         yield pb.GenerateEvent(text=event.text)
@@ -127,8 +131,8 @@ class LocalService(rpc.LocalServicer):
                         ttft_s=usage.ttft_s,
                         decode_tokens_per_s=usage.decode_tokens_per_s,
                         total_s=usage.total_s,
-                        plan_id=self._node.inference.snapshot.active,
-                        model=self._node.inference.snapshot.model,
+                        plan_id=routed.plan_id,
+                        model=routed.model,
                         seed=usage.seed,
                     )
                 )

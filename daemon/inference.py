@@ -50,6 +50,14 @@ class RequestError(Exception):
 
 
 @dataclass(frozen=True)
+class Routed:
+    """First event of a request: the plan (epoch) and model that serve it."""
+
+    plan_id: str
+    model: str
+
+
+@dataclass(frozen=True)
 class ServingSnapshot:
     """What the asyncio side may read: serving plan ids and the active one."""
 
@@ -170,8 +178,12 @@ class Inference:
         model: str,
         plan_id: str,
         chat_template: bool,
-    ) -> AsyncIterator[TokenEvent | FinalEvent]:
-        """Validate, pick the plan, tokenize and stream events (asyncio thread)."""
+    ) -> AsyncIterator[Routed | TokenEvent | FinalEvent]:
+        """Validate, pick the plan, tokenize and stream events (asyncio thread).
+
+        The first event names the plan that serves the request: a request started on a plan
+        finishes on it even when a newer plan is committed meanwhile (the old one drains).
+        """
         params = sampling_params(sampling)
         if messages is None:
             if not prompt or not prompt.strip():
@@ -205,6 +217,7 @@ class Inference:
         else:
             tokens = list(self.plane.tokenizer(chosen).encode(prompt or ""))
         request_id = secrets.token_hex(8)
+        yield Routed(chosen, snapshot.model)
         async for event in self.plane.generate(chosen, tokens, params, request_id=request_id):
             yield event
 
