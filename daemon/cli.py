@@ -320,8 +320,9 @@ def _print_stream(api: str, request) -> int:
     for event in client.stream_generation(api, request):
         if event.HasField("done"):
             done = event.done
+            print(flush=True)  # end the generated text's line on stdout
             print(
-                f"\n[{done.completion_tokens} tokens, {done.finish_reason}; first token "
+                f"[{done.completion_tokens} tokens, {done.finish_reason}; first token "
                 f"{done.ttft_s * 1e3:.0f} ms, {done.decode_tokens_per_s:.1f} tokens/s; "
                 f"plan {done.plan_id[:12]}]",
                 file=sys.stderr,
