@@ -52,7 +52,11 @@ COMMAND_TIMEOUT_S = 600.0
 CONCURRENT_REQUESTS = 4
 # Each node limited to one core, as if every stage had a machine of its own: on one 2-core
 # machine a single request's stages already take turns using both cores.
-ONE_CORE_ENV = {"OPENBLAS_NUM_THREADS": "1"}
+# The daemon tells a data plane how many of the plan's stages share its machine (from the
+# peers' machine fingerprints); here every stage runs on this machine. "Not shared" is the
+# comparison: every stage uses every core however many requests are in flight.
+NOT_SHARED = "cores not shared"
+
 MIB = 1 << 20
 
 
@@ -171,11 +175,12 @@ class MeshProcesses:
     """``stages`` node processes serving one plan; the first stage is the origin."""
 
     def __init__(
-        self, model_dir: Path, stages: int, scratch: Path, env: dict[str, str] | None = None
+        self, model_dir: Path, stages: int, scratch: Path, variant: str | None = None
     ) -> None:
         self.stages = stages
-        suffix = ", 1 BLAS thread" if env == ONE_CORE_ENV else ""
+        suffix = f", {variant}" if variant else ""
         self.label = f"mesh, {stages} stage{'s' if stages > 1 else ''}{suffix}"
+        colocated = 1 if variant == NOT_SHARED else stages
         self.nodes: list[ChildProcess] = []
         secret = security.create_mesh_secret("bench")
         try:
@@ -183,8 +188,9 @@ class MeshProcesses:
                 state_dir = scratch / f"mesh{stages}-node{index}"
                 security.save_secret(state_dir, secret)
                 argv = [*NODE_COMMAND, "--node-id", f"s{index}", "--state-dir", str(state_dir)]
+                argv += ["--colocated-stages", str(colocated)]
                 log_path = Path(f"{state_dir}.log")
-                self.nodes.append(ChildProcess(f"node s{index}", argv, log_path, env))
+                self.nodes.append(ChildProcess(f"node s{index}", argv, log_path))
             self.idle_rss = [int(node.command({"stats": True})["rss_bytes"]) for node in self.nodes]
             config = json.loads((model_dir / "config.json").read_text())
             self.assignment = self._assignment(model_dir, config["num_hidden_layers"])
@@ -341,8 +347,8 @@ def bench_model(
         baseline = ChildProcess("mlx-lm", argv, scratch / "baseline.log")
         stack.callback(baseline.close)
         meshes = []
-        for stages, env in ((1, None), (2, None), (3, None), (2, ONE_CORE_ENV)):
-            mesh = MeshProcesses(model_dir, stages, scratch / f"mesh{len(meshes)}", env)
+        for stages, variant in ((1, None), (2, None), (3, None), (2, NOT_SHARED)):
+            mesh = MeshProcesses(model_dir, stages, scratch / f"mesh{len(meshes)}", variant)
             stack.callback(mesh.close)
             meshes.append(mesh)
         base, results = measure_speed(baseline, meshes, prompt, generate, repeats)

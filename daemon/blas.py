@@ -334,3 +334,40 @@ def _accelerate_info() -> BlasInfo:
 
 def _reference_info(reason: str) -> BlasInfo:
     return BlasInfo(kind="reference", name="reference (mlx wheel)", path=None, reason=reason)
+
+
+_thread_control: dict[str, object] = {}
+
+
+def set_blas_threads(count: int | None) -> bool:
+    """Set how many threads OpenBLAS uses for later calls; None restores its start-up count.
+
+    Why: daemons that share a machine (co-located pipeline stages) each default to every
+    core. With one request in flight they take turns and all cores help; with several in
+    flight they compute at the same time and oversubscribe the cores, so each should use
+    its share. Returns False where OpenBLAS is not the BLAS in use (nothing changes).
+    Call it only from the thread that runs MLX's matmuls, between them.
+    """
+    info = blas_info()
+    if info.kind != "openblas" or not info.path:
+        return False
+    if "set" not in _thread_control:
+        lib = ctypes.CDLL(info.path)  # the already-loaded library: same handle
+        setter = getattr(lib, "openblas_set_num_threads", None)
+        getter = getattr(lib, "openblas_get_num_threads", None)
+        if setter is None or getter is None:
+            return False
+        setter.argtypes = [ctypes.c_int]
+        _thread_control.update(set=setter, default=int(getter()), current=int(getter()))
+    wanted = int(_thread_control["default"]) if count is None else max(1, int(count))
+    if wanted != _thread_control["current"]:
+        _thread_control["set"](wanted)  # type: ignore[operator]
+        _thread_control["current"] = wanted
+    return True
+
+
+def default_blas_threads() -> int:
+    """OpenBLAS's thread count at start-up (all cores), or the CPU count."""
+    if "default" in _thread_control:
+        return int(_thread_control["default"])  # type: ignore[arg-type]
+    return os.cpu_count() or 1

@@ -80,6 +80,7 @@ import psutil
 
 from daemon import security
 from daemon.agreement import PlanNotCommittedError
+from daemon.blas import default_blas_threads, set_blas_threads
 from daemon.pipeline_engine import (
     ComputeWorker,
     SampledToken,
@@ -617,6 +618,9 @@ class DataPlane:
         self.first_token_timeout_s = first_token_timeout_s
         self.token_timeout_s = token_timeout_s
         self.stage_idle_timeout_s = stage_idle_timeout_s
+        # Pipeline stages of the active plan that run on this same machine (this one included),
+        # set by the daemon from the peers' machine fingerprints; see _share_cores.
+        self.colocated_stages = 1
         self._loop: asyncio.AbstractEventLoop | None = None
         self._plans: dict[str, _InstalledPlan] = {}
         self._origins: dict[str, _OriginRequest] = {}
@@ -1326,6 +1330,7 @@ class DataPlane:
                 return
             request.last_activity = time.monotonic()  # a long single-stage decode is not idle
             started = time.perf_counter()
+            self._share_cores()
             try:
                 inputs = (
                     mx.array([tokens])
@@ -1386,6 +1391,22 @@ class DataPlane:
         elif plan.is_first:  # a single-stage plan: chain the next step without a round trip
             self._submit_step(plan, request, step + 1, tokens=[sampled.token_id], wants_logits=True)
         loop.call_soon_threadsafe(self._deliver_token, plan, request, sampled, compute_s)
+
+    def _share_cores(self) -> None:
+        """Compute thread: split the machine's cores among co-located stages when busy.
+
+        Stages on one machine take turns while a single request runs, so each may use every
+        core; with several requests in flight they compute at the same time, and each then
+        uses its share of the cores instead of all of them competing for every core.
+        """
+        if self.colocated_stages <= 1:
+            set_blas_threads(None)
+            return
+        in_flight = sum(len(plan.requests) for plan in list(self._plans.values()))
+        if in_flight <= 1:
+            set_blas_threads(None)
+        else:
+            set_blas_threads(default_blas_threads() // self.colocated_stages)
 
     def _forward(self, plan: _InstalledPlan, request: _StageRequest, frame: dp.Frame) -> None:
         if request.ended:
@@ -1663,6 +1684,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--state-dir", type=Path, required=True)
     parser.add_argument("--listen", default="127.0.0.1:0")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+    parser.add_argument(
+        "--colocated-stages",
+        type=int,
+        default=1,
+        help="stages of the plan on this machine (the daemon derives it from fingerprints)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     asyncio.run(_serve_node(args))
@@ -1688,6 +1715,7 @@ async def _serve_node(args: argparse.Namespace) -> None:
         check_serving,
         prefill_chunk=args.prefill_chunk,
     )
+    plane.colocated_stages = args.colocated_stages
     server, port = await start_server(plane, credentials, args.listen)
     _emit({"node_id": args.node_id, "port": port})
     try:

@@ -133,6 +133,7 @@ class Inference:
             model_dir = self._resolve_model_dir(selection)
             assignment = Assignment.from_plan(plan, model_dir, self._addresses())
             ready = await self._bridge.run(self._ready_event, plan.plan_id)
+            self.plane.colocated_stages = self._colocated_stages(plan)
             await self._bridge.run(self.plane.install, assignment)
         except Exception as exc:
             reason = f"cannot serve plan {plan.plan_id[:12]} here: {exc}"
@@ -147,6 +148,17 @@ class Inference:
             else "no layers (origin only)"
         )
         self._events.add("plan %s ready here: %s of %s", plan.plan_id[:12], where, selection.name)
+
+    def _colocated_stages(self, plan) -> int:
+        """Stages of `plan` on this machine (same machine fingerprint), this node included."""
+        own = self._membership.profile.fingerprint
+        if not own:
+            return 1
+        fingerprints = {self._membership.identity.node_id: own}
+        for record in self._membership.alive_peers():
+            if record.state is not None:
+                fingerprints[record.node_id] = record.state.profile.fingerprint
+        return max(1, sum(1 for node in plan.nodes if fingerprints.get(node) == own))
 
     async def _ready_event(self, plan_id: str) -> asyncio.Event:
         return self._installed.setdefault(plan_id, asyncio.Event())

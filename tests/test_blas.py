@@ -175,3 +175,26 @@ def test_meshd_coretype_wins_over_everything() -> None:
 )
 def test_cpu_flags_reads_this_machine() -> None:
     assert {"sse2", "fpu"} <= cpu_flags()
+
+
+def test_blas_threads_can_be_shared_and_restored() -> None:
+    """Co-located stages use their share of the cores while busy, then all of them again."""
+    code = """
+import ctypes, json
+from daemon.blas import blas_info, default_blas_threads, set_blas_threads
+import mlx.core as mx
+lib = ctypes.CDLL(blas_info().path)
+before = lib.openblas_get_num_threads()
+assert set_blas_threads(1)
+during = lib.openblas_get_num_threads()
+a = mx.random.normal((256, 256)); mx.eval(a @ a)
+assert set_blas_threads(None)
+after = lib.openblas_get_num_threads()
+print(json.dumps([before, during, after, default_blas_threads()]))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    before, during, after, default = json.loads(done.stdout)
+    assert during == 1
+    assert before == after == default >= 1
