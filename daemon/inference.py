@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ import trio
 from daemon.aio_bridge import AsyncioThread
 from daemon.dataplane import Assignment, DataPlane, DataPlaneError, FinalEvent, TokenEvent
 from daemon.membership import EventLog, Membership
+from daemon.model_share import FETCH_TIMEOUT_S, PartSpec, receive_part
 from daemon.planning import PlanAgreement, PlanChange
 from daemon.sampling import SamplingParams
 from daemon.wire import pb
@@ -77,6 +79,7 @@ class Inference:
         events: EventLog,
         plane: DataPlane,
         resolve_model_dir,
+        parts_root: Path,
     ) -> None:
         self._membership = membership
         self._agreement = agreement
@@ -84,6 +87,7 @@ class Inference:
         self._events = events
         self.plane = plane
         self._resolve_model_dir = resolve_model_dir
+        self._parts_root = parts_root
         self.snapshot = ServingSnapshot()
         self._installed: dict[str, asyncio.Event] = {}
         self._install_errors: dict[str, str] = {}
@@ -130,7 +134,7 @@ class Inference:
         if selection is None:
             return
         try:
-            model_dir = self._resolve_model_dir(selection)
+            model_dir = await self._model_dir_or_fetch(selection, plan)
             assignment = Assignment.from_plan(plan, model_dir, self._addresses())
             ready = await self._bridge.run(self._ready_event, plan.plan_id)
             self.plane.colocated_stages = self._colocated_stages(plan)
@@ -148,6 +152,60 @@ class Inference:
             else "no layers (origin only)"
         )
         self._events.add("plan %s ready here: %s of %s", plan.plan_id[:12], where, selection.name)
+
+    async def _model_dir_or_fetch(self, selection: pb.ModelSelection, plan) -> Path:
+        """This node's copy of the model, or its part fetched from a peer that has one."""
+        from daemon.model_store import UnknownModel
+
+        try:
+            return self._resolve_model_dir(selection)
+        except (UnknownModel, FileNotFoundError):
+            pass
+        part = self._part_for(selection, plan)
+        dest = self._parts_root / part.folder_name
+        if dest.is_dir():
+            return dest
+        holders = sorted(
+            (rec for rec in self._membership.alive_peers() if rec.stub is not None),
+            key=lambda rec: (rec.node_id != selection.set_by, rec.node_id),
+        )
+        failures = []
+        for record in holders:
+            started = time.monotonic()
+            try:
+                received = await self._bridge.run(_fetch_part, record.stub, part, dest)
+            except Exception as exc:
+                failures.append(f"{record.node_id}: {exc}")
+                continue
+            self._events.add(
+                "fetched %s of %s from %s: %.1f MB in %.1f s",
+                _describe_part(part),
+                part.name,
+                record.node_id,
+                received / 1e6,
+                time.monotonic() - started,
+            )
+            return dest
+        raise RuntimeError(
+            f"model {selection.name} is not on this node and no peer could send its part ("
+            + ("; ".join(failures) or "no peer is connected")
+            + ")"
+        )
+
+    def _part_for(self, selection: pb.ModelSelection, plan) -> PartSpec:
+        node = self._membership.identity.node_id
+        index = plan.stage_of(node)
+        if index is None:  # origin only: config and tokenizer
+            return PartSpec(selection.name, selection.digest, 0, 0, False, False)
+        stage = plan.stages[index]
+        return PartSpec(
+            selection.name,
+            selection.digest,
+            stage.layer_start,
+            stage.layer_end,
+            stage.has_embedding,
+            stage.has_head,
+        )
 
     def _colocated_stages(self, plan) -> int:
         """Stages of `plan` on this machine (same machine fingerprint), this node included."""
@@ -245,6 +303,18 @@ class Inference:
             ) from exc
 
 
+async def _fetch_part(stub, part: PartSpec, dest: Path) -> int:
+    """asyncio side: stream the part from the peer into `dest`."""
+    call = stub.FetchModelPart(part.to_request(), timeout=FETCH_TIMEOUT_S)
+    return await receive_part(call, dest)
+
+
+def _describe_part(part: PartSpec) -> str:
+    if part.layer_end <= part.layer_start:
+        return "the config and tokenizer"
+    return f"layers {part.layer_start}-{part.layer_end - 1}"
+
+
 async def _count(plane: DataPlane, plan_id: str) -> int:
     return plane.active_requests(plan_id)
 
@@ -289,17 +359,11 @@ def check_messages(messages: Sequence[Mapping[str, str]]) -> None:
 
 
 def model_dir_for(selection: pb.ModelSelection, own_model: str | None, store_root: Path) -> Path:
-    """Where this node finds the selected model: its own --model, the store, or the hint."""
-    from daemon.model_store import ModelStore, UnknownModel
+    """Where this node keeps the selected model: its own --model directory, or its store."""
+    from daemon.model_store import ModelStore
 
     if own_model:
         path = Path(own_model).expanduser()
         if path.is_dir() and path.name == selection.name:
             return path
-    try:
-        return ModelStore(store_root).model_dir(selection.name)
-    except UnknownModel:
-        hint = Path(selection.path) if selection.path else None
-        if hint is not None and hint.is_dir():
-            return hint
-        raise
+    return ModelStore(store_root).model_dir(selection.name)

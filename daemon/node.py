@@ -139,6 +139,7 @@ class Node:
             self.events,
             plane,
             self.model_dir_for_selection,
+            self.store_root / "parts",
         )
         holder.append(inference)
         return inference
@@ -154,6 +155,7 @@ class Node:
         )
         service = PeerService(self.membership, self.bridge)
         service.agreement = self.agreement
+        service.model_source = self._local_model_source
         rpc.add_PeerServicer_to_server(service, server)
         dataplane_rpc.add_DataPlaneServicer_to_server(self.inference.plane.servicer(), server)
         address = f"{self.config.peer_host}:{self.config.peer_port}"
@@ -330,6 +332,16 @@ class Node:
                 self.events.add("importing %s: %s %d%%", name, phase, 25 * quarter)
 
         return report
+
+    def _local_model_source(self, name: str, digest: str) -> Path | None:
+        """This node's full copy of the selected model, to send parts of to peers."""
+        selection = self.agreement.selection
+        if selection is None or (selection.name, selection.digest) != (name, digest):
+            return None
+        try:
+            return self.model_dir_for_selection(selection)
+        except Exception:
+            return None
 
     def model_dir_for_selection(self, selection: pb.ModelSelection) -> Path:
         from daemon.inference import model_dir_for

@@ -8,9 +8,12 @@ for decisions that touch the peer table (Hello).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Protocol
 
 import grpc
@@ -35,6 +38,8 @@ class PeerService(rpc.PeerServicer):
         self._membership = membership
         self._bridge = bridge
         self.agreement: ProposalReceiver | None = None
+        # (model name, digest) -> this node's local model directory, or None.
+        self.model_source: Callable[[str, str], Path | None] = lambda name, digest: None
 
     async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext):
         cert_node_id = peer_node_id(context)
@@ -65,6 +70,32 @@ class PeerService(rpc.PeerServicer):
 
     async def ProbeBandwidth(self, request_iterator, context: grpc.aio.ServicerContext):
         return await links.ProbeReceiver.receive(request_iterator)
+
+    async def FetchModelPart(
+        self, request: pb.ModelPartRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.FileChunk]:
+        from daemon.model_share import PartSpec, export_part, file_chunks
+
+        source = self.model_source(request.model_name, request.model_digest)
+        if source is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"node {self._membership.identity.node_id} has no copy of model "
+                f"{request.model_name} ({request.model_digest})",
+            )
+        part = PartSpec.from_request(request)
+        with tempfile.TemporaryDirectory(prefix="meshd-part-") as tmp:
+            root = Path(tmp)
+            paths = await asyncio.to_thread(export_part, source, part, root)
+            log.info(
+                "sending layers %d-%d of %s to %s",
+                part.layer_start,
+                part.layer_end - 1,
+                part.name,
+                peer_node_id(context),
+            )
+            for chunk in file_chunks(paths, root):
+                yield chunk
 
     async def Propose(self, request: pb.ProposalMessage, context: grpc.aio.ServicerContext):
         receiver = self.agreement

@@ -257,6 +257,36 @@ class ProbeSummary(_message.Message):
     chunks: int
     def __init__(self, bytes: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., chunks: _Optional[int] = ...) -> None: ...
 
+class ModelPartRequest(_message.Message):
+    __slots__ = ("model_name", "model_digest", "layer_start", "layer_end", "has_embedding", "has_head")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    HAS_EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    HAS_HEAD_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    model_digest: str
+    layer_start: int
+    layer_end: int
+    has_embedding: bool
+    has_head: bool
+    def __init__(self, model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., has_embedding: _Optional[bool] = ..., has_head: _Optional[bool] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("path", "offset", "data", "size", "sha256")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    data: bytes
+    size: int
+    sha256: str
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
 class PeerStatus(_message.Message):
     __slots__ = ("profile", "address", "alive", "last_seen_s", "joined_at", "source", "instance_id")
     PROFILE_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class PeerStub:
                 request_serializer=meshd__pb2.ProposalMessage.SerializeToString,
                 response_deserializer=meshd__pb2.ProposeAck.FromString,
                 _registered_method=True)
+        self.FetchModelPart = channel.unary_stream(
+                '/meshd.v1.Peer/FetchModelPart',
+                request_serializer=meshd__pb2.ModelPartRequest.SerializeToString,
+                response_deserializer=meshd__pb2.FileChunk.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -111,6 +116,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchModelPart(self, request, context):
+        """Model distribution: the files of one part of a model (its layer range, config and
+        tokenizer), for a member that holds a stage but has no copy (see daemon/model_share.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +156,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=meshd__pb2.ProposalMessage.FromString,
                     response_serializer=meshd__pb2.ProposeAck.SerializeToString,
+            ),
+            'FetchModelPart': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchModelPart,
+                    request_deserializer=meshd__pb2.ModelPartRequest.FromString,
+                    response_serializer=meshd__pb2.FileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +325,33 @@ class Peer:
             '/meshd.v1.Peer/Propose',
             meshd__pb2.ProposalMessage.SerializeToString,
             meshd__pb2.ProposeAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchModelPart(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/meshd.v1.Peer/FetchModelPart',
+            meshd__pb2.ModelPartRequest.SerializeToString,
+            meshd__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,
