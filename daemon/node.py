@@ -224,7 +224,7 @@ class Node:
         import psutil
 
         active = self.agreement.core.active
-        plan = self.agreement.plans.get(active.plan_id) if active else None
+        plan = self.agreement.plan_for(active.proposal) if active else None
         planned = plan.memory_of(self.identity.node_id) if plan else None
         return pb.RuntimeMemory(
             mlx_active=mx.get_active_memory(),

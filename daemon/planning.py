@@ -296,7 +296,7 @@ class PlanAgreement:
                 self._notify(PlanChange("refused", "", None, output.reason))
 
     def _on_committed(self, output: ag.Committed) -> None:
-        plan = self.plans.get(output.plan_id)
+        plan = self.plan_for(output.proposal)
         self.last_refusal = ""
         layout = ", ".join(
             f"{'+'.join(stage.nodes)} {stage.layer_start}-{stage.layer_end - 1}"
@@ -339,6 +339,18 @@ class PlanAgreement:
 
     # ------------------------------------------------------------ status
 
+    def plan_for(self, proposal: ag.Proposal) -> partitioner.Plan | None:
+        """The full partitioner plan behind a proposal (recomputed if not cached here)."""
+        outcome = proposal.outcome
+        if not isinstance(outcome, ag.Plan):
+            return None
+        plan = self.plans.get(outcome.plan_id)
+        if plan is None:
+            log.warning("plan %s was not cached; recomputing it", outcome.plan_id[:12])
+            self._compute_plan(proposal.inputs)
+            plan = self.plans.get(outcome.plan_id)
+        return plan
+
     def release(self, plan_id: str) -> None:
         """A draining plan has no request left here: stop serving it."""
         self._apply(self.core.release_draining(plan_id))
@@ -359,7 +371,7 @@ class PlanAgreement:
         if status.active is not None:
             out.active_plan_id = status.active.plan_id
             out.members.extend(status.active.members)
-            plan = self.plans.get(status.active.plan_id)
+            plan = self.plan_for(status.active.proposal)
             if plan is not None:
                 out.plan_json = json.dumps(plan.to_dict())
         if status.proposal is not None:
