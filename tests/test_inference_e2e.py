@@ -27,7 +27,8 @@ def default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def committed_over(n: int):
     def check(status: pb.MeshStatus) -> bool:
-        return bool(status.agreement.active_plan_id) and len(status.agreement.members) == n
+        view = status.agreement
+        return bool(view.active_plan_id and view.plan_json) and len(view.members) == n
 
     return check
 
@@ -84,8 +85,10 @@ def mesh_of_three(default_model, tmp_path_factory):
 
 
 def test_three_hosts_answer_paris(mesh_of_three) -> None:
-    status = mesh_of_three[0].status()
     import json
+
+    # A host that joined last may still be moving from a 2-node to the 3-node plan.
+    status = mesh_of_three[0].wait_for(committed_over(3), 30, "the 3-node plan")
 
     stages = json.loads(status.agreement.plan_json)["stages"]
     assert len(stages) == 3  # every host holds a third of the layers
