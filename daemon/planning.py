@@ -242,6 +242,26 @@ class PlanAgreement:
             settings = self._selection.options_json
         outputs = self.core.on_membership(time.monotonic(), alive, digests, model, settings or "")
         self._apply(outputs)
+        self._forget_unreferenced(digests)
+
+    def _forget_unreferenced(self, digests: dict[str, str]) -> None:
+        """Drop cached states and plans nothing refers to any more.
+
+        A daemon runs for months: every re-measured link bucket makes a new digest and every
+        membership change a new plan. Kept: the states of the current digests and of the
+        proposals still in play (own, active, draining), and those proposals' plans.
+        """
+        core = self.core
+        proposals = [core.proposal] + [s.proposal for s in (core.active, *core.draining) if s]
+        live = [p for p in proposals if p is not None]
+        keep_states = set(digests.items())
+        for proposal in live:
+            keep_states.update(zip(proposal.inputs.members, proposal.inputs.digests, strict=True))
+        for key in set(self._states) - keep_states:
+            del self._states[key]
+        keep_plans = {p.outcome.plan_id for p in live if isinstance(p.outcome, ag.Plan)}
+        for plan_id in set(self.plans) - keep_plans:
+            del self.plans[plan_id]
 
     def _compute_plan(self, inputs: ag.PlanInputs) -> ag.PlanOutcome:
         selection = self._selection
