@@ -9,6 +9,12 @@ Bandwidth is measured by streaming 256 KiB chunks to the peer for a bounded
 time and byte count; the *receiver* times the chunks (first chunk excluded), so
 what fills socket buffers at the sender does not inflate the rate. Each probe
 moves at most `MAX_PROBE_BYTES` and takes at most `PROBE_SECONDS` of sending.
+
+Probes disturb each other: two probes leaving one node share its uplink (each
+would report half), and a node whose uplink is full acknowledges incoming
+probes late. So a node runs one bandwidth probe at a time (`Membership`), and
+the first sample of a link, or one that makes it look worse, is confirmed by a
+second probe, keeping the better of the two (`needs_confirmation`, `better_of`).
 """
 
 from __future__ import annotations
@@ -106,13 +112,6 @@ async def probe_bandwidth(
     return summary.bytes / summary.receive_seconds, sent
 
 
-async def measure_link(stub: rpc.PeerStub, probe_stub: rpc.PeerStub) -> tuple[float, float, int]:
-    """gRPC RTT and bandwidth (asyncio side). Returns (grpc_rtt_s, bandwidth, bytes)."""
-    rtt = await grpc_rtt(stub)
-    bandwidth, sent = await probe_bandwidth(probe_stub)
-    return rtt, bandwidth, sent
-
-
 class ProbeReceiver:
     """Server side of ProbeBandwidth: time chunk arrivals, excluding the first."""
 
@@ -163,6 +162,34 @@ def with_planning_buckets(
         else latency_bucket_index(latency)
     )
     return new
+
+
+def needs_confirmation(new: pb.LinkMeasurement, published: pb.LinkMeasurement | None) -> bool:
+    """Whether a sample (with planning buckets set) must be confirmed by a second probe.
+
+    The first sample of a link and a sample that moves the link to a worse bucket are: the
+    first plan is made from the first sample, and contention only ever makes a link look
+    worse (another node probing the same peer, this node's own uplink busy, a CPU-starved
+    receiver), while a really slower link shows in both probes.
+    """
+    if published is None:
+        return True
+    return (
+        new.bandwidth_bucket < published.bandwidth_bucket
+        or new.latency_bucket > published.latency_bucket
+    )
+
+
+def better_of(a: LinkSample, b: LinkSample) -> LinkSample:
+    """What two probes of one link show it can do: the higher bandwidth, the lower RTTs."""
+    best = a if a.bandwidth >= b.bandwidth else b
+    return LinkSample(
+        tcp_rtt_s=min(a.tcp_rtt_s, b.tcp_rtt_s),
+        grpc_rtt_s=min(a.grpc_rtt_s, b.grpc_rtt_s),
+        bandwidth=best.bandwidth,
+        probe_bytes=best.probe_bytes,
+        measured_at=max(a.measured_at, b.measured_at),
+    )
 
 
 def worth_publishing(new: pb.LinkMeasurement, published: pb.LinkMeasurement | None) -> bool:

@@ -119,6 +119,7 @@ class Membership:
         self._interval = heartbeat_interval_s
         self._timeout = peer_timeout_s
         self._probe_interval = link_probe_interval_s
+        self._bandwidth_turn = trio.Lock()  # one bandwidth probe at a time leaves this node
         self.peers: dict[str, PeerRecord] = {}
         self.links: dict[str, pb.LinkMeasurement] = {}
         self._wanted: dict[str, str] = {}  # address -> source
@@ -440,20 +441,47 @@ class Membership:
     async def _probe_links(
         self, stub: rpc.PeerStub, probe_stub: rpc.PeerStub, record: PeerRecord
     ) -> None:
-        host, port = split_address(record.address)
         await trio.sleep(random.uniform(0.0, 0.2))  # stagger probes of peers joining together
         while True:
-            try:
-                tcp = await links.tcp_rtt(host, port)
-                rtt, bandwidth, sent = await self._bridge.run(links.measure_link, stub, probe_stub)
-            except Exception as exc:
-                if not links.is_transient(exc):
-                    raise
-                log.info("measuring the link to %s failed: %s", record.node_id, exc)
-            else:
-                sample = links.LinkSample(tcp, rtt, bandwidth, sent, time.time())
+            sample = await self._measure_link(stub, probe_stub, record)
+            if sample is not None and self._needs_confirmation(record.node_id, sample):
+                # A first or worse sample counts only when a second probe, a moment later, agrees.
+                await trio.sleep(random.uniform(0.1, 0.4))
+                again = await self._measure_link(stub, probe_stub, record)
+                if again is not None:
+                    sample = links.better_of(sample, again)
+            if sample is not None:
                 self._record_link(record.node_id, sample)
             await trio.sleep(self._probe_interval * random.uniform(0.9, 1.1))
+
+    async def _measure_link(
+        self, stub: rpc.PeerStub, probe_stub: rpc.PeerStub, record: PeerRecord
+    ) -> links.LinkSample | None:
+        """One probe of the link to `record`'s peer; None (logged) when the peer is unreachable.
+
+        Round trips are measured concurrently with other peers' probes; bandwidth probes take
+        turns (`_bandwidth_turn`), because probes leaving this node share its uplink.
+        """
+        host, port = split_address(record.address)
+        try:
+            tcp = await links.tcp_rtt(host, port)
+            rtt = await self._bridge.run(links.grpc_rtt, stub)
+            async with self._bandwidth_turn:
+                bandwidth, sent = await self._bridge.run(links.probe_bandwidth, probe_stub)
+        except Exception as exc:
+            if not links.is_transient(exc):
+                raise
+            log.info("measuring the link to %s failed: %s", record.node_id, exc)
+            return None
+        return links.LinkSample(tcp, rtt, bandwidth, sent, time.time())
+
+    def _needs_confirmation(self, peer: str, sample: links.LinkSample) -> bool:
+        return links.needs_confirmation(self._bucketed(peer, sample), self.links.get(peer))
+
+    def _bucketed(self, peer: str, sample: links.LinkSample) -> pb.LinkMeasurement:
+        """`sample` as a measurement with planning buckets relative to the published one."""
+        proto = sample.to_proto(self.identity.node_id, peer)
+        return links.with_planning_buckets(proto, self.links.get(peer))
 
     def _record_link(self, peer: str, sample: links.LinkSample) -> None:
         """Publish a link measurement only when it changed materially.
@@ -463,7 +491,7 @@ class Membership:
         published one's buckets keeps the published one.
         """
         published = self.links.get(peer)
-        fresh = links.with_planning_buckets(sample.to_proto(self.identity.node_id, peer), published)
+        fresh = self._bucketed(peer, sample)
         if not links.worth_publishing(fresh, published):
             return
         self.links[peer] = fresh
