@@ -18,6 +18,11 @@ The protocol
    `started_at`, so that it hears its peers (and they become stable) instead of first
    committing a one-node plan; set it above `join_stability_s` plus the discovery time.
    A peer that flaps faster than `join_stability_s` never becomes a member.
+   *Settling.* The daemon may name nodes whose inputs are still being measured (a joining
+   peer's links, or this node's links to it; see `on_membership`). While one of them is alive
+   the node keeps its current proposal instead of making a new one, unless a member of that
+   proposal was lost, so a mesh does not commit a plan and replace it a second later when the
+   last link measurement arrives. The daemon bounds how long a node stays settling.
 2. *Proposal.* From the sorted members, their profile digests, the model and the plan settings
    digest (`PlanInputs`) the node computes `compute_plan(inputs)`: a `Plan` (plan id, members
    that hold stages) or a `Refusal` ("not enough memory in this mesh for X: need A, have B").
@@ -68,7 +73,8 @@ Liveness (given A1-A5): if from time T on the network is stable (every node's al
 exactly the group of nodes it can reach, each group is fully connected, the digests and the
 model every node holds agree, and links lose at most k messages in a row), then every node of
 every group commits the same plan of exactly that group, or reports the same refusal, by
-T + detection delay + `join_stability_s` + (k + 1) resend periods (a resend period is
+T + detection delay + `join_stability_s` + the daemon's settling bound + (k + 1) resend
+periods (a resend period is
 `retransmit_interval_s` plus the daemon's tick granularity plus a message delay). Proof
 sketch: after the views settle all nodes compute the same proposal, each unsettled node
 re-sends it every period, so within k + 1 periods every member holds every other member's
@@ -96,7 +102,7 @@ names the peer whose view differs and what it sees.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 NodeId = str
@@ -346,6 +352,7 @@ class AgreementNode:
         self._started_at = started_at
         self._alive: dict[NodeId, float] = {}
         self._digests: dict[NodeId, str] = {}
+        self._settling: frozenset[NodeId] = frozenset()
         self._model: ModelRef | None = None
         self._settings = ""
         self._proposal: Proposal | None = None
@@ -409,19 +416,23 @@ class AgreementNode:
         digests: Mapping[NodeId, str],
         model: ModelRef | None,
         settings: str = "",
+        settling: Collection[NodeId] = (),
     ) -> list[Output]:
         """The liveness layer's view changed: peers alive (with since when), digests, model.
 
         `alive` maps each peer seen alive to the time it became alive (this node's clock); it
         must change whenever the peer reconnects. `digests` holds the profile digest of this
         node and of each peer whose profile it fetched. `settings` digests the mesh-wide
-        settings that change plans; all nodes must pass the same.
+        settings that change plans; all nodes must pass the same. `settling` names nodes
+        (this one or peers) whose digests are about to change because their measurements are
+        not complete yet; the caller must bound how long a node stays in it.
         """
         self._forget_reconnected(alive)
         self._alive = {peer: since for peer, since in alive.items() if peer != self.node_id}
         self._digests = dict(digests)
         self._model = model
         self._settings = settings
+        self._settling = frozenset(settling)
         return self._refresh(now)
 
     def on_message(self, now: float, message: ProposalMessage) -> list[Output]:
@@ -493,7 +504,22 @@ class AgreementNode:
             self._last_computed = (inputs, self._compute_plan(inputs))
         return self._last_computed[1]
 
+    def _settling_now(self) -> list[NodeId]:
+        """Settling nodes that are this node or alive peers."""
+        return sorted(n for n in self._settling if n == self.node_id or n in self._alive)
+
+    def _holding_for_settling(self) -> bool:
+        """Keep the current proposal while measurements settle, unless it lost a member."""
+        if not self._settling_now():
+            return False
+        proposal = self._proposal
+        return proposal is None or all(
+            member == self.node_id or member in self._alive for member in proposal.members
+        )
+
     def _update_proposal(self, now: float) -> list[Output]:
+        if self._holding_for_settling():
+            return []
         inputs = self._current_inputs(now)
         proposal = None if inputs is None else Proposal(inputs, self._outcome_for(inputs))
         if proposal == self._proposal:
@@ -645,6 +671,9 @@ class AgreementNode:
             reasons.append("no model selected")
         if self.node_id not in self._digests:
             reasons.append("this node's own profile is not measured yet")
+        settling = self._settling_now()
+        if settling:
+            reasons.append(f"waiting for link measurements of {', '.join(settling)}")
         for peer, since in sorted(self._alive.items()):
             if now - since < stability:
                 reasons.append(

@@ -9,6 +9,10 @@ component is its runtime:
   of its FLOP/s and memory bandwidth, and the buckets of its outgoing links — so every node
   computes the same digest from the same served `NodeState`, and measurement noise inside a
   bucket changes nothing (the publisher also applies hysteresis, see `Membership`).
+* **Settling.** A node whose published links still miss a node that joined moments ago is
+  *settling* (`settling_nodes`); the core keeps its current proposal meanwhile, for at most
+  `settle_bound_s`, so a starting mesh commits one plan made from measured links instead of
+  committing one and replacing it when the last measurement lands.
 * **Model selection** is a last-writer-wins register gossiped in every `NodeState`:
   the selection with the largest `(set_at, set_by)` wins, so any node may change the model
   and every node converges on the same one without a master.
@@ -44,6 +48,8 @@ log = logging.getLogger("meshd.planning")
 
 TICK_S = 0.1
 PROPOSE_TIMEOUT_S = 1.0
+SETTLE_BASE_S = 2.0
+SETTLE_PER_PEER_S = 0.5
 
 
 # ---------------------------------------------------------------- digests and selections
@@ -67,6 +73,37 @@ def state_digest(state: pb.NodeState) -> str:
         links,
     ]
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
+
+
+def settle_bound_s(peers: int) -> float:
+    """How long to wait for the link measurements of a node that just joined.
+
+    A node measures its links one bandwidth probe at a time, each confirmed once, so the
+    time to measure all of them grows with the number of peers.
+    """
+    return SETTLE_BASE_S + SETTLE_PER_PEER_S * peers
+
+
+def settling_nodes(
+    states: dict[str, pb.NodeState], alive_since: dict[str, float], now: float
+) -> set[str]:
+    """Nodes whose published links still miss a node that joined less than a bound ago.
+
+    `alive_since` holds every node of the view (this one with its start time). A node with no
+    state yet counts as missing all its links. Planning before the last link of a joining node
+    is measured would commit a plan and replace it as soon as the measurement arrives; a link
+    that cannot be measured within `settle_bound_s` is planned without.
+    """
+    bound = settle_bound_s(len(alive_since) - 1)
+    settling = set()
+    for node, since in alive_since.items():
+        state = states.get(node)
+        measured = {m.dst for m in state.links if m.bandwidth > 0} if state is not None else set()
+        for other, other_since in alive_since.items():
+            if other != node and other not in measured and now - max(since, other_since) < bound:
+                settling.add(node)
+                break
+    return settling
 
 
 def model_selection(
@@ -178,13 +215,15 @@ class PlanAgreement:
         self._bridge = bridge
         self._events = events
         self._node_id = membership.identity.node_id
+        self._started_at = time.monotonic()
         self.core = ag.AgreementNode(
             self._node_id,
             time.time_ns(),
             self._compute_plan,
-            started_at=time.monotonic(),
+            started_at=self._started_at,
             config=config,
         )
+        self._settling: set[str] = set()
         self.plans: dict[str, partitioner.Plan] = {}
         self._states: dict[tuple[str, str], pb.NodeState] = {}
         self._selection: pb.ModelSelection | None = None
@@ -212,6 +251,8 @@ class PlanAgreement:
     async def _tick(self) -> None:
         while True:
             await trio.sleep(TICK_S)
+            if self._settling:
+                self._feed_membership()  # a settling bound may have passed
             self._apply(self.core.on_tick(time.monotonic()))
 
     # ------------------------------------------------------------ inputs
@@ -229,6 +270,8 @@ class PlanAgreement:
             alive[record.node_id] = record.alive_since
             if record.state is not None:
                 states[record.node_id] = record.state
+        now = time.monotonic()
+        self._settling = settling_nodes(states, {**alive, self._node_id: self._started_at}, now)
         digests: dict[str, str] = {}
         for node_id, state in states.items():
             digest = state_digest(state)
@@ -240,7 +283,9 @@ class PlanAgreement:
         if self._selection is not None:
             model = ag.ModelRef(self._selection.name, self._selection.digest)
             settings = self._selection.options_json
-        outputs = self.core.on_membership(time.monotonic(), alive, digests, model, settings or "")
+        outputs = self.core.on_membership(
+            now, alive, digests, model, settings or "", settling=self._settling
+        )
         self._apply(outputs)
         self._forget_unreferenced(digests)
 

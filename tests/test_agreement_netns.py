@@ -31,21 +31,26 @@ def start(daemons, mesh, i: int, token: str, model: Path) -> DaemonProcess:
     return daemons(args, netns=mesh.nodes[i].ns)
 
 
-def committed(status: pb.MeshStatus) -> tuple[str, frozenset[str]]:
+def committed(status: pb.MeshStatus) -> tuple[str, frozenset[str], bool]:
+    """(active plan id, its members, converged: committed and nothing pending)."""
     view = status.agreement
-    return view.active_plan_id, frozenset(view.members)
+    return view.active_plan_id, frozenset(view.members), view.converged
 
 
 def wait_same_plan(nodes: list[DaemonProcess], members: int, timeout_s: float) -> str:
-    """Wait until every node serves the same committed plan over `members` nodes."""
+    """Wait until every node serves the same committed plan over `members` nodes, converged."""
     deadline = time.monotonic() + timeout_s
     for d in nodes:
         d.wait_ready(timeout_s)
-    seen: list[tuple[str, frozenset[str]]] = []
+    seen: list[tuple[str, frozenset[str], bool]] = []
     while time.monotonic() < deadline:
         seen = [committed(d.status()) for d in nodes]
-        plan_ids = {plan for plan, _ in seen}
-        if len(plan_ids) == 1 and "" not in plan_ids and all(len(m) == members for _, m in seen):
+        plan_ids = {plan for plan, _, _ in seen}
+        if (
+            len(plan_ids) == 1
+            and "" not in plan_ids
+            and all(len(m) == members and converged for _, m, converged in seen)
+        ):
             return plan_ids.pop()
         time.sleep(0.1)
     reasons = [d.status().agreement.reason for d in nodes]

@@ -190,6 +190,41 @@ def test_a_joining_peer_waits_for_stability_and_a_digest() -> None:
     assert node.proposal is not None and node.proposal.members == ("n1",)
 
 
+def test_a_settling_node_holds_the_first_proposal_until_its_links_are_measured() -> None:
+    node = AgreementNode("n1", 1, COMPUTE, 0.0, UNIT)
+    node.on_membership(1.0, {"n2": 0.0, "n3": 0.0}, DIGESTS, MODEL, settling={"n3"})
+    assert sent(node.on_tick(1.5)).proposal is None, "no plan before n3's links are measured"
+    assert "waiting for link measurements of n3" in node.status(1.5).reason
+    node.on_membership(1.8, {"n2": 0.0, "n3": 0.0}, DIGESTS, MODEL, settling=set())
+    assert node.proposal is not None and node.proposal.members == NAMES
+
+
+def test_a_settling_node_keeps_the_committed_plan_until_its_digest_is_final() -> None:
+    nodes, plan_id = committed_trio()
+    n1 = nodes["n1"]
+    before = n1.proposal
+    changed = {**DIGESTS, "n3": "n3/v1"}  # n3 measured one link; more are coming
+    n1.on_membership(3.0, {"n2": 0.0, "n3": 0.0}, changed, MODEL, settling={"n3"})
+    assert n1.proposal == before and n1.is_serving(plan_id)
+    assert "waiting for link measurements of n3" in n1.status(3.0).reason
+    n1.on_membership(3.5, {"n2": 0.0, "n3": 0.0}, changed, MODEL, settling=())
+    assert n1.proposal is not None and n1.proposal.inputs.digests[2] == "n3/v1"
+
+
+def test_settling_does_not_hold_a_proposal_with_a_lost_member() -> None:
+    nodes, plan_id = committed_trio()
+    n1 = nodes["n1"]
+    outputs = n1.on_membership(3.0, {"n2": 0.0}, DIGESTS, MODEL, settling={"n2"})
+    assert Withdrawn(plan_id, f"member n3 of plan {plan_id} was lost") in outputs
+    assert n1.proposal is not None and n1.proposal.members == ("n1", "n2")
+
+
+def test_settling_of_a_node_no_longer_alive_holds_nothing() -> None:
+    node = AgreementNode("n1", 1, COMPUTE, 0.0, UNIT)
+    node.on_membership(2.0, {"n2": 0.0}, DIGESTS, MODEL, settling={"n3"})
+    assert node.proposal is not None and node.proposal.members == ("n1", "n2")
+
+
 def committed_trio() -> tuple[dict[str, AgreementNode], str]:
     nodes = started_nodes()
     messages = proposals_at(nodes, 1.0)
