@@ -41,6 +41,7 @@ PROTOCOL_VERSION = 1
 HELLO_TIMEOUT_S = 2.0
 STATE_TIMEOUT_S = 3.0
 MAX_BACKOFF_S = 3.0
+CONFIRM_PAUSE_S = (0.02, 0.1)  # random, so two nodes probing one peer drift apart
 FORGET_LOST_AFTER_S = 120.0
 
 
@@ -441,13 +442,12 @@ class Membership:
     async def _probe_links(
         self, stub: rpc.PeerStub, probe_stub: rpc.PeerStub, record: PeerRecord
     ) -> None:
-        await trio.sleep(random.uniform(0.0, 0.2))  # stagger probes of peers joining together
-        while True:
+        while True:  # no stagger needed: bandwidth probes take turns (`_bandwidth_turn`)
             sample = await self._measure_link(stub, probe_stub, record)
             if sample is not None and self._needs_confirmation(record.node_id, sample):
                 # A first or worse sample counts only when a second probe, a moment later, agrees.
-                await trio.sleep(random.uniform(0.1, 0.4))
-                again = await self._measure_link(stub, probe_stub, record)
+                await trio.sleep(random.uniform(*CONFIRM_PAUSE_S))
+                again = await self._measure_link(stub, probe_stub, record, sample.grpc_rtt_s)
                 if again is not None:
                     sample = links.better_of(sample, again)
             if sample is not None:
@@ -455,17 +455,26 @@ class Membership:
             await trio.sleep(self._probe_interval * random.uniform(0.9, 1.1))
 
     async def _measure_link(
-        self, stub: rpc.PeerStub, probe_stub: rpc.PeerStub, record: PeerRecord
+        self,
+        stub: rpc.PeerStub,
+        probe_stub: rpc.PeerStub,
+        record: PeerRecord,
+        grpc_rtt_s: float | None = None,
     ) -> links.LinkSample | None:
         """One probe of the link to `record`'s peer; None (logged) when the peer is unreachable.
 
         Round trips are measured concurrently with other peers' probes; bandwidth probes take
-        turns (`_bandwidth_turn`), because probes leaving this node share its uplink.
+        turns (`_bandwidth_turn`), because probes leaving this node share its uplink. A known
+        `grpc_rtt_s` (shown, never planned with) is reused instead of measured again.
         """
         host, port = split_address(record.address)
         try:
             tcp = await links.tcp_rtt(host, port)
-            rtt = await self._bridge.run(links.grpc_rtt, stub)
+            rtt = (
+                grpc_rtt_s
+                if grpc_rtt_s is not None
+                else await self._bridge.run(links.grpc_rtt, stub)
+            )
             async with self._bandwidth_turn:
                 bandwidth, sent = await self._bridge.run(links.probe_bandwidth, probe_stub)
         except Exception as exc:
