@@ -448,10 +448,15 @@ class Node:
         )
         send, receive = trio.open_memory_channel[discovery.DiscoveryEvent](256)
         async with trio.open_nursery() as nursery:
+            # Peers found while our own registration (~0.5 s) is still going out are dialled
+            # at once; they learn of this node from the inbound call and dial back.
+            nursery.start_soon(self._follow_discovery, receive)
             await nursery.start(discovery.Discovery(own, interfaces, send).run)
             task_status.started()
-            async for event in receive:
-                self._on_discovery(event)
+
+    async def _follow_discovery(self, receive: trio.MemoryReceiveChannel) -> None:
+        async for event in receive:
+            self._on_discovery(event)
 
     def _on_discovery(self, event: object) -> None:
         from daemon import discovery
