@@ -89,6 +89,7 @@ from daemon.pipeline_engine import (
     decode_hidden,
     encode_hidden,
 )
+from daemon.runtime import import_model_runtime
 from daemon.sampling import MAX_SEED, SamplingParams, StopChecker
 from daemon.wire import dataplane_pb2 as dp
 from daemon.wire import dataplane_pb2_grpc as dp_grpc
@@ -665,9 +666,8 @@ class DataPlane:
         plan = self._new_plan(assignment)
         self._plans[assignment.plan_id] = plan
         try:
-            # One thread imports mlx_lm before two threads use it: concurrent first imports
-            # of the same package can trip Python's import-lock deadlock detection.
-            await asyncio.to_thread(_import_runtime)
+            # One thread imports mlx_lm before two threads use it (see daemon.runtime).
+            await asyncio.to_thread(import_model_runtime)
             loading = [asyncio.to_thread(_load_tokenizer, assignment.model_dir)]
             if plan.engine is not None:
                 loading.append(self._load_engine(plan.engine))
@@ -1617,14 +1617,6 @@ def _unreachable(plan: _InstalledPlan | None, peer: str, reason: str) -> str:
 def _unserved(error: str, prompt_tokens: int, seed: int) -> FinalEvent:
     usage = Usage(prompt_tokens, 0, 0.0, 0.0, 0.0, 0.0, seed)
     return FinalEvent("error", usage, "", error)
-
-
-def _import_runtime() -> None:
-    """Import what loading and running a stage needs (mlx_lm pulls in transformers)."""
-    import mlx_lm.sample_utils
-    import mlx_lm.utils  # noqa: F401
-
-    import daemon.shard  # noqa: F401
 
 
 def _load_tokenizer(model_dir: Path) -> tuple[Any, dict[str, Any]]:

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from daemon.runtime import import_model_runtime
 from daemon.wire import pb
 
 CHUNK_BYTES = 1024 * 1024
@@ -91,6 +92,7 @@ def export_part(model_dir: Path, part: PartSpec, out_dir: Path) -> list[Path]:
 
     Blocking (reads and writes weights): run it off the event loop.
     """
+    import_model_runtime()
     from daemon.shard import INDEX_FILE, _load_needed_weights, write_sharded_safetensors
 
     out_dir.mkdir(parents=True, exist_ok=True)

