@@ -69,7 +69,7 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -102,6 +102,7 @@ DEFAULT_PREFILL_CHUNK = 256
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_ACTIVATION_BYTES = 32 << 20  # a prefill chunk is cut so its activation stays below this
 MAX_REQUEST_ID_CHARS = 128
+MAX_REMEMBERED_LOAD_FAILURES = 64
 ENDED_REMEMBERED = 4096  # ids of ended requests kept to drop their late frames
 # gRPC options for data-plane servers and channels: prompt chunks are large messages.
 SERVER_OPTIONS: list[tuple[str, Any]] = [
@@ -274,12 +275,15 @@ class Usage:
 @dataclass(frozen=True)
 class FinalEvent:
     """The last event of a request. ``text`` is held-back text flushed at the end (append it
-    to the tokens' text); ``error`` says what went wrong when ``finish_reason == "error"``."""
+    to the tokens' text); ``error`` says what went wrong when ``finish_reason == "error"``.
+    ``stage_loading`` marks an error that a retry may cure: a stage has committed the plan but
+    is still loading its layers, and no token was generated yet."""
 
     finish_reason: FinishReason
     usage: Usage
     text: str = ""
     error: str | None = None
+    stage_loading: bool = False
 
 
 GenerationEvent = TokenEvent | FinalEvent
@@ -628,6 +632,8 @@ class DataPlane:
         self._outbound: dict[str, _OutboundLink] = {}
         self._inbound: dict[str, _InboundLink] = {}
         self._ended: OrderedDict[tuple[str, str], None] = OrderedDict()
+        # Plans this node committed but could not load, and why: refused at once, not retried.
+        self._load_failures: OrderedDict[str, str] = OrderedDict()
         self._sweeper: asyncio.Task[None] | None = None
         self._retired: set[asyncio.Future[None]] = set()  # links being closed (address moved)
         self._closed = False
@@ -676,6 +682,7 @@ class DataPlane:
             if self._plans.get(assignment.plan_id) is plan:
                 del self._plans[assignment.plan_id]
             plan.ready.set_exception(DataPlaneError(f"plan {assignment.plan_id}: {error}"))
+            self.record_load_failure(assignment.plan_id, str(error))
             raise
         plan.ready.set_result(None)
         self._start_sweeper()
@@ -715,9 +722,18 @@ class DataPlane:
         )
         await self._on_compute(lambda: engine.load(twin.stage if twin else None))
 
+    def record_load_failure(self, plan_id: str, reason: str) -> None:
+        """This node cannot serve committed plan ``plan_id`` (its part could not be fetched
+        or loaded): requests reaching it fail at once with ``reason`` instead of being told
+        to wait for a load that will not happen."""
+        self._load_failures[plan_id] = reason
+        while len(self._load_failures) > MAX_REMEMBERED_LOAD_FAILURES:
+            self._load_failures.popitem(last=False)
+
     async def uninstall(self, plan_id: str, reason: str) -> None:
         """Stop serving ``plan_id``: its requests end now with ``reason`` (e.g. "stage n3
         lost; the mesh is re-planning, retry"), its caches and weights are released."""
+        self._load_failures.pop(plan_id, None)
         plan = self._plans.pop(plan_id, None)
         if plan is None:
             return
@@ -943,7 +959,10 @@ class DataPlane:
         if isinstance(item, _Stop):
             return [origin.final(item.reason, item.message)]
         if item.WhichOneof("body") == "failure":
-            return [origin.final("error", item.failure.message)]
+            final = origin.final("error", item.failure.message)
+            if item.failure.kind == _FAILURE.FAILURE_NOT_LOADED and origin.generated == 0:
+                final = replace(final, stage_loading=True)
+            return [final]
         return origin.on_token(item.token, arrived_at)
 
     def _end_everywhere(self, plan: _InstalledPlan | None, request_id: str, reason: str) -> None:
@@ -1220,6 +1239,15 @@ class DataPlane:
             self._refuse(origin, frame, _FAILURE.FAILURE_FENCED, str(error))
             return None
         plan = self._plans.get(frame.plan_id)
+        failure = self._load_failures.get(frame.plan_id)
+        if plan is None and failure is not None:
+            self._refuse(
+                origin,
+                frame,
+                _FAILURE.FAILURE_INTERNAL,
+                f"node {self.node_id} cannot serve plan {frame.plan_id}: {failure}",
+            )
+            return None
         if plan is None:
             self._refuse(
                 origin,

@@ -20,6 +20,7 @@ step, so the asyncio thread never looks into trio-owned state mid-change.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -40,6 +41,7 @@ from daemon.wire import pb
 log = logging.getLogger("meshd.inference")
 
 INSTALL_WAIT_S = 120.0
+STAGE_LOADING_RETRY_S = 0.25
 ROLES = ("system", "user", "assistant")
 
 
@@ -142,6 +144,7 @@ class Inference:
         except Exception as exc:
             reason = f"cannot serve plan {plan.plan_id[:12]} here: {exc}"
             self._install_errors[plan.plan_id] = reason
+            await self._bridge.run(_record_load_failure, self.plane, plan.plan_id, str(exc))
             self._events.add("%s", reason, level=logging.ERROR)
             return
         self._bridge.loop.call_soon_threadsafe(ready.set)
@@ -286,10 +289,24 @@ class Inference:
             tokens = self.plane.encode_chat(chosen, [{"role": "user", "content": prompt or ""}])
         else:
             tokens = list(self.plane.tokenizer(chosen).encode(prompt or ""))
-        request_id = secrets.token_hex(8)
         yield Routed(chosen, snapshot.model)
-        async for event in self.plane.generate(chosen, tokens, params, request_id=request_id):
-            yield event
+        loading_deadline = time.monotonic() + INSTALL_WAIT_S
+        while True:
+            request_id = secrets.token_hex(8)
+            async with contextlib.aclosing(
+                self.plane.generate(chosen, tokens, params, request_id=request_id)
+            ) as events:
+                async for event in events:
+                    if (
+                        isinstance(event, FinalEvent)
+                        and event.stage_loading
+                        and time.monotonic() < loading_deadline
+                    ):
+                        break  # another stage is still loading its layers: start again shortly
+                    yield event
+                else:
+                    return
+            await asyncio.sleep(STAGE_LOADING_RETRY_S)
 
     async def _wait_installed(self, plan_id: str) -> None:
         ready = self._installed.setdefault(plan_id, asyncio.Event())
@@ -313,6 +330,10 @@ def _describe_part(part: PartSpec) -> str:
     if part.layer_end <= part.layer_start:
         return "the config and tokenizer"
     return f"layers {part.layer_start}-{part.layer_end - 1}"
+
+
+async def _record_load_failure(plane: DataPlane, plan_id: str, reason: str) -> None:
+    plane.record_load_failure(plan_id, reason)
 
 
 async def _count(plane: DataPlane, plan_id: str) -> int:

@@ -429,6 +429,33 @@ def test_stage_refuses_a_plan_it_has_not_committed(mesh: Mesh, models: dict[str,
         mesh.uninstall(assignment.plan_id)
 
 
+def test_a_stage_still_loading_is_retryable_and_one_that_failed_is_not(
+    mesh: Mesh, models: dict[str, Path]
+) -> None:
+    assignment = mesh.assignment(models["llama"], ("n1", "n2"), 2)
+    mesh.install(assignment, nodes=["n1"])
+    mesh.nodes["n2"].committed.add(assignment.plan_id)  # committed, not installed yet
+    try:
+        params = SamplingParams(max_tokens=5)
+        events, final = mesh.generate("n1", assignment.plan_id, PROMPT, params)
+        assert events == [] and final.finish_reason == "error" and final.stage_loading
+        assert "not installed there yet" in (final.error or "")
+
+        plane = mesh.nodes["n2"].plane
+        mesh.loop.run(_record_failure(plane, assignment.plan_id, "its part could not be fetched"))
+        _, final = mesh.generate("n1", assignment.plan_id, PROMPT, params)
+        assert final.finish_reason == "error" and not final.stage_loading
+        assert "n2 cannot serve plan" in (final.error or "")
+        assert "its part could not be fetched" in (final.error or "")
+        mesh.wait_all_freed(assignment.plan_id)
+    finally:
+        mesh.uninstall(assignment.plan_id)
+
+
+async def _record_failure(plane: DataPlane, plan_id: str, reason: str) -> None:
+    plane.record_load_failure(plan_id, reason)
+
+
 def test_bad_arguments_raise_before_anything_is_sent(mesh: Mesh, models: dict[str, Path]) -> None:
     plane = mesh.nodes["n1"].plane
     with installed(mesh, mesh.assignment(models["llama"], ("n1", "n2"), 2)) as plan_id:
