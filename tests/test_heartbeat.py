@@ -1,0 +1,77 @@
+"""Heartbeats over real gRPC: a hung peer is noticed; our own stall is not blamed on it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from daemon.membership import _beat_stream
+from daemon.wire import pb, rpc
+
+INTERVAL_S = 0.05
+TIMEOUT_S = 0.4
+
+
+class EchoPeer(rpc.PeerServicer):
+    """Echoes beats like the daemon's peer service; `hung` stops the echo without closing."""
+
+    def __init__(self) -> None:
+        self.hung = False
+
+    async def Heartbeat(self, request_iterator, context):
+        async for beat in request_iterator:
+            if not self.hung:
+                yield pb.Beat(node_id="peer", seq=beat.seq, sent_at=time.time())
+
+
+async def with_peer(body) -> None:
+    server = grpc.aio.server()
+    peer = EchoPeer()
+    rpc.add_PeerServicer_to_server(peer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await body(peer, rpc.PeerStub(channel))
+    finally:
+        await server.stop(None)
+
+
+def stream(stub, beats: list[pb.Beat]):
+    return _beat_stream(stub, "me", lambda: 1, INTERVAL_S, TIMEOUT_S, beats.append)
+
+
+def test_a_hung_peer_is_noticed_after_the_timeout() -> None:
+    async def body(peer: EchoPeer, stub) -> None:
+        beats: list[pb.Beat] = []
+        task = asyncio.create_task(stream(stub, beats))
+        await asyncio.sleep(0.3)
+        assert beats and not task.done()
+        peer.hung = True
+        hung_at = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(task, 5)
+        # Silence counts from the last echo, at most one interval before the peer hung.
+        assert TIMEOUT_S - INTERVAL_S <= time.monotonic() - hung_at < TIMEOUT_S + 0.3
+
+    asyncio.run(with_peer(body))
+
+
+def test_this_process_stalling_longer_than_the_timeout_does_not_drop_the_peer() -> None:
+    async def body(peer: EchoPeer, stub) -> None:
+        beats: list[pb.Beat] = []
+        task = asyncio.create_task(stream(stub, beats))
+        await asyncio.sleep(0.3)
+        time.sleep(3 * TIMEOUT_S)  # the whole loop starves, as under a long import
+        await asyncio.sleep(0.3)
+        assert not task.done(), task
+        before = len(beats)
+        await asyncio.sleep(0.3)
+        assert len(beats) > before, "beats keep flowing after the stall"
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(with_peer(body))
