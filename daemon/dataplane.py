@@ -1248,7 +1248,7 @@ class DataPlane:
                 f"node {self.node_id} cannot serve plan {frame.plan_id}: {failure}",
             )
             return None
-        if plan is None:
+        if plan is None or not plan.ready.done():
             self._refuse(
                 origin,
                 frame,

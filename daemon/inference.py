@@ -42,6 +42,7 @@ log = logging.getLogger("meshd.inference")
 
 INSTALL_WAIT_S = 120.0
 STAGE_LOADING_RETRY_S = 0.25
+PLAN_PICK_ATTEMPTS = 3
 ROLES = ("system", "user", "assistant")
 
 
@@ -263,32 +264,17 @@ class Inference:
                 raise RequestError("INVALID_ARGUMENT", "the prompt is empty; give some text")
         else:
             check_messages(messages)
-        snapshot = self.snapshot
-        if model and snapshot.model and model != snapshot.model:
-            raise RequestError(
-                "NOT_FOUND",
-                f"model {model!r} is not loaded in this mesh (it runs {snapshot.model!r}); "
-                "select it first with `meshd load`",
-            )
-        chosen = plan_id or snapshot.active
-        if not chosen:
-            reason = self._agreement.last_refusal or "the mesh has not agreed on a plan yet"
-            if not snapshot.model:
-                reason = "no model is selected; load one with `meshd load MODEL`"
-            raise RequestError("FAILED_PRECONDITION", f"no committed plan: {reason}")
-        if chosen not in snapshot.serving:
-            raise RequestError(
-                "FAILED_PRECONDITION",
-                f"plan {chosen[:12]} is not committed on this node; the active plan is "
-                f"{snapshot.active[:12] or 'none'}",
-            )
-        await self._wait_installed(chosen)
-        if messages is not None:
-            tokens = self.plane.encode_chat(chosen, messages)
-        elif chat_template:
-            tokens = self.plane.encode_chat(chosen, [{"role": "user", "content": prompt or ""}])
-        else:
-            tokens = list(self.plane.tokenizer(chosen).encode(prompt or ""))
+        for attempt in range(PLAN_PICK_ATTEMPTS):
+            snapshot, chosen = self._pick_plan(model, plan_id)
+            try:
+                await self._wait_installed(chosen)
+                tokens = self._encode(chosen, prompt, messages, chat_template)
+                break
+            except DataPlaneError as exc:
+                # The plan was replaced and released between picking and tokenizing: pick the
+                # new active plan, unless the client asked for this one.
+                if plan_id or attempt == PLAN_PICK_ATTEMPTS - 1:
+                    raise RequestError("UNAVAILABLE", f"{exc}; retry") from exc
         yield Routed(chosen, snapshot.model)
         loading_deadline = time.monotonic() + INSTALL_WAIT_S
         while True:
@@ -308,16 +294,57 @@ class Inference:
                     return
             await asyncio.sleep(STAGE_LOADING_RETRY_S)
 
-    async def _wait_installed(self, plan_id: str) -> None:
-        ready = self._installed.setdefault(plan_id, asyncio.Event())
-        if plan_id in self._install_errors:
-            raise RequestError("UNAVAILABLE", self._install_errors[plan_id])
-        try:
-            await asyncio.wait_for(ready.wait(), INSTALL_WAIT_S)
-        except TimeoutError as exc:
+    def _pick_plan(self, model: str, plan_id: str) -> tuple[ServingSnapshot, str]:
+        """The plan a new request runs on (the one asked for, or the active one), or why none."""
+        snapshot = self.snapshot
+        if model and snapshot.model and model != snapshot.model:
             raise RequestError(
-                "UNAVAILABLE", f"plan {plan_id[:12]} is still loading its model; retry shortly"
-            ) from exc
+                "NOT_FOUND",
+                f"model {model!r} is not loaded in this mesh (it runs {snapshot.model!r}); "
+                "select it first with `meshd load`",
+            )
+        chosen = plan_id or snapshot.active
+        if not chosen:
+            reason = self._agreement.last_refusal or "the mesh has not agreed on a plan yet"
+            if not snapshot.model:
+                reason = "no model is selected; load one with `meshd load MODEL`"
+            raise RequestError("FAILED_PRECONDITION", f"no committed plan: {reason}")
+        if chosen not in snapshot.serving:
+            raise RequestError(
+                "FAILED_PRECONDITION",
+                f"plan {chosen[:12]} is not committed on this node; the active plan is "
+                f"{snapshot.active[:12] or 'none'}",
+            )
+        return snapshot, chosen
+
+    def _encode(
+        self,
+        plan_id: str,
+        prompt: str | None,
+        messages: Sequence[Mapping[str, str]] | None,
+        chat_template: bool,
+    ) -> list[int]:
+        if messages is not None:
+            return self.plane.encode_chat(plan_id, messages)
+        if chat_template:
+            return self.plane.encode_chat(plan_id, [{"role": "user", "content": prompt or ""}])
+        return list(self.plane.tokenizer(plan_id).encode(prompt or ""))
+
+    async def _wait_installed(self, plan_id: str) -> None:
+        """Until this node has loaded `plan_id` (bounded); DataPlaneError if it stops serving it."""
+        ready = self._installed.setdefault(plan_id, asyncio.Event())
+        deadline = time.monotonic() + INSTALL_WAIT_S
+        while not ready.is_set():
+            if plan_id in self._install_errors:
+                raise RequestError("UNAVAILABLE", self._install_errors[plan_id])
+            if plan_id not in self.snapshot.serving:
+                raise DataPlaneError(f"plan {plan_id[:12]} was withdrawn before it was loaded")
+            if time.monotonic() >= deadline:
+                raise RequestError(
+                    "UNAVAILABLE", f"plan {plan_id[:12]} is still loading its model; retry shortly"
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ready.wait(), STAGE_LOADING_RETRY_S)
 
 
 async def _fetch_part(stub, part: PartSpec, dest: Path) -> int:
