@@ -28,7 +28,7 @@ from partitioner.split import largest_remainder
 from partitioner.strategies import SpeedSearch, memory_layout
 from partitioner.units import single_units, tensor_parallel_units, usable_bytes
 
-ALGORITHM_VERSION = "meshd-partitioner/1"
+ALGORITHM_VERSION = "meshd-partitioner/2"
 
 
 def plan_model(mesh: nx.DiGraph, model: ModelSpec, options: PlanOptions | None = None) -> Plan:
