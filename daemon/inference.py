@@ -33,7 +33,13 @@ import trio
 from daemon.aio_bridge import AsyncioThread
 from daemon.dataplane import Assignment, DataPlane, DataPlaneError, FinalEvent, TokenEvent
 from daemon.membership import EventLog, Membership
-from daemon.model_share import FETCH_TIMEOUT_S, PartSpec, receive_part
+from daemon.model_share import (
+    FETCH_TIMEOUT_S,
+    PartSpec,
+    mark_used,
+    prune_parts,
+    receive_part,
+)
 from daemon.planning import PlanAgreement, PlanChange
 from daemon.sampling import SamplingParams
 from daemon.wire import pb
@@ -91,6 +97,7 @@ class Inference:
         self.plane = plane
         self._resolve_model_dir = resolve_model_dir
         self._parts_root = parts_root
+        self._plan_parts: dict[str, Path] = {}  # plan id -> the fetched part it runs on
         self.snapshot = ServingSnapshot()
         self._installed: dict[str, asyncio.Event] = {}
         self._install_errors: dict[str, str] = {}
@@ -129,6 +136,7 @@ class Inference:
                 elif change.kind == "withdrawn":
                     await self._bridge.run(self.plane.uninstall, change.plan_id, change.reason)
                     self._installed.pop(change.plan_id, None)
+                    self._plan_parts.pop(change.plan_id, None)
 
     async def _install(self, change: PlanChange) -> None:
         plan = change.plan
@@ -138,6 +146,9 @@ class Inference:
             return
         try:
             model_dir = await self._model_dir_or_fetch(selection, plan)
+            if model_dir.parent == self._parts_root:
+                self._plan_parts[plan.plan_id] = model_dir
+                await trio.to_thread.run_sync(mark_used, model_dir)
             assignment = Assignment.from_plan(plan, model_dir, self._addresses())
             ready = await self._bridge.run(self._ready_event, plan.plan_id)
             self.plane.colocated_stages = self._colocated_stages(plan)
@@ -156,6 +167,7 @@ class Inference:
             else "no layers (origin only)"
         )
         self._events.add("plan %s ready here: %s of %s", plan.plan_id[:12], where, selection.name)
+        await self._prune_parts()
 
     async def _model_dir_or_fetch(self, selection: pb.ModelSelection, plan) -> Path:
         """This node's copy of the model, or its part fetched from a peer that has one."""
@@ -195,6 +207,17 @@ class Inference:
             + ("; ".join(failures) or "no peer is connected")
             + ")"
         )
+
+    async def _prune_parts(self) -> None:
+        """Delete fetched parts no installed plan uses (see `daemon.model_share`).
+
+        Run after an install, not when a plan is withdrawn: a lost member withdraws the plan
+        first and the next plan, which may need that very part, is committed a moment later.
+        """
+        in_use = list(self._plan_parts.values())
+        deleted = await trio.to_thread.run_sync(prune_parts, self._parts_root, in_use)
+        for path in deleted:
+            self._events.add("deleted model part %s: no plan uses it", path.name)
 
     def _part_for(self, selection: pb.ModelSelection, plan) -> PartSpec:
         node = self._membership.identity.node_id

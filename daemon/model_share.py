@@ -12,15 +12,22 @@ The transfer runs over the peer's mutual-TLS channel (`Peer.FetchModelPart`), so
 members can fetch. The model is named by its digest (the hash of its description that the
 agreement already compares), so a peer never serves a different model under the same name.
 Parts are written to a temporary folder and renamed into place once complete.
+
+A daemon runs for months and its stage changes with the mesh, so fetched parts are pruned:
+after each install, parts that no installed plan uses are deleted, except the most recently
+used spare (a mesh that flips back does not fetch again), and so are staging folders that a
+killed daemon left behind (`prune_parts`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +36,8 @@ from daemon.wire import pb
 
 CHUNK_BYTES = 1024 * 1024
 FETCH_TIMEOUT_S = 600.0
+SPARE_PARTS = 1
+STALE_STAGING_S = 2 * FETCH_TIMEOUT_S  # older staging folders belong to no running fetch
 # Everything in a model directory that is not weights: config, tokenizer, chat template.
 NON_WEIGHT_FILES = (
     "config.json",
@@ -169,3 +178,35 @@ async def receive_part(chunks: AsyncIterator[pb.FileChunk], dest: Path) -> int:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return received
+
+
+def mark_used(part_dir: Path) -> None:
+    """Record that `part_dir` serves a plan now (its mtime orders spares in `prune_parts`)."""
+    os.utime(part_dir)
+
+
+def prune_parts(parts_root: Path, in_use: Collection[Path], spare: int = SPARE_PARTS) -> list[Path]:
+    """Delete fetched parts no installed plan uses, keeping the `spare` most recently used.
+
+    Also deletes staging folders older than STALE_STAGING_S (a daemon killed mid-fetch).
+    Returns what was deleted. Call it only between fetches (the daemon installs and
+    withdraws plans one at a time), so no part is being written meanwhile.
+    """
+    if not parts_root.is_dir():
+        return []
+    keep = {path.resolve() for path in in_use}
+    now = time.time()
+    parts, stale = [], []
+    for entry in parts_root.iterdir():
+        if not entry.is_dir():
+            continue
+        if entry.name.startswith("."):
+            if now - entry.stat().st_mtime > STALE_STAGING_S:
+                stale.append(entry)
+        elif entry.resolve() not in keep:
+            parts.append(entry)
+    parts.sort(key=lambda entry: entry.stat().st_mtime, reverse=True)
+    doomed = parts[spare:] + stale
+    for entry in doomed:
+        shutil.rmtree(entry, ignore_errors=True)
+    return doomed
