@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 from daemon import client
 from daemon.model_share import STALE_STAGING_S, mark_used, prune_parts
@@ -22,13 +23,15 @@ from daemon.wire import pb
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 
 
-def test_a_node_without_the_model_fetches_only_its_layers(daemons, mesh_token, tmp_path) -> None:
-    model = make_random_model_dir(
-        tmp_path / "share-llama", "llama", layers=6, hidden=128, heads=4, kv_heads=2
-    )
+def holder_and_fetcher(daemons, mesh_token, model_dir: Path) -> tuple[list[str], Any, Any]:
+    """Daemon arguments, a daemon started with a random 6-layer llama, and one without it."""
+    make_random_model_dir(model_dir, "llama", layers=6, hidden=128, heads=4, kv_heads=2)
     common = [*LOOPBACK, "--join", mesh_token, "--strategy", "memory", "--context-length", "256"]
-    holder = daemons([*common, "--model", str(model)])
-    fetcher = daemons(common)
+    return common, daemons([*common, "--model", str(model_dir)]), daemons(common)
+
+
+def test_a_node_without_the_model_fetches_only_its_layers(daemons, mesh_token, tmp_path) -> None:
+    _, holder, fetcher = holder_and_fetcher(daemons, mesh_token, tmp_path / "share-llama")
     for d in (holder, fetcher):
         d.wait_for(
             lambda s: bool(s.agreement.active_plan_id) and len(s.agreement.members) == 2,
@@ -91,12 +94,7 @@ def test_pruning_a_missing_parts_folder_does_nothing(tmp_path) -> None:
 
 def test_a_mesh_that_flips_back_reuses_the_kept_part(daemons, mesh_token, tmp_path) -> None:
     """2 -> 3 -> 2 nodes: the fetcher's first part is kept while unused and reused after."""
-    model = make_random_model_dir(
-        tmp_path / "flip-llama", "llama", layers=6, hidden=128, heads=4, kv_heads=2
-    )
-    common = [*LOOPBACK, "--join", mesh_token, "--strategy", "memory", "--context-length", "256"]
-    holder = daemons([*common, "--model", str(model)])
-    fetcher = daemons(common)
+    common, holder, fetcher = holder_and_fetcher(daemons, mesh_token, tmp_path / "flip-llama")
 
     def members(n: int):
         return lambda s: bool(s.agreement.active_plan_id) and len(s.agreement.members) == n
