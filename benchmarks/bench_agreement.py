@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from daemon import security
 from daemon.launcher import DaemonProcess
 from daemon.profiling import load_or_measure_profile
-from daemon.random_model import make_random_model_dir
+from daemon.random_model import make_three_host_llama
 from tests.netns import Mesh, cleanup_stale, require_root_and_netns
 
 
@@ -106,15 +106,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="meshd-bench-"))
     try:
         load_or_measure_profile(root, memory_budget_override=None)
-        model = make_random_model_dir(
-            root / "tiny-llama",
-            "llama",
-            layers=8,
-            hidden=512,
-            heads=8,
-            kv_heads=4,
-            intermediate=1376,
-        )
+        model = make_three_host_llama(root / "tiny-llama")
         print(f"{args.nodes}-host namespace mesh, model needing 3 hosts, {args.rounds} rounds")
         results = []
         for i in range(args.rounds):

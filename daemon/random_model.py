@@ -80,6 +80,17 @@ def make_random_model_dir(
     return path
 
 
+def make_three_host_llama(path: Path) -> Path:
+    """A random llama of 94 MB in float32: it needs three 120 MB memory budgets.
+
+    The agreement tests and benchmark use it so that a plan really spans several nodes and a
+    one-node side of a partition cannot hold the model.
+    """
+    return make_random_model_dir(
+        path, "llama", layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1376
+    )
+
+
 def random_model_config(
     arch: Architecture,
     *,

@@ -58,17 +58,9 @@ def daemons(tmp_path: Path, profile_template: Path) -> Iterator[DaemonFactory]:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight llama of 94 MB: three 120 MB budgets are needed to hold it."""
-    from daemon.random_model import make_random_model_dir
+    from daemon.random_model import make_three_host_llama
 
-    return make_random_model_dir(
-        tmp_path_factory.mktemp("model") / "tiny-llama",
-        "llama",
-        layers=8,
-        hidden=512,
-        heads=8,
-        kv_heads=4,
-        intermediate=1376,
-    )
+    return make_three_host_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ Loading a BLAS is per process and irreversible, so each case runs in a fresh int
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from daemon.blas import (
     cpu_flags,
     openblas_candidates,
 )
+from tests.pyrun import run_json
 
 HAS_OPENBLAS = sys.platform.startswith("linux") and any(p.exists() for p in openblas_candidates())
 needs_openblas = pytest.mark.skipif(not HAS_OPENBLAS, reason="no system OpenBLAS installed")
@@ -75,17 +75,7 @@ def changed_environment(env_changes: Mapping[str, str | None]) -> dict[str, str]
 
 def run_probe(env_changes: Mapping[str, str | None], mode: str = "normal") -> dict[str, Any]:
     """Run PROBE in a fresh interpreter with the environment changed as given."""
-    env = changed_environment(env_changes)
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE, mode],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json(PROBE, mode, env=changed_environment(env_changes))
 
 
 @needs_openblas
@@ -192,9 +182,6 @@ assert set_blas_threads(None)
 after = lib.openblas_get_num_threads()
 print(json.dumps([before, during, after, default_blas_threads()]))
 """
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    )
-    before, during, after, default = json.loads(done.stdout)
+    before, during, after, default = run_json(code, env=os.environ, timeout_s=60)
     assert during == 1
     assert before == after == default >= 1

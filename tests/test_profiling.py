@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import sys
 import threading
 import time
@@ -31,6 +30,7 @@ from daemon.profiling import (
     total_memory,
 )
 from daemon.units import parse_size
+from tests.pyrun import run_json
 
 GiB = 2**30
 HAS_OPENBLAS = sys.platform.startswith("linux") and any(p.exists() for p in openblas_candidates())
@@ -52,16 +52,7 @@ print(json.dumps({"profile": profile.to_dict(), "elapsed": elapsed,
 @pytest.fixture(scope="module")
 def fresh_measurement() -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "MESHD_BLAS"}
-    done = subprocess.run(
-        [sys.executable, "-c", MEASURE],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json(MEASURE, env=env)
 
 
 @pytest.fixture(scope="module")
