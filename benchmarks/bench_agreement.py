@@ -27,11 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon import security
-from daemon.launcher import DaemonProcess
-from daemon.profiling import load_or_measure_profile
-from daemon.random_model import make_three_host_llama
+from meshd.api.launcher import DaemonProcess
+from meshd.mesh import security
+from meshd.mesh.profiling import load_or_measure_profile
 from tests.netns import Mesh, cleanup_stale, require_root_and_netns
+from tests.support.random_model import make_three_host_llama
 
 
 def same_plan(daemons: list[DaemonProcess], members: int) -> str | None:

@@ -6,7 +6,8 @@ ignored so every run generates the same number of tokens:
 
 * decode tok/s and time to first token: ``mlx_lm.stream_generate`` in a process of its own;
   the mesh with 1, 2 and 3 stages, every stage a separate process
-  (``python -m daemon.dataplane --serve``) on loopback with mutual TLS, the first stage also
+  (``python -m meshd.inference.dataplane --serve``)
+  on loopback with mutual TLS, the first stage also
   being the origin (a client talking to its local daemon);
 * per-hop overhead per token: decode time per token not spent computing (each stage adds its
   compute time to the frames it sends) divided by the hops per token (one per stage: the
@@ -21,8 +22,12 @@ Run: ``.venv/bin/python benchmarks/bench_dataplane.py [--store DIR] [--random-10
 [--json OUT]`` (about 3 minutes for SmolLM2 on 2 cores; ``--store`` reuses a model store).
 """
 
-# ruff: noqa: E402
-from daemon.blas import enable_fast_blas
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
+
+from meshd.runtime.blas import enable_fast_blas
 
 enable_fast_blas()  # before mlx.core (the baseline child runs this file too)
 
@@ -40,14 +45,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon import security
-from daemon.dataplane import Assignment, StageSpec
-from daemon.model_store import DEFAULT_MODEL, ModelStore
-from daemon.random_model import make_random_model_dir
-from daemon.shard import even_layer_ranges
+from meshd.inference.dataplane import Assignment, StageSpec
+from meshd.inference.shard import even_layer_ranges
+from meshd.mesh import security
+from meshd.models.store import DEFAULT_MODEL, ModelStore
+from tests.support.random_model import make_random_model_dir
 
 # Importing the daemon package loads OpenBLAS before mlx.core in every node process too.
-NODE_COMMAND = [sys.executable, "-m", "daemon.dataplane", "--serve"]
+NODE_COMMAND = [sys.executable, "-m", "tests.support.stage_process", "--serve"]
 COMMAND_TIMEOUT_S = 600.0
 CONCURRENT_REQUESTS = 4
 # Each node limited to one core, as if every stage had a machine of its own: on one 2-core
@@ -86,6 +91,7 @@ class ChildProcess:
             stderr=self._log,
             text=True,
             env={**os.environ, **(env or {})},
+            cwd=Path(__file__).resolve().parents[1],  # -m tests.support.stage_process
         )
         self._selector = selectors.DefaultSelector()
         assert self._process.stdout is not None

@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon import security
-from daemon.launcher import DaemonProcess, alive_ids, fully_meshed
-from daemon.profiling import load_or_measure_profile
+from meshd.api.launcher import DaemonProcess, alive_ids, fully_meshed
+from meshd.mesh import security
+from meshd.mesh.profiling import load_or_measure_profile
 from tests.netns import Mesh, cleanup_stale, require_root_and_netns
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon import client
-from daemon.demo import default_model_dir, plan_committed, start_local_mesh
-from daemon.wire import pb
+from meshd.api import client
+from meshd.api.demo import default_model_dir, plan_committed, start_local_mesh
+from meshd.wire import pb
 
 MIB = 2**20
 

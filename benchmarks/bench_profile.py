@@ -13,12 +13,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from daemon.blas import enable_fast_blas
+from meshd.runtime.blas import enable_fast_blas
 
 BLAS = enable_fast_blas()  # before anything imports mlx.core
 
-from daemon.profiling import NodeProfile, load_or_measure_profile  # noqa: E402
-from daemon.units import format_flops, format_rate, format_size, parse_size  # noqa: E402
+from meshd.mesh.profiling import NodeProfile, load_or_measure_profile
+from meshd.units import format_flops, format_rate, format_size, parse_size
 
 
 def main() -> None:

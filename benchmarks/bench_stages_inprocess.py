@@ -13,20 +13,25 @@ store for SmolLM2).
 import argparse
 import gc
 import json
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import daemon  # noqa: F401  (importing the package loads OpenBLAS before mlx.core)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
+
+from meshd.runtime.blas import enable_fast_blas
+
+enable_fast_blas()  # before mlx.core
 
 # isort: split
 import mlx.core as mx
 import mlx_lm
 
-from daemon.model_store import DEFAULT_MODEL, ModelStore
-from daemon.random_model import make_random_model_dir
-from daemon.shard import LocalPipeline, even_layer_ranges
+from meshd.inference.shard import LocalPipeline, even_layer_ranges
+from meshd.models.store import DEFAULT_MODEL, ModelStore
+from tests.support.random_model import make_random_model_dir
 
 PREFILL_CHUNK = 2048  # mlx-lm's default prefill step, so both sides prefill in one chunk
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from daemon.plan_cli import load_mesh_json, load_model_spec_json
+from meshd.api.plan_cli import load_mesh_json, load_model_spec_json
 from partitioner import Plan, PlanOptions, plan_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "meshes"

@@ -1,10 +1,9 @@
-"""meshd daemon: one process per machine that joins the inference mesh.
+"""meshd: one daemon per machine that joins a peer-to-peer LLM inference mesh.
 
-Importing the package loads a system OpenBLAS before anything imports `mlx.core`
-(see daemon/blas.py): on Linux CPUs it makes float32 matmuls ~60x faster than the
-reference BLAS the mlx[cpu] wheel links. `MESHD_BLAS=reference` opts out.
+The folder is `daemon/` (the project's layout); the import name is `meshd`, so that the
+PyPI package python-daemon (import name `daemon`) can live in the same environment.
+
+Importing this package has no side effects. Entry points that run MLX (the CLI, stage
+runners, tests, benchmarks) call `meshd.runtime.blas.enable_fast_blas()` before anything
+imports `mlx.core`; see that module for why.
 """
-
-from daemon.blas import enable_fast_blas
-
-enable_fast_blas()

@@ -18,19 +18,19 @@ import grpc
 import trio
 
 import partitioner
-from daemon import security
-from daemon.agreement import AgreementConfig
-from daemon.aio_bridge import AsyncioThread
-from daemon.client_api import start_api_server
-from daemon.config import Config
-from daemon.dataplane import DataPlane, mtls_channel_factory
-from daemon.identity import Identity, load_or_create_node_id
-from daemon.inference import Inference
-from daemon.membership import PROTOCOL_VERSION, EventLog, Membership
-from daemon.peer_service import PeerService
-from daemon.planning import PlanAgreement, model_selection
-from daemon.wire import dataplane_pb2_grpc as dataplane_rpc
-from daemon.wire import pb, rpc
+from meshd.agreement.protocol import AgreementConfig
+from meshd.agreement.service import PlanAgreement, model_selection
+from meshd.api.local_service import start_api_server
+from meshd.config import Config
+from meshd.inference.dataplane import DataPlane, mtls_channel_factory
+from meshd.inference.serving import Inference
+from meshd.mesh import security
+from meshd.mesh.identity import Identity, load_or_create_node_id
+from meshd.mesh.membership import PROTOCOL_VERSION, EventLog, Membership
+from meshd.mesh.peer_service import PeerService
+from meshd.runtime.bridge import AsyncioThread
+from meshd.wire import dataplane_pb2_grpc as dataplane_rpc
+from meshd.wire import pb, rpc
 
 log = logging.getLogger("meshd.node")
 
@@ -236,7 +236,7 @@ class Node:
         )
 
     def list_models(self) -> pb.ModelList:
-        from daemon.model_store import ModelStore
+        from meshd.models.store import ModelStore
 
         selection = self.agreement.selection
         models = [
@@ -279,7 +279,7 @@ class Node:
         `model` is a model directory, a .gguf file (imported into the store first), or a
         name in this node's store; the embedded default is imported on first use.
         """
-        from daemon.modelinfo import read_model_spec
+        from meshd.models.info import read_model_spec
 
         model_dir = await trio.to_thread.run_sync(self.resolve_model_dir, model)
         spec = await trio.to_thread.run_sync(read_model_spec, model_dir)
@@ -306,7 +306,7 @@ class Node:
 
     def resolve_model_dir(self, model: str) -> Path:
         """A model directory path, a .gguf file to import, or a name in the model store."""
-        from daemon.model_store import DEFAULT_MODEL, ModelStore
+        from meshd.models.store import DEFAULT_MODEL, ModelStore
 
         store = ModelStore(self.store_root)
         path = Path(model).expanduser()
@@ -344,7 +344,7 @@ class Node:
             return None
 
     def model_dir_for_selection(self, selection: pb.ModelSelection) -> Path:
-        from daemon.inference import model_dir_for
+        from meshd.inference.serving import model_dir_for
 
         return model_dir_for(selection, self.config.model, self.store_root)
 
@@ -352,7 +352,7 @@ class Node:
         await self._measure_profile(remeasure=True)
 
     async def _measure_profile(self, *, remeasure: bool) -> None:
-        from daemon.profiling import load_or_measure_profile, profile_to_proto
+        from meshd.mesh.profiling import load_or_measure_profile, profile_to_proto
 
         async with self._remeasure_lock:
             profile = await trio.to_thread.run_sync(
@@ -426,7 +426,7 @@ class Node:
             self.membership.forget_old()
 
     async def _discovery_task(self, *, task_status: trio.TaskStatus[None]) -> None:
-        from daemon import discovery
+        from meshd.mesh import discovery
 
         interfaces = discovery.resolve_interfaces(
             self.config.interfaces or None, self.config.skip_interfaces
@@ -459,7 +459,7 @@ class Node:
             self._on_discovery(event)
 
     def _on_discovery(self, event: object) -> None:
-        from daemon import discovery
+        from meshd.mesh import discovery
 
         if isinstance(event, discovery.PeerAppeared | discovery.PeerUpdated):
             ann = event.announcement

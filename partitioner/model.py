@@ -3,7 +3,7 @@
 Why a separate, plain description: the planner must never load weights (it runs on every node,
 many times a minute), and clusters are often planned before the model is downloaded. Everything
 the cost model needs is here, as exact integers where they are sizes, so plans are reproducible
-on every machine. `daemon.modelinfo.read_model_spec` fills it from a real model directory.
+on every machine. `meshd.models.info.read_model_spec` fills it from a real model directory.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Deterministic simulation of the agreement protocol (`daemon.agreement`), without sockets.
+"""Deterministic simulation of the agreement protocol (`meshd.agreement.protocol`), without sockets.
 
 Why: the protocol's promises (no two nodes serve different plans under one plan id, nothing is
 served that a member never confirmed, stable networks converge in bounded time) must hold
@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from daemon.agreement import (
+from meshd.agreement.protocol import (
     AgreementConfig,
     AgreementNode,
     Broadcast,
@@ -52,7 +52,7 @@ from daemon.agreement import (
 
 
 class SafetyViolation(AssertionError):
-    """The protocol broke one of its safety properties (S1-S4 in daemon.agreement)."""
+    """The protocol broke one of its safety properties (S1-S4 in meshd.agreement.protocol)."""
 
 
 def make_compute_plan(

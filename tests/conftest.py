@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from meshd.runtime.blas import enable_fast_blas
+
+enable_fast_blas()  # before any test module imports mlx.core: float32 matmuls on OpenBLAS
+
+# isort: split
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from daemon import security
-from daemon.launcher import DaemonProcess
+from meshd.api.launcher import DaemonProcess
+from meshd.mesh import security
 
 pytest_plugins = ["tests.netns"]  # the netns_mesh fixture
 
@@ -19,7 +24,7 @@ PROFILE_FILE = "profile.json"
 @pytest.fixture(scope="session")
 def profile_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Measure this machine once per test session; daemons start from the cached profile."""
-    from daemon.profiling import load_or_measure_profile
+    from meshd.mesh.profiling import load_or_measure_profile
 
     state = tmp_path_factory.mktemp("profile-template")
     load_or_measure_profile(state, memory_budget_override=None)
@@ -58,7 +63,7 @@ def daemons(tmp_path: Path, profile_template: Path) -> Iterator[DaemonFactory]:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight llama of 94 MB: three 120 MB budgets are needed to hold it."""
-    from daemon.random_model import make_three_host_llama
+    from tests.support.random_model import make_three_host_llama
 
     return make_three_host_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
 

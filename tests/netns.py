@@ -12,7 +12,7 @@ Names carry the creating pid (`mdt<pid>x<counter>`), so concurrent test runs nev
 Typical use::
 
     with Mesh(3) as mesh:
-        proc = mesh.nodes[0].popen([sys.executable, "-m", "daemon.discovery", ...])
+        proc = mesh.nodes[0].popen([sys.executable, "-m", "tests.support.mdns_probe", ...])
         mesh.link_down(1)
         mesh.limit_rate(2, "100mbit")
 """

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.launcher import DaemonProcess, alive_ids
-from daemon.wire import pb
+from meshd.api.launcher import DaemonProcess, alive_ids
+from meshd.wire import pb
 
 BUDGET = ["--memory-budget", "120MB", "--context-length", "256"]
 

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from daemon.agreement import (
+from meshd.agreement.protocol import (
     AgreementConfig,
     AgreementNode,
     Broadcast,

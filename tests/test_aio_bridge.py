@@ -6,7 +6,7 @@ import threading
 import pytest
 import trio
 
-from daemon.aio_bridge import AsyncioThread
+from meshd.runtime.bridge import AsyncioThread
 
 
 def test_result_and_error_cross_from_asyncio() -> None:

@@ -1,4 +1,4 @@
-"""daemon.blas: OpenBLAS is really used by MLX, computes correctly, and can be opted out of.
+"""meshd.runtime.blas: OpenBLAS is really used by MLX, computes correctly, and can be opted out of.
 
 Loading a BLAS is per process and irreversible, so each case runs in a fresh interpreter.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from daemon.blas import (
+from meshd.runtime.blas import (
     BLAS_ENV,
     CORETYPE_ENV,
     OPENBLAS_CORETYPE_ENV,
@@ -38,7 +38,7 @@ PROBE = textwrap.dedent(
     started = time.perf_counter()
     if sys.argv[1] == "mlx-first":
         import mlx.core
-    import daemon.blas as blas  # importing the package already calls enable_fast_blas()
+    import meshd.runtime.blas as blas
     info = blas.enable_fast_blas()
     enable_s = time.perf_counter() - started
     coretype_after = os.environ.get("OPENBLAS_CORETYPE")
@@ -124,7 +124,7 @@ def test_mlx_imported_first_is_reported_not_patched() -> None:
 @pytest.mark.parametrize("value", ["openblass", "fast"])
 def test_unknown_blas_setting_is_an_error_that_says_what_to_use(value: str) -> None:
     env = {**os.environ, BLAS_ENV: value}
-    code = "import daemon.blas as b; b.enable_fast_blas()"
+    code = "import meshd.runtime.blas as b; b.enable_fast_blas()"
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
@@ -171,7 +171,9 @@ def test_blas_threads_can_be_shared_and_restored() -> None:
     """Co-located stages use their share of the cores while busy, then all of them again."""
     code = """
 import ctypes, json
-from daemon.blas import blas_info, default_blas_threads, set_blas_threads
+from meshd.runtime.blas import blas_info, default_blas_threads, enable_fast_blas
+from meshd.runtime.blas import set_blas_threads
+enable_fast_blas()
 import mlx.core as mx
 lib = ctypes.CDLL(blas_info().path)
 before = lib.openblas_get_num_threads()

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.config import ConfigError, load_config
+from meshd.config import ConfigError, load_config
 
 
 def test_precedence(tmp_path: Path) -> None:

@@ -16,10 +16,10 @@ import time
 import grpc
 import pytest
 
-from daemon import security
-from daemon.launcher import alive_ids, fully_meshed
-from daemon.view import graph_digest, graph_from_status
-from daemon.wire import pb, rpc
+from meshd.api.launcher import alive_ids, fully_meshed
+from meshd.mesh import security
+from meshd.mesh.graph import graph_digest, graph_from_status
+from meshd.wire import pb, rpc
 
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 
@@ -116,7 +116,7 @@ def test_killed_peer_leaves_the_view_fast(daemons, mesh_token) -> None:
 def test_cli_status_json_and_token(daemons, mesh_token) -> None:
     a = daemons([*LOOPBACK, "--join", mesh_token])
     a.wait_ready()
-    cli = [sys.executable, "-m", "daemon.cli"]
+    cli = [sys.executable, "-m", "meshd.api.cli"]
     out = subprocess.run(
         [*cli, "status", "--json", "--state-dir", str(a.state_dir)],
         capture_output=True,
@@ -146,7 +146,7 @@ def test_cli_status_json_and_token(daemons, mesh_token) -> None:
 
 def test_cli_without_daemon_says_so(tmp_path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "status", "--state-dir", str(tmp_path)],
+        [sys.executable, "-m", "meshd.api.cli", "status", "--state-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=30,
@@ -156,7 +156,7 @@ def test_cli_without_daemon_says_so(tmp_path) -> None:
 
 
 def test_cli_plan_from_the_live_view(daemons, mesh_token, tmp_path) -> None:
-    from daemon.random_model import make_random_model_dir
+    from tests.support.random_model import make_random_model_dir
 
     model = make_random_model_dir(
         tmp_path / "m", "llama", layers=6, hidden=256, heads=4, kv_heads=2, intermediate=688
@@ -164,7 +164,7 @@ def test_cli_plan_from_the_live_view(daemons, mesh_token, tmp_path) -> None:
     a = daemons([*LOOPBACK, "--join", mesh_token, "--memory-budget", "90MB"])
     daemons([*LOOPBACK, "--join", mesh_token, "--memory-budget", "90MB"])
     a.wait_for(lambda s: fully_meshed(s, 2), 30, "two nodes and their links")
-    cli = [sys.executable, "-m", "daemon.cli", "plan", "--state-dir", str(a.state_dir)]
+    cli = [sys.executable, "-m", "meshd.api.cli", "plan", "--state-dir", str(a.state_dir)]
     result = subprocess.run(
         [*cli, "--model", str(model), "--context", "128", "--strategy", "memory", "--json"],
         capture_output=True, text=True, timeout=60,

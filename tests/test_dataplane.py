@@ -8,7 +8,7 @@ SmolLM2-135M answering with its chat template.
 """
 
 # ruff: noqa: E402
-from daemon.blas import enable_fast_blas
+from meshd.runtime.blas import enable_fast_blas
 
 enable_fast_blas()  # before mlx.core: float32 matmuls on OpenBLAS
 
@@ -33,9 +33,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from daemon import security
-from daemon.agreement import PlanNotCommittedError
-from daemon.dataplane import (
+from meshd.agreement.protocol import PlanNotCommittedError
+from meshd.inference.dataplane import (
     Assignment,
     DataPlane,
     DataPlaneError,
@@ -45,9 +44,10 @@ from daemon.dataplane import (
     mtls_channel_factory,
     start_server,
 )
-from daemon.random_model import make_random_model_dir
-from daemon.sampling import SamplingParams
-from daemon.shard import LocalPipeline, prefill_chunks
+from meshd.inference.sampling import SamplingParams
+from meshd.inference.shard import LocalPipeline, prefill_chunks
+from meshd.mesh import security
+from tests.support.random_model import make_random_model_dir
 
 T = TypeVar("T")
 
@@ -597,7 +597,7 @@ async def _open_caches(plane: DataPlane) -> int:
 def test_smollm2_in_three_stages_answers_paris(
     mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    from daemon.model_store import ModelStore
+    from meshd.models.store import ModelStore
 
     entry = ModelStore(tmp_path_factory.mktemp("store")).ensure_default()
     layout = [("n1", (0, 10)), ("n2", (10, 20)), ("n3", (20, entry.num_layers))]
@@ -617,11 +617,11 @@ async def _encode(plane: DataPlane, plan_id: str, question: str) -> list[int]:
 # --- A node in another process ----------------------------------------------------------------
 
 # Importing the daemon package loads OpenBLAS first, as in this process: same logits.
-NODE_COMMAND = [sys.executable, "-m", "daemon.dataplane", "--serve"]
+NODE_COMMAND = [sys.executable, "-m", "tests.support.stage_process", "--serve"]
 
 
 class RunnerProcess:
-    """``daemon.dataplane --serve`` in a child process, driven over its stdin/stdout."""
+    """``meshd.inference.dataplane --serve`` in a child process, driven over its stdin/stdout."""
 
     def __init__(self, node_id: str, state_dir: Path, secret: security.MeshSecret) -> None:
         security.save_secret(state_dir, secret)
@@ -632,6 +632,7 @@ class RunnerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
+            cwd=Path(__file__).resolve().parents[1],  # -m tests.support.stage_process
         )
         self.address = f"127.0.0.1:{self.read(60)['port']}"
 
@@ -734,7 +735,7 @@ def test_assignment_from_a_partitioner_plan_and_its_checks() -> None:
 
 def test_stats_over_grpc(mesh: Mesh, models: dict[str, Path]) -> None:
     """The Stats RPC answers another member over mutual TLS with what the node holds."""
-    from daemon.wire import dataplane_pb2, dataplane_pb2_grpc
+    from meshd.wire import dataplane_pb2, dataplane_pb2_grpc
 
     credentials = security.load_or_create_node_credentials(mesh.state_dir / "n1", mesh.secret, "n1")
     with installed(mesh, mesh.assignment(models["qwen3"], ("n1", "n2"), 2)) as plan_id:
@@ -756,8 +757,8 @@ def test_stats_over_grpc(mesh: Mesh, models: dict[str, Path]) -> None:
 
 async def _raw_link(mesh: Mesh, as_node: str, claims: str, to: str) -> Any:
     """A Link stream opened with ``as_node``'s certificate, saying Hello as ``claims``."""
-    from daemon.wire import dataplane_pb2 as dp
-    from daemon.wire import dataplane_pb2_grpc as dp_grpc
+    from meshd.wire import dataplane_pb2 as dp
+    from meshd.wire import dataplane_pb2_grpc as dp_grpc
 
     credentials = security.load_or_create_node_credentials(
         mesh.state_dir / as_node, mesh.secret, as_node
@@ -771,7 +772,7 @@ async def _raw_link(mesh: Mesh, as_node: str, claims: str, to: str) -> Any:
 def test_a_node_accepts_work_only_from_the_stage_the_plan_says(
     mesh: Mesh, models: dict[str, Path]
 ) -> None:
-    from daemon.wire import dataplane_pb2 as dp
+    from meshd.wire import dataplane_pb2 as dp
 
     with installed(mesh, mesh.assignment(models["llama"], ("n1", "n2"), 2)) as plan_id:
 

@@ -1,7 +1,8 @@
 """mDNS discovery: the announcement format, interface choice, and real zeroconf traffic.
 
 Real multicast only where it is safe: in-process tests bind zeroconf to 127.0.0.1 alone, and
-the multi-process tests run `python -m daemon.discovery` inside network namespaces (tests/netns).
+the multi-process tests run `python -m tests.support.mdns_probe` inside network namespaces
+(tests/netns).
 Other test runs may announce on loopback at the same time, so every test uses a fresh mesh name
 and node ids and looks only at its own nodes.
 """
@@ -25,7 +26,7 @@ import pytest
 import trio
 from zeroconf import ServiceInfo, Zeroconf
 
-from daemon.discovery import (
+from meshd.mesh.discovery import (
     GOODBYE_REASON,
     SERVICE_TYPE,
     TXT_PROTOCOL_VERSION,
@@ -251,7 +252,7 @@ def _ignore_lines(caplog: pytest.LogCaptureFixture, observer: str, peer: str) ->
 def test_loopback_peers_find_each_other_ignore_strangers_and_see_goodbyes(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="daemon.discovery")
+    caplog.set_level(logging.INFO, logger="meshd.mesh.discovery")
     mesh = _unique("lab")
     a = LoopbackNode.make(_announcement(_unique("a"), mesh, grpc_port=7001))
     b = LoopbackNode.make(_announcement(_unique("b"), mesh, grpc_port=7002))
@@ -376,7 +377,7 @@ def test_a_malformed_peer_is_ignored_with_the_reason() -> None:
 
 
 def test_two_daemons_with_one_node_id_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="daemon.discovery")
+    caplog.set_level(logging.WARNING, logger="meshd.mesh.discovery")
     mesh, twin_id = _unique("lab"), _unique("twin")
     original = LoopbackNode.make(_announcement(twin_id, mesh, grpc_port=7101))
     copy = LoopbackNode.make(_announcement(twin_id, mesh, grpc_port=7102))
@@ -397,20 +398,20 @@ def test_two_daemons_with_one_node_id_are_warned_about(caplog: pytest.LogCapture
 
 
 # ---------------------------------------------------------------------------------------------
-# Network namespaces: one `python -m daemon.discovery` process per node
+# Network namespaces: one `python -m tests.support.mdns_probe` process per node
 # ---------------------------------------------------------------------------------------------
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class Runner:
-    """`python -m daemon.discovery` in a node's namespace; its JSON lines collected by a thread."""
+    """`python -m tests.support.mdns_probe` in a node's namespace; a thread reads its JSON."""
 
     def __init__(self, mesh: Mesh, index: int, mesh_name: str, log_dir: Path) -> None:
         self.node_id = f"n{index}"
         self.log_path = log_dir / f"{self.node_id}.log"
         command = [
-            sys.executable, "-m", "daemon.discovery", "--interface", "eth0",
+            sys.executable, "-m", "tests.support.mdns_probe", "--interface", "eth0",
             "--node-id", self.node_id, "--mesh", mesh_name, "--grpc-port", str(6000 + index),
             "--seconds", "25",
         ]  # fmt: skip
@@ -508,7 +509,7 @@ def test_namespaced_processes_find_each_other_and_see_leaves(tmp_path: Path) -> 
 def test_resolve_interfaces_reads_the_real_namespace() -> None:
     require_root_and_netns()
     program = (
-        "import json; from daemon.discovery import resolve_interfaces as r\n"
+        "import json; from meshd.mesh.discovery import resolve_interfaces as r\n"
         "out = [r(None), r(['docker0']), r(['eth0', 'lo'], skip=['lo'])]\n"
         "try:\n    r(['eth7'])\nexcept ValueError as e:\n    out.append(str(e))\n"
         "print(json.dumps(out))"

@@ -8,8 +8,8 @@ import time
 import grpc
 import pytest
 
-from daemon.membership import _beat_stream
-from daemon.wire import pb, rpc
+from meshd.mesh.membership import _beat_stream
+from meshd.wire import pb, rpc
 
 INTERVAL_S = 0.05
 TIMEOUT_S = 0.4

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon import client
-from daemon.wire import pb
+from meshd.api import client
+from meshd.wire import pb
 
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 BUDGET = 120_000_000
@@ -25,7 +25,7 @@ def big_model(tiny_llama: Path) -> Path:
 
 
 def test_model_bigger_than_any_node_runs_within_every_budget(daemons, mesh_token, big_model):
-    from daemon.modelinfo import read_model_spec
+    from meshd.models.info import read_model_spec
 
     weights = read_model_spec(big_model).total_weight_bytes
     assert weights > 0.75 * BUDGET  # no node could also hold KV cache, activations, overhead

@@ -12,10 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from daemon import client
-from daemon.launcher import DaemonProcess
-from daemon.model_store import ModelStore
-from daemon.wire import pb
+from meshd.api import client
+from meshd.api.launcher import DaemonProcess
+from meshd.models.store import ModelStore
+from meshd.wire import pb
 
 QUESTION = "What is the capital of France?"
 
@@ -58,7 +58,7 @@ def expect_error(daemon: DaemonProcess, request, code: grpc.StatusCode, words: s
 @pytest.fixture(scope="module")
 def mesh_of_three(default_model, tmp_path_factory):
     """Three namespaced daemons serving the default model split 10/10/10."""
-    from daemon import security
+    from meshd.mesh import security
     from tests.netns import Mesh, cleanup_stale, require_root_and_netns
 
     require_root_and_netns()
@@ -156,7 +156,7 @@ def test_cli_generate_and_chat_stream_from_any_node(mesh_of_three) -> None:
     import sys
 
     node = mesh_of_three[0]
-    cli = [sys.executable, "-m", "daemon.cli"]
+    cli = [sys.executable, "-m", "meshd.api.cli"]
     state = ["--state-dir", str(node.state_dir)]
     generated = subprocess.run(
         [*cli, "generate", QUESTION, *state, "--max-tokens", "24"],

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from daemon import links
-from daemon.wire import pb
+from meshd.mesh import links
+from meshd.wire import pb
 
 MBIT = 1e6 / 8
 

@@ -11,8 +11,8 @@ import os
 import signal
 import time
 
-from daemon import security
-from daemon.launcher import alive_ids, fully_meshed
+from meshd.api.launcher import alive_ids, fully_meshed
+from meshd.mesh import security
 
 NETNS_ARGS = ["--interface", "eth0", "--link-probe-interval", "2"]
 

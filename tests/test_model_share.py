@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from daemon import client
-from daemon.model_share import STALE_STAGING_S, mark_used, prune_parts
-from daemon.random_model import make_random_model_dir
-from daemon.shard import safetensors_tensor_names
-from daemon.wire import pb
+from meshd.api import client
+from meshd.inference.shard import safetensors_tensor_names
+from meshd.models.share import STALE_STAGING_S, mark_used, prune_parts
+from meshd.wire import pb
+from tests.support.random_model import make_random_model_dir
 
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 

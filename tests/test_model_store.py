@@ -20,14 +20,15 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model, load_tokenizer
 
-import daemon  # noqa: F401  (importing the package loads OpenBLAS before mlx.core)
-from daemon.gguf_import import (
+from meshd.inference.sampling import SamplingParams
+from meshd.inference.shard import LocalPipeline, even_layer_ranges
+from meshd.models.gguf import (
     GGUFImportError,
     hf_tensor_name,
     permute_rows,
     write_tokenizer_files,
 )
-from daemon.model_store import (
+from meshd.models.store import (
     DEFAULT_MODEL,
     InvalidModelSource,
     ModelEntry,
@@ -36,9 +37,7 @@ from daemon.model_store import (
     UnknownModel,
     console_progress,
 )
-from daemon.random_model import make_random_model_dir
-from daemon.sampling import SamplingParams
-from daemon.shard import LocalPipeline, even_layer_ranges
+from tests.support.random_model import make_random_model_dir
 
 QUESTION = "What is the capital of France?"
 

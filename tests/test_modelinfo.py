@@ -13,7 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, save_model
 
-from daemon.modelinfo import ModelInfoError, read_model_spec, read_safetensors_header
+from meshd.models.info import ModelInfoError, read_model_spec, read_safetensors_header
 
 LLAMA: dict[str, Any] = {
     "model_type": "llama",

@@ -14,7 +14,7 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.utils import _get_classes, save_model
 
-from daemon.plan_cli import (
+from meshd.api.plan_cli import (
     EXIT_BAD_INPUT,
     EXIT_OK,
     EXIT_REFUSED,
@@ -198,7 +198,7 @@ def test_run_plan_in_a_fresh_process(tmp_path: Path, model_dir: Path) -> None:
     mesh = write_mesh(tmp_path / "mesh.json", {"a": "100MiB", "b": "100MiB"})
     script = (
         "import argparse, sys\n"
-        "from daemon.plan_cli import add_plan_arguments, run_plan\n"
+        "from meshd.api.plan_cli import add_plan_arguments, run_plan\n"
         "parser = argparse.ArgumentParser()\n"
         "add_plan_arguments(parser)\n"
         "sys.exit(run_plan(parser.parse_args(sys.argv[1:])))\n"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from daemon import planning
-from daemon.wire import pb
+from meshd.agreement import service as planning
+from meshd.wire import pb
 
 
 def state(node: str, *measured: str) -> pb.NodeState:

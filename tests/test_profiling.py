@@ -1,4 +1,4 @@
-"""daemon.profiling: plausible measurements, a stable budget, and a cache that re-measures
+"""meshd.mesh.profiling: plausible measurements, a stable budget, and a cache that re-measures
 exactly when it should."""
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from typing import Any
 import psutil
 import pytest
 
-from daemon.blas import openblas_candidates
-from daemon.profiling import (
+from meshd.mesh.profiling import (
     BUDGET_GRANULE,
     CACHE_MAX_AGE_S,
     PROFILE_FILE,
@@ -29,7 +28,8 @@ from daemon.profiling import (
     profile_to_proto,
     total_memory,
 )
-from daemon.units import parse_size
+from meshd.runtime.blas import openblas_candidates
+from meshd.units import parse_size
 from tests.pyrun import run_json
 
 GiB = 2**30
@@ -38,9 +38,9 @@ HAS_OPENBLAS = sys.platform.startswith("linux") and any(p.exists() for p in open
 # Measures in a fresh interpreter with fast BLAS enabled first, as the daemon does.
 MEASURE = """
 import json, time
-import daemon.blas
-daemon.blas.enable_fast_blas()
-from daemon.profiling import machine_fingerprint, measure_node_profile
+import meshd.runtime.blas
+meshd.runtime.blas.enable_fast_blas()
+from meshd.mesh.profiling import machine_fingerprint, measure_node_profile
 started = time.perf_counter()
 profile = measure_node_profile()
 elapsed = time.perf_counter() - started

@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 import time
 
-from daemon import client
-from daemon.wire import pb
+from meshd.api import client
+from meshd.wire import pb
 
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 MAX_TOKENS = 600

@@ -7,9 +7,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-import daemon  # noqa: F401  (importing the package loads OpenBLAS before mlx.core)
-from daemon.random_model import write_byte_level_tokenizer
-from daemon.sampling import MAX_TOKENS_LIMIT, SamplingParams, StopChecker, TokenSampler
+from meshd.inference.sampling import MAX_TOKENS_LIMIT, SamplingParams, StopChecker, TokenSampler
+from tests.support.random_model import write_byte_level_tokenizer
 
 VOCAB = 300
 

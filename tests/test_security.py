@@ -1,4 +1,5 @@
-"""Tests for daemon.security: join tokens, secret files, the derived CA and mutual TLS over gRPC.
+"""Tests for meshd.mesh.security: join tokens, secret files, the derived CA and mutual TLS
+over gRPC.
 
 The gRPC tests run a real grpc.aio server on 127.0.0.1 with an ephemeral port and the standard
 health service, and check who gets an answer.
@@ -26,8 +27,8 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from daemon import security
-from daemon.security import (
+from meshd.mesh import security
+from meshd.mesh.security import (
     CHANNEL_OPTIONS,
     InsecureSecretFile,
     InvalidJoinToken,

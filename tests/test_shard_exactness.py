@@ -17,9 +17,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model, save_config, save_model
 
-from daemon.random_model import make_random_model_dir
-from daemon.sampling import SamplingParams, TokenSampler
-from daemon.shard import (
+from meshd.inference.sampling import SamplingParams, TokenSampler
+from meshd.inference.shard import (
     LocalPipeline,
     RequestCaches,
     StageLoadError,
@@ -29,6 +28,7 @@ from daemon.shard import (
     load_stage,
     prefill_chunks,
 )
+from tests.support.random_model import make_random_model_dir
 
 LAYERS = 6
 PROMPT = [(index * 37 + 11) % 300 for index in range(20)]

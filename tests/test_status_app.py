@@ -23,7 +23,7 @@ from types import ModuleType
 import grpc
 import pytest
 
-from daemon.wire import pb, rpc
+from meshd.wire import pb, rpc
 
 APP_DIR = Path(__file__).resolve().parents[1] / "packaging" / "status_app"
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]

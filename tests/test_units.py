@@ -1,4 +1,4 @@
-"""daemon.units: sizes and rates as typed on the command line, and back."""
+"""meshd.units: sizes and rates as typed on the command line, and back."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daemon.units import format_flops, format_rate, format_size, parse_rate, parse_size
+from meshd.units import format_flops, format_rate, format_size, parse_rate, parse_size
 
 
 @pytest.mark.parametrize(

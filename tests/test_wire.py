@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from daemon.wire import gen
+from meshd.wire import gen
 
 
 def test_generated_code_is_current(tmp_path: Path) -> None:
@@ -11,13 +11,12 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
         fresh = (tmp_path / name).read_text()
         committed = (gen.WIRE_DIR / name).read_text()
         assert fresh == committed, (
-            f"daemon/wire/{name} is stale against proto/meshd.proto: "
-            "run `python -m daemon.wire.gen`"
+            f"daemon/wire/{name} is stale against proto/meshd.proto: run `python -m meshd.wire.gen`"
         )
 
 
 def test_services_are_complete() -> None:
-    from daemon.wire import pb
+    from meshd.wire import pb
 
     peer = pb.DESCRIPTOR.services_by_name["Peer"]
     local = pb.DESCRIPTOR.services_by_name["Local"]

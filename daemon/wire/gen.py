@@ -2,7 +2,7 @@
 
 The generated modules are committed (so installing meshd needs no protoc), and
 `tests/test_wire.py` regenerates them into a temporary folder and fails when the
-committed copies are stale. Run `python -m daemon.wire.gen` after editing the proto.
+committed copies are stale. Run `python -m meshd.wire.gen` after editing the proto.
 """
 
 from __future__ import annotations

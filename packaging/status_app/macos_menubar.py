@@ -19,7 +19,7 @@ from pathlib import Path
 
 from status_model import SEPARATOR, Menu, StatusFeed, menu_unreachable
 
-from daemon.client import DaemonUnreachable, api_address_for, fetch_token
+from meshd.api.client import DaemonUnreachable, api_address_for, fetch_token
 
 try:
     import rumps
@@ -72,7 +72,7 @@ class MeshMenuBar(rumps.App):
         ]
 
     def open_status(self, _item: object) -> None:
-        command = [sys.executable, "-m", "daemon.cli", "status", "--api", self.api_address]
+        command = [sys.executable, "-m", "meshd.api.cli", "status", "--api", self.api_address]
         script = f'tell application "Terminal" to do script {_applescript_string(command)}'
         subprocess.run(["osascript", "-e", script, "-e", 'tell application "Terminal" to activate'])
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 
-from daemon.units import format_flops, format_size
-from daemon.wire import pb, rpc
+from meshd.units import format_flops, format_size
+from meshd.wire import pb, rpc
 
 log = logging.getLogger("meshd.status_app")
 

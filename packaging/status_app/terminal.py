@@ -17,7 +17,7 @@ from typing import TextIO
 
 from status_model import SEPARATOR, Menu, StatusFeed
 
-from daemon.client import api_address_for
+from meshd.api.client import api_address_for
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 RULE = "-" * 60

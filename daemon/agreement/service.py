@@ -1,0 +1,451 @@
+"""Agreement in the daemon: feed the pure protocol core, carry its messages, plan the mesh.
+
+`meshd.agreement.protocol.AgreementNode` is the protocol (pure, simulated in the tests). This
+component is its runtime:
+
+* **Inputs.** The live peers from `Membership` (with the monotonic time each became alive,
+  renewed on every reconnect), one *profile digest* per node, and the selected model.
+  A digest hashes exactly what the partitioner reads of a node — memory budget, the buckets
+  of its FLOP/s and memory bandwidth, and the buckets of its outgoing links — so every node
+  computes the same digest from the same served `NodeState`, and measurement noise inside a
+  bucket changes nothing (the publisher also applies hysteresis, see `Membership`).
+* **Settling.** A node whose published links still miss a node that joined moments ago is
+  *settling* (`settling_nodes`); the core keeps its current proposal meanwhile, for at most
+  `settle_bound_s`, so a starting mesh commits one plan made from measured links instead of
+  committing one and replacing it when the last measurement lands.
+* **Model selection** is a last-writer-wins register gossiped in every `NodeState`:
+  the selection with the largest `(set_at, set_by)` wins, so any node may change the model
+  and every node converges on the same one without a master.
+* **compute_plan** restricts the mesh graph to the members, runs `partitioner.plan_model`
+  and caches the full plan by plan id; a plan that cannot fit becomes a `Refusal` whose reason
+  says how much memory is missing ("not enough memory in this mesh for ...").
+* **Messages** go out over the peer channels as `Propose` calls with a deadline; one outbox
+  slot per peer keeps only the newest message (receivers keep only the newest anyway), so a
+  slow peer never builds a queue. Incoming messages are accepted only when the TLS
+  certificate names the sender.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+import partitioner
+from meshd.agreement import protocol as ag
+from meshd.mesh.graph import mesh_graph, planning_bandwidth, planning_latency
+from meshd.mesh.membership import EventLog, Membership
+from meshd.runtime.bridge import AsyncioThread
+from meshd.wire import pb, rpc
+from partitioner.quantize import bucket_index, latency_bucket_index
+
+log = logging.getLogger("meshd.planning")
+
+TICK_S = 0.1
+PROPOSE_TIMEOUT_S = 1.0
+SETTLE_BASE_S = 2.0
+SETTLE_PER_PEER_S = 0.5
+
+
+# ---------------------------------------------------------------- digests and selections
+
+
+def state_digest(state: pb.NodeState) -> str:
+    """What the partitioner reads of one node, bucketed, hashed (same on every node)."""
+    profile = state.profile
+    if profile.flops <= 0 or profile.mem_bandwidth <= 0 or profile.memory_budget <= 0:
+        return ""
+    links = sorted(
+        [m.dst, latency_bucket_index(planning_latency(m)), bucket_index(planning_bandwidth(m))]
+        for m in state.links
+        if m.bandwidth > 0
+    )
+    payload = [
+        profile.node_id,
+        int(profile.memory_budget),
+        bucket_index(profile.flops),
+        bucket_index(profile.mem_bandwidth),
+        links,
+    ]
+    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
+
+
+def settle_bound_s(peers: int) -> float:
+    """How long to wait for the link measurements of a node that just joined.
+
+    A node measures its links one bandwidth probe at a time, each confirmed once, so the
+    time to measure all of them grows with the number of peers.
+    """
+    return SETTLE_BASE_S + SETTLE_PER_PEER_S * peers
+
+
+def settling_nodes(
+    states: dict[str, pb.NodeState], alive_since: dict[str, float], now: float
+) -> set[str]:
+    """Nodes whose published links still miss a node that joined less than a bound ago.
+
+    `alive_since` holds every node of the view (this one with its start time). A node with no
+    state yet counts as missing all its links. Planning before the last link of a joining node
+    is measured would commit a plan and replace it as soon as the measurement arrives; a link
+    that cannot be measured within `settle_bound_s` is planned without.
+    """
+    bound = settle_bound_s(len(alive_since) - 1)
+    settling = set()
+    for node, since in alive_since.items():
+        state = states.get(node)
+        measured = {m.dst for m in state.links if m.bandwidth > 0} if state is not None else set()
+        for other, other_since in alive_since.items():
+            if other != node and other not in measured and now - max(since, other_since) < bound:
+                settling.add(node)
+                break
+    return settling
+
+
+def model_selection(
+    spec: partitioner.ModelSpec,
+    options: partitioner.PlanOptions,
+    node_id: str,
+    path: str = "",
+) -> pb.ModelSelection:
+    """A selection record for `spec`; the digest names the model description exactly."""
+    spec_json = json.dumps(spec.to_dict(), sort_keys=True)
+    return pb.ModelSelection(
+        name=spec.name,
+        digest=hashlib.sha256(spec_json.encode()).hexdigest()[:16],
+        spec_json=spec_json,
+        options_json=json.dumps(options.to_dict(), sort_keys=True),
+        set_at=time.time(),
+        set_by=node_id,
+        path=path,
+    )
+
+
+def newest_selection(selections: list[pb.ModelSelection]) -> pb.ModelSelection | None:
+    chosen = [s for s in selections if s.name]
+    return max(chosen, key=lambda s: (s.set_at, s.set_by)) if chosen else None
+
+
+# ---------------------------------------------------------------- wire conversion
+
+
+def proposal_to_proto(proposal: ag.Proposal) -> pb.Proposal:
+    inputs = proposal.inputs
+    message = pb.Proposal(
+        inputs=pb.PlanInputs(
+            members=list(inputs.members),
+            digests=list(inputs.digests),
+            model=pb.ModelRef(name=inputs.model.name, digest=inputs.model.digest),
+            settings=inputs.settings,
+        )
+    )
+    if isinstance(proposal.outcome, ag.Plan):
+        message.plan.plan_id = proposal.outcome.plan_id
+        message.plan.stage_members.extend(proposal.outcome.stage_members)
+    else:
+        message.refusal = proposal.outcome.reason
+    return message
+
+
+def proposal_from_proto(message: pb.Proposal) -> ag.Proposal:
+    inputs = ag.PlanInputs(
+        members=tuple(message.inputs.members),
+        digests=tuple(message.inputs.digests),
+        model=ag.ModelRef(message.inputs.model.name, message.inputs.model.digest),
+        settings=message.inputs.settings,
+    )
+    outcome: ag.PlanOutcome
+    if message.WhichOneof("outcome") == "plan":
+        outcome = ag.Plan(message.plan.plan_id, tuple(message.plan.stage_members))
+    else:
+        outcome = ag.Refusal(message.refusal)
+    return ag.Proposal(inputs, outcome)
+
+
+def message_to_proto(message: ag.ProposalMessage) -> pb.ProposalMessage:
+    out = pb.ProposalMessage(
+        sender=message.sender,
+        incarnation=message.incarnation,
+        seq=message.seq,
+        committed=message.committed,
+    )
+    if message.proposal is not None:
+        out.proposal.CopyFrom(proposal_to_proto(message.proposal))
+    return out
+
+
+def message_from_proto(message: pb.ProposalMessage) -> ag.ProposalMessage:
+    return ag.ProposalMessage(
+        sender=message.sender,
+        incarnation=message.incarnation,
+        seq=message.seq,
+        proposal=proposal_from_proto(message.proposal) if message.HasField("proposal") else None,
+        committed=message.committed,
+    )
+
+
+# ---------------------------------------------------------------- the component
+
+
+@dataclass
+class PlanChange:
+    """What the data plane is told: a plan became active, or one must stop."""
+
+    kind: str  # "committed" | "withdrawn" | "refused"
+    plan_id: str
+    plan: partitioner.Plan | None
+    reason: str = ""
+
+
+class PlanAgreement:
+    """Runs the agreement protocol for one daemon."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        bridge: AsyncioThread,
+        events: EventLog,
+        config: ag.AgreementConfig,
+    ) -> None:
+        self._membership = membership
+        self._bridge = bridge
+        self._events = events
+        self._node_id = membership.identity.node_id
+        self._started_at = time.monotonic()
+        self.core = ag.AgreementNode(
+            self._node_id,
+            time.time_ns(),
+            self._compute_plan,
+            started_at=self._started_at,
+            config=config,
+        )
+        self._settling: set[str] = set()
+        self.plans: dict[str, partitioner.Plan] = {}
+        self._states: dict[tuple[str, str], pb.NodeState] = {}
+        self._selection: pb.ModelSelection | None = None
+        self._outbox: dict[str, ag.ProposalMessage] = {}
+        self._outbox_ready: dict[str, trio.Event] = {}
+        self._nursery: trio.Nursery | None = None
+        self.listeners: list[Callable[[PlanChange], None]] = []
+        self.last_refusal = ""
+
+    # ------------------------------------------------------------ run
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._feed_membership()
+            nursery.start_soon(self._watch_membership)
+            nursery.start_soon(self._tick)
+            task_status.started()
+
+    async def _watch_membership(self) -> None:
+        while True:
+            await self._membership.wait_changed()
+            self._feed_membership()
+
+    async def _tick(self) -> None:
+        while True:
+            await trio.sleep(TICK_S)
+            if self._settling:
+                self._feed_membership()  # a settling bound may have passed
+            self._apply(self.core.on_tick(time.monotonic()))
+
+    # ------------------------------------------------------------ inputs
+
+    @property
+    def selection(self) -> pb.ModelSelection | None:
+        return self._selection
+
+    def _feed_membership(self) -> None:
+        membership = self._membership
+        own = membership.snapshot
+        states = {self._node_id: own}
+        alive: dict[str, float] = {}
+        for record in membership.alive_peers():
+            alive[record.node_id] = record.alive_since
+            if record.state is not None:
+                states[record.node_id] = record.state
+        now = time.monotonic()
+        self._settling = settling_nodes(states, {**alive, self._node_id: self._started_at}, now)
+        digests: dict[str, str] = {}
+        for node_id, state in states.items():
+            digest = state_digest(state)
+            if digest:
+                digests[node_id] = digest
+                self._states[(node_id, digest)] = state
+        self._selection = newest_selection([s.model for s in states.values()])
+        model = settings = None
+        if self._selection is not None:
+            model = ag.ModelRef(self._selection.name, self._selection.digest)
+            settings = self._selection.options_json
+        outputs = self.core.on_membership(
+            now, alive, digests, model, settings or "", settling=self._settling
+        )
+        self._apply(outputs)
+        self._forget_unreferenced(digests)
+
+    def _forget_unreferenced(self, digests: dict[str, str]) -> None:
+        """Drop cached states and plans nothing refers to any more.
+
+        A daemon runs for months: every re-measured link bucket makes a new digest and every
+        membership change a new plan. Kept: the states of the current digests and of the
+        proposals still in play (own, active, draining), and those proposals' plans.
+        """
+        core = self.core
+        proposals = [core.proposal] + [s.proposal for s in (core.active, *core.draining) if s]
+        live = [p for p in proposals if p is not None]
+        keep_states = set(digests.items())
+        for proposal in live:
+            keep_states.update(zip(proposal.inputs.members, proposal.inputs.digests, strict=True))
+        for key in set(self._states) - keep_states:
+            del self._states[key]
+        keep_plans = {p.outcome.plan_id for p in live if isinstance(p.outcome, ag.Plan)}
+        for plan_id in set(self.plans) - keep_plans:
+            del self.plans[plan_id]
+
+    def _compute_plan(self, inputs: ag.PlanInputs) -> ag.PlanOutcome:
+        selection = self._selection
+        if selection is None or selection.digest != inputs.model.digest:
+            return ag.Refusal(f"the description of model {inputs.model.name} is not known here")
+        try:
+            states = [
+                self._states[(m, d)] for m, d in zip(inputs.members, inputs.digests, strict=True)
+            ]
+        except KeyError as exc:
+            return ag.Refusal(f"profile {exc} is not known here yet")
+        spec = partitioner.ModelSpec.from_dict(json.loads(selection.spec_json))
+        options = partitioner.PlanOptions.from_dict(json.loads(inputs.settings or "{}"))
+        try:
+            plan = partitioner.plan_model(mesh_graph(states), spec, options)
+        except partitioner.InsufficientMemory as exc:
+            return ag.Refusal(partitioner.describe_refusal(exc))
+        except (partitioner.MeshError, partitioner.PlanOptionsError, ValueError) as exc:
+            return ag.Refusal(f"cannot plan {spec.name} over this mesh: {exc}")
+        self.plans[plan.plan_id] = plan
+        return ag.Plan(plan.plan_id, plan.nodes)
+
+    # ------------------------------------------------------------ messages
+
+    def receive(self, message: pb.ProposalMessage, cert_node_id: str | None) -> None:
+        """A peer's Propose call (on the trio thread)."""
+        if cert_node_id is not None and cert_node_id != message.sender:
+            log.warning(
+                "dropped a proposal claiming to be from %s over a channel of %s",
+                message.sender,
+                cert_node_id,
+            )
+            return
+        self._apply(self.core.on_message(time.monotonic(), message_from_proto(message)))
+
+    def _apply(self, outputs: list[ag.Output]) -> None:
+        for output in outputs:
+            if isinstance(output, ag.Broadcast):
+                for peer in output.recipients:
+                    self._post(peer, output.message)
+            elif isinstance(output, ag.Send):
+                self._post(output.to, output.message)
+            elif isinstance(output, ag.Committed):
+                self._on_committed(output)
+            elif isinstance(output, ag.Withdrawn):
+                self._events.add("plan %s withdrawn: %s", output.plan_id[:12], output.reason)
+                self._notify(PlanChange("withdrawn", output.plan_id, None, output.reason))
+            elif isinstance(output, ag.Refused):
+                if output.reason != self.last_refusal:
+                    self._events.add("no plan: %s", output.reason, level=logging.WARNING)
+                self.last_refusal = output.reason
+                self._notify(PlanChange("refused", "", None, output.reason))
+
+    def _on_committed(self, output: ag.Committed) -> None:
+        plan = self.plan_for(output.proposal)
+        self.last_refusal = ""
+        layout = ", ".join(
+            f"{'+'.join(stage.nodes)} {stage.layer_start}-{stage.layer_end - 1}"
+            for stage in (plan.stages if plan else ())
+        )
+        self._events.add(
+            "committed plan %s over %d node(s): %s",
+            output.plan_id[:12],
+            len(output.members),
+            layout or "?",
+        )
+        self._notify(PlanChange("committed", output.plan_id, plan))
+
+    def _notify(self, change: PlanChange) -> None:
+        for listener in self.listeners:
+            listener(change)
+
+    def _post(self, peer: str, message: ag.ProposalMessage) -> None:
+        self._outbox[peer] = message
+        ready = self._outbox_ready.get(peer)
+        if ready is None:
+            ready = self._outbox_ready[peer] = trio.Event()
+            assert self._nursery is not None
+            self._nursery.start_soon(self._sender, peer)
+        ready.set()
+
+    async def _sender(self, peer: str) -> None:
+        """Deliver the newest message for `peer`; the protocol re-sends what gets lost."""
+        while True:
+            await self._outbox_ready[peer].wait()
+            self._outbox_ready[peer] = trio.Event()
+            message = self._outbox.pop(peer, None)
+            record = self._membership.peers.get(peer)
+            if message is None or record is None or not record.alive or record.stub is None:
+                continue
+            try:
+                await self._bridge.run(_propose, record.stub, message_to_proto(message))
+            except Exception as exc:  # the protocol retransmits; liveness handles dead peers
+                log.debug("proposal to %s not delivered: %s", peer, exc)
+
+    # ------------------------------------------------------------ status
+
+    def plan_for(self, proposal: ag.Proposal) -> partitioner.Plan | None:
+        """The full partitioner plan behind a proposal (recomputed if not cached here)."""
+        outcome = proposal.outcome
+        if not isinstance(outcome, ag.Plan):
+            return None
+        plan = self.plans.get(outcome.plan_id)
+        if plan is None:
+            log.warning("plan %s was not cached; recomputing it", outcome.plan_id[:12])
+            self._compute_plan(proposal.inputs)
+            plan = self.plans.get(outcome.plan_id)
+        return plan
+
+    def release(self, plan_id: str) -> None:
+        """A draining plan has no request left here: stop serving it."""
+        self._apply(self.core.release_draining(plan_id))
+
+    def is_serving(self, plan_id: str) -> bool:
+        return self.core.is_serving(plan_id)
+
+    def view(self) -> pb.AgreementView:
+        status = self.core.status(time.monotonic())
+        out = pb.AgreementView(
+            model=self._selection.name if self._selection else "",
+            confirmed_by=sorted(status.confirmed_by),
+            committed_by=sorted(status.committed_by),
+            draining=[served.plan_id for served in status.draining],
+            reason=status.reason,
+            converged=status.converged,
+        )
+        if status.active is not None:
+            out.active_plan_id = status.active.plan_id
+            out.members.extend(status.active.members)
+            plan = self.plan_for(status.active.proposal)
+            if plan is not None:
+                out.plan_json = json.dumps(plan.to_dict())
+        if status.proposal is not None:
+            if isinstance(status.proposal.outcome, ag.Plan):
+                out.proposal_plan_id = status.proposal.outcome.plan_id
+            else:
+                out.refusal = status.proposal.outcome.reason
+        return out
+
+
+async def _propose(stub: rpc.PeerStub, message: pb.ProposalMessage) -> None:
+    await stub.Propose(message, timeout=PROPOSE_TIMEOUT_S)

@@ -1,0 +1,453 @@
+"""The `meshd` command line: run the daemon, inspect the mesh, manage membership.
+
+    meshd run [--peer HOST:PORT] [--memory-budget 12GB] ...   the daemon (foreground)
+    meshd status | peers [--json] [--watch]                  the mesh as this daemon sees it
+    meshd token                                              print a join token for this mesh
+    meshd join TOKEN                                         make this machine's daemon join a mesh
+    meshd plan [--mesh FILE] [--model DIR] ...               plan a model over the mesh
+    meshd profile [--remeasure]                              this machine's measured profile
+    meshd demo [--nodes 3]                                   a small local mesh, shown, then stopped
+
+Commands other than `run`, `profile` and `demo` talk to the local daemon over
+its client API (a Unix socket in the state directory, or --api).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from meshd.config import FIELD_HELP, Config, ConfigError, load_config
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-dir", type=Path, help=FIELD_HELP["state_dir"])
+    parser.add_argument("--api", help=FIELD_HELP["api"])
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", type=Path, help="TOML config file (default: <state-dir>/meshd.toml)"
+    )
+    parser.add_argument("--name", help=FIELD_HELP["name"])
+    parser.add_argument("--mesh-name", help=FIELD_HELP["mesh_name"])
+    parser.add_argument("--join", dest="join_token", metavar="TOKEN", help=FIELD_HELP["join_token"])
+    parser.add_argument("--peer-host", help=FIELD_HELP["peer_host"])
+    parser.add_argument("--peer-port", type=int, help=FIELD_HELP["peer_port"])
+    parser.add_argument(
+        "--interface",
+        dest="interfaces",
+        action="append",
+        metavar="IF",
+        help=FIELD_HELP["interfaces"],
+    )
+    parser.add_argument(
+        "--skip-interface",
+        dest="skip_interfaces",
+        action="append",
+        metavar="IF",
+        help=FIELD_HELP["skip_interfaces"],
+    )
+    parser.add_argument(
+        "--no-mdns", dest="mdns", action="store_const", const=False, help="do not use mDNS"
+    )
+    parser.add_argument(
+        "--peer", dest="peers", action="append", metavar="HOST:PORT", help=FIELD_HELP["peers"]
+    )
+    parser.add_argument("--memory-budget", help=FIELD_HELP["memory_budget"])
+    parser.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float)
+    parser.add_argument("--peer-timeout", dest="peer_timeout_s", type=float)
+    parser.add_argument("--link-probe-interval", dest="link_probe_interval_s", type=float)
+    parser.add_argument("--model", help=FIELD_HELP["model"])
+    parser.add_argument("--strategy", choices=["speed", "memory"], help=FIELD_HELP["strategy"])
+    parser.add_argument("--context-length", type=int, help=FIELD_HELP["context_length"])
+    parser.add_argument("--concurrency", type=int, help=FIELD_HELP["concurrency"])
+    parser.add_argument(
+        "--join-stability", dest="join_stability_s", type=float, help=FIELD_HELP["join_stability_s"]
+    )
+    parser.add_argument(
+        "--startup-grace", dest="startup_grace_s", type=float, help=FIELD_HELP["startup_grace_s"]
+    )
+    parser.add_argument("--log-level", help=FIELD_HELP["log_level"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshd", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the daemon in the foreground")
+    _add_common(run)
+    _add_run_flags(run)
+
+    for name, text in (
+        ("status", "the mesh as the local daemon sees it"),
+        ("peers", "peers and links"),
+    ):
+        p = sub.add_parser(name, help=text)
+        _add_common(p)
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--watch", action="store_true", help="print again whenever the mesh changes")
+
+    token = sub.add_parser("token", help="print a join token for this daemon's mesh")
+    _add_common(token)
+
+    join = sub.add_parser("join", help="give this machine the secret of an existing mesh")
+    _add_common(join)
+    join.add_argument("token", help="the token printed by `meshd token` on a member")
+
+    profile = sub.add_parser("profile", help="measure (or show the cached) profile of this machine")
+    _add_common(profile)
+    profile.add_argument("--remeasure", action="store_true", help="ignore the cache")
+    profile.add_argument("--memory-budget", help=FIELD_HELP["memory_budget"])
+    profile.add_argument("--json", action="store_true")
+
+    plan = sub.add_parser("plan", help="plan a model over the mesh (live view or --mesh FILE)")
+    _add_common(plan)
+    from meshd.api.plan_cli import add_plan_arguments
+
+    add_plan_arguments(plan)
+
+    generate = sub.add_parser("generate", help="stream a completion from the mesh")
+    _add_common(generate)
+    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument("--raw", action="store_true", help="no chat template around the prompt")
+    _add_sampling(generate)
+
+    chat = sub.add_parser("chat", help="chat with the mesh's model in the terminal")
+    _add_common(chat)
+    chat.add_argument("--system", help="a system message")
+    _add_sampling(chat)
+
+    models = sub.add_parser("models", help="models in this node's store, and the mesh's model")
+    _add_common(models)
+    models.add_argument("--json", action="store_true")
+
+    load = sub.add_parser("load", help="select the model the mesh runs")
+    _add_common(load)
+    load.add_argument("model", help="a store name, a model directory or a .gguf file")
+    load.add_argument("--strategy", choices=["speed", "memory"])
+    load.add_argument("--context-length", type=int)
+    load.add_argument("--concurrency", type=int)
+
+    demo = sub.add_parser("demo", help="start a small local mesh on loopback, show it, stop it")
+    demo.add_argument("--nodes", type=int, default=3, help="number of local daemons (default 3)")
+    demo.add_argument("--keep-state", type=Path, help="keep the daemons' state here")
+    demo.add_argument("--timeout", type=float, default=60.0, help="give up after this many seconds")
+    return parser
+
+
+def _add_sampling(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, help="0 = greedy (default)")
+    group.add_argument("--top-p", type=float)
+    group.add_argument("--top-k", type=int)
+    group.add_argument("--min-p", type=float)
+    group.add_argument("--repetition-penalty", type=float)
+    group.add_argument("--seed", type=int, help="same seed, same output")
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--model", help="fail unless the mesh runs this model")
+    group.add_argument("--plan", dest="plan_id", help="run on exactly this committed plan id")
+
+
+def _sampling(args: argparse.Namespace):
+    from meshd.wire import pb
+
+    sampling = pb.Sampling(stop=args.stop)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    sampling.max_tokens = args.max_tokens
+    return sampling
+
+
+def _config_flags(args: argparse.Namespace) -> dict[str, object]:
+    names = {f.name for f in dataclasses.fields(Config)}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s.%(msecs)03d %(name)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("zeroconf", "asyncio", "grpc"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import trio
+
+    from meshd.mesh.membership import DuplicateNodeId
+    from meshd.node import run_node
+
+    config = load_config(_config_flags(args), config_path=args.config)
+    _setup_logging(config.log_level)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
+            await nursery.start(run_node, config)
+
+    exit_code = 0
+    try:
+        trio.run(main)
+    except* DuplicateNodeId as group:
+        for exc in _leaves(group):
+            print(f"meshd: {exc}", file=sys.stderr)
+        exit_code = 3
+    except* KeyboardInterrupt:
+        pass
+    return exit_code
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    """The exceptions inside (possibly nested) exception groups."""
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+async def _stop_on_signal(scope) -> None:
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            logging.getLogger("meshd").info(
+                "received %s, shutting down", signal.Signals(signum).name
+            )
+            scope.cancel()
+            return
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    config = load_config({"state_dir": args.state_dir} if args.state_dir else {})
+    return config.state_dir
+
+
+def _api(args: argparse.Namespace) -> str:
+    from meshd.api.client import api_address_for
+
+    if args.api:
+        return args.api
+    return api_address_for(_state_dir(args), None)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from meshd.api import client, render
+
+    api = _api(args)
+    statuses = client.watch_status(api) if args.watch else iter([client.fetch_status(api)])
+    for status in statuses:
+        if args.json:
+            print(json.dumps(render.status_to_json(status), indent=None if args.watch else 2))
+        elif args.command == "peers":
+            print(render.peers_table(status))
+        else:
+            print(render.status_text(status))
+        sys.stdout.flush()
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    from meshd.api import client
+    from meshd.mesh import security
+
+    try:
+        print(client.fetch_token(_api(args)).token)
+    except client.DaemonUnreachable:
+        secret = security.load_secret(_state_dir(args))
+        if secret is None:
+            print(
+                "meshd: this machine has no mesh yet; start the daemon (`meshd run`) to create one",
+                file=sys.stderr,
+            )
+            return 1
+        print(security.encode_join_token(secret))
+    return 0
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    from meshd.api import client
+    from meshd.mesh import security
+
+    secret = security.decode_join_token(args.token)
+    state_dir = _state_dir(args)
+    security.save_secret(state_dir, secret)
+    print(f"this machine now belongs to mesh {secret.mesh_name!r} (state in {state_dir})")
+    try:
+        client.fetch_status(_api(args), timeout_s=1.0)
+    except client.DaemonUnreachable:
+        print("start the daemon with `meshd run` (or restart the service) to connect")
+    else:
+        print("a daemon is running with the old secret: restart it to join the new mesh")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from meshd.api import render
+    from meshd.mesh.profiling import load_or_measure_profile
+    from meshd.units import parse_size
+
+    budget = parse_size(args.memory_budget) if args.memory_budget else None
+    profile = load_or_measure_profile(
+        _state_dir(args), memory_budget_override=budget, remeasure=args.remeasure
+    )
+    if args.json:
+        print(json.dumps(profile.to_dict(), indent=2))
+    else:
+        print(render.profile_text(profile))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from meshd.api.plan_cli import run_plan
+
+    if not getattr(args, "mesh", None):
+        args.api = _api(args)
+    return run_plan(args)
+
+
+def _print_stream(api: str, request) -> int:
+    from meshd.api import client
+
+    for event in client.stream_generation(api, request):
+        if event.HasField("done"):
+            done = event.done
+            print(flush=True)  # end the generated text's line on stdout
+            print(
+                f"[{done.completion_tokens} tokens, {done.finish_reason}; first token "
+                f"{done.ttft_s * 1e3:.0f} ms, {done.decode_tokens_per_s:.1f} tokens/s; "
+                f"plan {done.plan_id[:12]}]",
+                file=sys.stderr,
+            )
+        else:
+            print(event.text, end="", flush=True)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from meshd.wire import pb
+
+    request = pb.GenerateRequest(
+        prompt=args.prompt,
+        sampling=_sampling(args),
+        model=args.model or "",
+        plan_id=args.plan_id or "",
+        chat_template=not args.raw,
+    )
+    return _print_stream(_api(args), request)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from meshd.api import client
+    from meshd.wire import pb
+
+    api = _api(args)
+    history: list[pb.ChatMessage] = []
+    if args.system:
+        history.append(pb.ChatMessage(role="system", content=args.system))
+    print("chat with the mesh (empty line or Ctrl-D to quit)", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append(pb.ChatMessage(role="user", content=line))
+        request = pb.ChatRequest(
+            messages=history,
+            sampling=_sampling(args),
+            model=args.model or "",
+            plan_id=args.plan_id or "",
+        )
+        answer = []
+        for event in client.stream_generation(api, request):
+            if event.HasField("text"):
+                answer.append(event.text)
+                print(event.text, end="", flush=True)
+        print()
+        history.append(pb.ChatMessage(role="assistant", content="".join(answer)))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from meshd.api import client, render
+
+    models = client.list_models(_api(args))
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps(MessageToDict(models, preserving_proto_field_name=True), indent=2))
+    else:
+        print(render.models_table(models))
+    return 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    from meshd.api import client
+    from meshd.wire import pb
+
+    reply = client.load_model(
+        _api(args),
+        pb.LoadModelRequest(
+            model=args.model,
+            strategy=args.strategy or "",
+            context_length=args.context_length or 0,
+            concurrency=args.concurrency or 0,
+        ),
+    )
+    print(f"{reply.model} ({reply.digest}): {reply.message}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from meshd.api.demo import run_demo
+
+    return run_demo(nodes=args.nodes, keep_state=args.keep_state, timeout_s=args.timeout)
+
+
+COMMANDS = {
+    "run": cmd_run,
+    "status": cmd_status,
+    "peers": cmd_status,
+    "token": cmd_token,
+    "join": cmd_join,
+    "profile": cmd_profile,
+    "plan": cmd_plan,
+    "demo": cmd_demo,
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "models": cmd_models,
+    "load": cmd_load,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from meshd.runtime.blas import enable_fast_blas
+
+    enable_fast_blas()  # before any command imports mlx.core (see meshd.runtime.blas)
+    args = build_parser().parse_args(argv)
+    from meshd.api.client import DaemonUnreachable, GenerationFailed
+    from meshd.mesh.security import InvalidJoinToken
+
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, DaemonUnreachable, InvalidJoinToken, GenerationFailed) as exc:
+        print(f"meshd: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

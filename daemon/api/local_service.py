@@ -1,0 +1,213 @@
+"""The local client API (gRPC `Local` service) for the CLI and the status app.
+
+It listens on a Unix socket in the state directory by default, or on a loopback
+TCP address; it is not exposed to the network unless the user configures a
+non-loopback address on purpose. Handlers run on the asyncio thread and ask the
+trio side for fresh answers through the bridge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+
+from meshd.runtime.bridge import AsyncioThread
+from meshd.wire import pb, rpc
+
+log = logging.getLogger("meshd.api")
+
+WATCH_KEEPALIVE_S = 5.0
+
+
+class StatusSource(Protocol):
+    """What the API needs from the daemon (implemented by `meshd.node.Node`)."""
+
+    def status(self) -> pb.MeshStatus: ...
+
+    def token(self) -> pb.TokenReply: ...
+
+    async def wait_changed(self) -> None: ...
+
+    async def remeasure(self) -> None: ...
+
+    inference: Any
+
+    async def select_model(self, model: str, **options: Any) -> pb.ModelSelection: ...
+
+    def list_models(self) -> pb.ModelList: ...
+
+
+class LocalService(rpc.LocalServicer):
+    def __init__(self, node: StatusSource, bridge: AsyncioThread) -> None:
+        self._node = node
+        self._bridge = bridge
+
+    async def _in_trio(self, fn: Callable[[], object]):
+        async def call():
+            return fn()
+
+        return await self._bridge.run_in_trio(call)
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext):
+        return await self._in_trio(self._node.status)
+
+    async def WatchStatus(
+        self, request: pb.WatchStatusRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.MeshStatus]:
+        min_interval = max(0.05, request.min_interval_s or 0.5)
+        while True:
+            yield await self._in_trio(self._node.status)
+            await asyncio.sleep(min_interval)
+            await self._wait_change_or_keepalive()
+
+    async def _wait_change_or_keepalive(self) -> None:
+        waiter: Callable[[], Awaitable[None]] = self._node.wait_changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._bridge.run_in_trio(waiter), WATCH_KEEPALIVE_S)
+
+    async def GetToken(self, request: pb.TokenRequest, context: grpc.aio.ServicerContext):
+        return await self._in_trio(self._node.token)
+
+    async def Remeasure(self, request: pb.RemeasureRequest, context: grpc.aio.ServicerContext):
+        await self._bridge.run_in_trio(self._node.remeasure)
+        return await self._in_trio(self._node.status)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        events = self._node.inference.generate(
+            prompt=request.prompt,
+            messages=None,
+            sampling=request.sampling,
+            model=request.model,
+            plan_id=request.plan_id,
+            chat_template=request.chat_template,
+        )
+        async for reply in self._stream(events, context):
+            yield reply
+
+    async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext):
+        events = self._node.inference.generate(
+            prompt=None,
+            messages=[{"role": m.role, "content": m.content} for m in request.messages],
+            sampling=request.sampling,
+            model=request.model,
+            plan_id=request.plan_id,
+            chat_template=True,
+        )
+        async for reply in self._stream(events, context):
+            yield reply
+
+    async def _stream(self, events, context: grpc.aio.ServicerContext):
+        """GenerateEvents from data-plane events; failures become gRPC statuses."""
+        from meshd.inference.dataplane import FinalEvent
+        from meshd.inference.serving import RequestError, Routed
+
+        routed = Routed("", "")
+        try:
+            async for event in events:
+                if isinstance(event, Routed):
+                    routed = event
+                    continue
+                if not isinstance(event, FinalEvent):
+                    if event.text:
+                        yield pb.GenerateEvent(text=event.text)
+                    continue
+                if event.text:
+                    yield pb.GenerateEvent(text=event.text)
+                if event.finish_reason == "error":
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.error or "failed")
+                usage = event.usage
+                yield pb.GenerateEvent(
+                    done=pb.GenerationDone(
+                        finish_reason=event.finish_reason,
+                        prompt_tokens=usage.prompt_tokens,
+                        completion_tokens=usage.completion_tokens,
+                        ttft_s=usage.ttft_s,
+                        decode_tokens_per_s=usage.decode_tokens_per_s,
+                        total_s=usage.total_s,
+                        plan_id=routed.plan_id,
+                        model=routed.model,
+                        seed=usage.seed,
+                    )
+                )
+        except RequestError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
+        return await self._in_trio(self._node.list_models)
+
+    async def LoadModel(self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext):
+        if not request.model.strip():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name a model to load")
+        options = {
+            "strategy": request.strategy or None,
+            "context_length": request.context_length or None,
+            "concurrency": request.concurrency or None,
+        }
+        if options["strategy"] not in (None, "speed", "memory"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"strategy {request.strategy!r} is not speed or memory",
+            )
+        try:
+            selection = await self._bridge.run_in_trio(
+                lambda: self._node.select_model(request.model, **options)
+            )
+        except Exception as exc:
+            from meshd.models.store import UnknownModel
+
+            code = (
+                grpc.StatusCode.NOT_FOUND
+                if isinstance(exc, UnknownModel | FileNotFoundError)
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )
+            await context.abort(code, f"cannot load {request.model!r}: {exc}")
+        return pb.LoadModelReply(
+            model=selection.name,
+            digest=selection.digest,
+            message=f"the mesh is re-planning for {selection.name}",
+        )
+
+
+def check_api_address(address: str) -> None:
+    """Refuse to expose the API beyond this machine by accident."""
+    if address.startswith("unix:"):
+        return
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError as exc:
+        raise ValueError(f"API address {address!r} is neither unix:/path nor ip:port") from exc
+    if not loopback:
+        log.warning(
+            "the local API listens on %s, which is reachable from the network without "
+            "authentication; prefer a unix socket or 127.0.0.1",
+            address,
+        )
+
+
+async def start_api_server(
+    node: StatusSource, bridge: AsyncioThread, address: str
+) -> grpc.aio.Server:
+    """Create and start the Local server (call on the asyncio thread via bridge.run)."""
+    check_api_address(address)
+    if address.startswith("unix:"):
+        path = Path(address.removeprefix("unix:"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)  # a stale socket of a previous run
+    server = grpc.aio.server()
+    rpc.add_LocalServicer_to_server(LocalService(node, bridge), server)
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on the local API address {address}")
+    await server.start()
+    return server

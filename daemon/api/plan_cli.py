@@ -1,0 +1,497 @@
+"""`meshd plan`: show which node would hold which layers, and how fast it would run.
+
+The mesh comes from the running daemon (its live view) or from a JSON file (`--mesh`), so a
+cluster can be planned before it exists. The model comes from a model directory (`--model`,
+true sizes from the safetensors headers) or from a ModelSpec JSON file (`--model-spec`).
+
+Mesh file format (human units accepted everywhere a size or rate is expected):
+
+    {
+      "description": "optional text",
+      "nodes": [
+        {"id": "studio-a", "name": "Mac Studio A", "memory_budget": "180GiB",
+         "flops": "25TFLOPS", "mem_bandwidth": "800GB/s"}
+      ],
+      "links": [
+        {"src": "studio-a", "dst": "studio-b", "latency_ms": 0.3, "bandwidth": "10Gbit/s"}
+      ],
+      "default_link": {"latency_ms": 1.0, "bandwidth": "1Gbit/s"}
+    }
+
+- sizes: a number of bytes, or "16GB" (10^9), "16GiB" (2^30), also K/M/T variants;
+- memory bandwidth / link bandwidth: bytes/s as a number, or "800GB/s", "10Gbit/s", "10Gbps"
+  ("B" is bytes, "b"/"bit" is bits), or "bandwidth_mbps": megabits/s;
+- flops: FLOP/s as a number, or "25TFLOPS" / "25 TFLOP/s";
+- latency: "latency_ms" (number), "latency_s" (number) or "latency": "300us" / "0.3ms";
+- a link is used in both directions unless it says "both_ways": false (then add the reverse
+  link separately, e.g. for asymmetric links); "default_link" fills every pair not listed.
+Exit codes: 0 plan printed, 1 the model does not fit (refusal printed), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TextIO
+
+import networkx as nx
+
+from meshd.models.info import ModelInfoError, read_model_spec
+from partitioner import (
+    InsufficientMemory,
+    MeshError,
+    ModelSpec,
+    ModelSpecError,
+    Plan,
+    PlanOptions,
+    PlanOptionsError,
+    describe_refusal,
+    plan_model,
+)
+from partitioner.humanize import format_bytes, format_seconds
+
+LIVE_TIMEOUT_S = 5.0
+EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
+
+_PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
+_BINARY = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50}
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]*)\s*$")
+_NODE_KEYS = {"id", "name", "memory_budget", "flops", "mem_bandwidth"}
+_LINK_KEYS = {
+    "src",
+    "dst",
+    "latency_ms",
+    "latency_s",
+    "latency",
+    "bandwidth",
+    "bandwidth_mbps",
+    "both_ways",
+}
+
+
+class PlanInputError(ValueError):
+    """A mesh file, model file or flag value that cannot be used; the text says how to fix it."""
+
+
+# ---- units ----------------------------------------------------------------------------------
+
+
+def parse_size(value: Any, what: str = "size") -> int:
+    """Bytes from a number or a string like '16GB', '16 GiB', '512MiB'."""
+    number, unit = _split_quantity(value, what)
+    if not unit:
+        return round(number)
+    if not unit.endswith("B"):
+        raise PlanInputError(f"{what} {value!r}: sizes end in B (bytes), e.g. '16GB' or '16GiB'")
+    return round(number * _unit_scale(unit[:-1].lower(), what, value))
+
+
+def parse_rate(value: Any, what: str = "bandwidth") -> float:
+    """Bytes/s from a number or '800GB/s', '10Gbit/s', '10Gbps', '1.5 GiB/s'."""
+    number, unit = _split_quantity(value, what)
+    if not unit:
+        return number
+    stem = unit.removesuffix("/s").removesuffix("ps")
+    if stem.endswith("bit") or (stem.endswith("b") and not stem.endswith("B")):
+        prefix = stem.removesuffix("bit").removesuffix("b")
+        return number * _unit_scale(prefix.lower(), what, value) / 8
+    if stem.endswith("B"):
+        return number * _unit_scale(stem[:-1].lower(), what, value)
+    raise PlanInputError(
+        f"{what} {value!r}: expected bytes/s ('800GB/s') or bits/s ('10Gbit/s', '10Gbps')"
+    )
+
+
+def parse_flops(value: Any, what: str = "flops") -> float:
+    """FLOP/s from a number or '25TFLOPS', '25 TFLOP/s', '900GFLOPS'."""
+    number, unit = _split_quantity(value, what)
+    if not unit:
+        return number
+    stem = unit.lower().removesuffix("/s").removesuffix("s").removesuffix("flop")
+    return number * _unit_scale(stem, what, value)
+
+
+def parse_latency_s(entry: dict[str, Any], what: str = "link") -> float:
+    """Seconds from latency_ms, latency_s or latency ('300us', '0.3ms', '1s')."""
+    if "latency_ms" in entry:
+        return _split_quantity(entry["latency_ms"], what)[0] / 1e3
+    if "latency_s" in entry:
+        return _split_quantity(entry["latency_s"], what)[0]
+    if "latency" in entry:
+        number, unit = _split_quantity(entry["latency"], what)
+        scales = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+        if unit not in scales:
+            raise PlanInputError(f"{what}: latency unit {unit!r} unknown; use s, ms, us or ns")
+        return number * scales[unit]
+    raise PlanInputError(f"{what}: give latency_ms (or latency_s, or latency like '300us')")
+
+
+def _split_quantity(value: Any, what: str) -> tuple[float, str]:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value) or value < 0:
+            raise PlanInputError(f"{what} must be a finite number >= 0, got {value!r}")
+        return float(value), ""
+    match = _QUANTITY.match(str(value)) if isinstance(value, str) else None
+    if match is None:
+        raise PlanInputError(f"{what}: cannot read {value!r}; expected e.g. 16GB, 800GB/s")
+    return float(match.group(1)), match.group(2)
+
+
+def _unit_scale(prefix: str, what: str, original: Any) -> float:
+    if prefix in _BINARY:
+        return float(_BINARY[prefix])
+    if prefix in _PREFIX:
+        return _PREFIX[prefix]
+    raise PlanInputError(f"{what} {original!r}: unknown unit prefix {prefix!r}")
+
+
+# ---- mesh file ------------------------------------------------------------------------------
+
+
+def load_mesh_json(path: Path | str) -> nx.DiGraph:
+    """A mesh graph (the partitioner's input contract) from a mesh JSON file (module docs)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as error:
+        raise PlanInputError(f"cannot read mesh file {path}: {error}") from error
+    except json.JSONDecodeError as error:
+        raise PlanInputError(f"mesh file {path} is not valid JSON: {error}") from error
+    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
+        raise PlanInputError(f"mesh file {path}: expected an object with a 'nodes' list")
+    graph = nx.DiGraph()
+    for index, entry in enumerate(data["nodes"]):
+        node_id, attributes = _node_entry(entry, f"{path}: nodes[{index}]")
+        if node_id in graph:
+            raise PlanInputError(f"{path}: node id {node_id!r} appears twice")
+        graph.add_node(node_id, **attributes)
+    for index, entry in enumerate(data.get("links", [])):
+        _add_link(graph, entry, f"{path}: links[{index}]")
+    if "default_link" in data:
+        _add_default_links(graph, data["default_link"], f"{path}: default_link")
+    return graph
+
+
+def _node_entry(entry: Any, where: str) -> tuple[str, dict[str, Any]]:
+    if not isinstance(entry, dict) or "id" not in entry:
+        raise PlanInputError(f"{where}: each node needs at least an 'id'")
+    unknown = sorted(set(entry) - _NODE_KEYS)
+    if unknown:
+        raise PlanInputError(f"{where}: unknown key(s) {unknown}; use {sorted(_NODE_KEYS)}")
+    missing = sorted({"memory_budget", "flops", "mem_bandwidth"} - set(entry))
+    if missing:
+        raise PlanInputError(f"{where} ({entry['id']}): missing {missing}")
+    return str(entry["id"]), {
+        "name": str(entry.get("name", entry["id"])),
+        "memory_budget": parse_size(entry["memory_budget"], f"{where}: memory_budget"),
+        "flops": parse_flops(entry["flops"], f"{where}: flops"),
+        "mem_bandwidth": parse_rate(entry["mem_bandwidth"], f"{where}: mem_bandwidth"),
+    }
+
+
+def _link_attributes(entry: dict[str, Any], where: str) -> dict[str, float]:
+    unknown = sorted(set(entry) - _LINK_KEYS)
+    if unknown:
+        raise PlanInputError(f"{where}: unknown key(s) {unknown}; use {sorted(_LINK_KEYS)}")
+    if "bandwidth_mbps" in entry:
+        bandwidth = _split_quantity(entry["bandwidth_mbps"], where)[0] * 1e6 / 8
+    elif "bandwidth" in entry:
+        bandwidth = parse_rate(entry["bandwidth"], f"{where}: bandwidth")
+    else:
+        raise PlanInputError(f"{where}: give bandwidth (e.g. '10Gbit/s') or bandwidth_mbps")
+    return {"latency_s": parse_latency_s(entry, where), "bandwidth": bandwidth}
+
+
+def _add_link(graph: nx.DiGraph, entry: Any, where: str) -> None:
+    if not isinstance(entry, dict) or "src" not in entry or "dst" not in entry:
+        raise PlanInputError(f"{where}: each link needs 'src' and 'dst'")
+    src, dst = str(entry["src"]), str(entry["dst"])
+    for node in (src, dst):
+        if node not in graph:
+            raise PlanInputError(f"{where}: link names node {node!r}, which is not in 'nodes'")
+    attributes = _link_attributes(entry, where)
+    graph.add_edge(src, dst, **attributes)
+    if entry.get("both_ways", True):
+        graph.add_edge(dst, src, **attributes)
+
+
+def _add_default_links(graph: nx.DiGraph, entry: Any, where: str) -> None:
+    if not isinstance(entry, dict):
+        raise PlanInputError(f"{where}: expected an object like {{'latency_ms': 1, ...}}")
+    attributes = _link_attributes(entry, where)
+    for src in graph.nodes:
+        for dst in graph.nodes:
+            if src != dst and not graph.has_edge(src, dst):
+                graph.add_edge(src, dst, **attributes)
+
+
+# ---- model ----------------------------------------------------------------------------------
+
+
+def load_model_spec_json(path: Path | str) -> ModelSpec:
+    """A ModelSpec from JSON (ModelSpec.to_dict format; byte fields may use units like '1GB')."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as error:
+        raise PlanInputError(f"cannot read model spec {path}: {error}") from error
+    except json.JSONDecodeError as error:
+        raise PlanInputError(f"model spec {path} is not valid JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise PlanInputError(f"model spec {path}: expected a JSON object")
+    for key in ("embedding_bytes", "head_bytes"):
+        if isinstance(data.get(key), str):
+            data[key] = parse_size(data[key], f"{path}: {key}")
+    layers = data.get("layer_bytes")
+    if isinstance(layers, str):
+        data["layer_bytes"] = parse_size(layers, f"{path}: layer_bytes")
+    elif isinstance(layers, list):
+        data["layer_bytes"] = [
+            parse_size(v, f"{path}: layer_bytes") if isinstance(v, str) else v for v in layers
+        ]
+    return ModelSpec.from_dict(data)
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `meshd plan` flags to `parser` (the caller adds --api for the live view)."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, metavar="DIR", help="model directory")
+    source.add_argument("--model-spec", type=Path, metavar="FILE.json", help="a ModelSpec as JSON")
+    parser.add_argument(
+        "--mesh",
+        type=Path,
+        metavar="FILE.json",
+        help="plan for the mesh described in this file instead of the live mesh",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=("speed", "memory", "both"),
+        default="speed",
+        help="speed (default), memory (the baseline), or both side by side",
+    )
+    parser.add_argument("--context", type=int, metavar="N", help="tokens of KV cache to reserve")
+    parser.add_argument(
+        "--concurrency", type=int, default=1, metavar="N", help="sequences decoded at once"
+    )
+    parser.add_argument(
+        "--reserve", default="0", metavar="SIZE", help="memory kept free on every node (1GiB)"
+    )
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="NODE",
+        help="node id that must not be used (repeatable)",
+    )
+    parser.add_argument(
+        "--prompt-len", type=int, default=512, metavar="N", help="prompt length for the TTFT"
+    )
+    parser.add_argument(
+        "--tensor-parallel",
+        action="store_true",
+        help="allow tensor-parallel groups of nodes on fast links",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
+def run_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run `meshd plan` with parsed arguments; returns the exit code."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        mesh = load_mesh_json(args.mesh) if args.mesh else _live_mesh(args)
+        model = _load_model(args)
+        options = _options(args)
+    except (PlanInputError, ModelInfoError, ModelSpecError, PlanOptionsError, MeshError) as error:
+        print(f"meshd plan: {error}", file=err)
+        return EXIT_BAD_INPUT
+    strategies = ("speed", "memory") if args.strategy == "both" else (args.strategy,)
+    try:
+        plans = {s: plan_model(mesh, model, replace(options, strategy=s)) for s in strategies}
+    except InsufficientMemory as refusal:
+        if args.json:
+            print(json.dumps(refusal.to_dict(), indent=2), file=out)
+        print(describe_refusal(refusal), file=err)
+        return EXIT_REFUSED
+    except MeshError as error:
+        print(f"meshd plan: {error}", file=err)
+        return EXIT_BAD_INPUT
+    _print_plans(plans, mesh, args.json, out)
+    return EXIT_OK
+
+
+def _live_mesh(args: argparse.Namespace) -> nx.DiGraph:
+    api = getattr(args, "api", None)
+    if not api:
+        raise PlanInputError(
+            "no --mesh file and no daemon API address to read the live mesh from; "
+            "pass --mesh FILE.json or start the daemon"
+        )
+    try:
+        from meshd.api.client import fetch_mesh_graph  # lazy: the live view only
+    except ImportError as error:
+        raise PlanInputError(
+            f"the live mesh view is not available ({error}); pass --mesh FILE.json"
+        ) from error
+    try:
+        return fetch_mesh_graph(api, LIVE_TIMEOUT_S)
+    except Exception as error:  # the client's failures are many (network, protocol)
+        raise PlanInputError(
+            f"could not read the live mesh from the daemon at {api}: {error} "
+            "(to plan without a daemon, pass --mesh FILE.json)"
+        ) from error
+
+
+def _load_model(args: argparse.Namespace) -> ModelSpec:
+    if args.model is not None:
+        return read_model_spec(args.model, context_length=args.context)
+    return load_model_spec_json(args.model_spec)
+
+
+def _options(args: argparse.Namespace) -> PlanOptions:
+    return PlanOptions(
+        strategy="speed",
+        reserve_bytes=parse_size(args.reserve, "--reserve"),
+        exclude=frozenset(args.exclude),
+        context_length=args.context,
+        concurrency=args.concurrency,
+        prompt_len=args.prompt_len,
+        allow_tensor_parallel=args.tensor_parallel,
+    )
+
+
+def _print_plans(plans: dict[str, Plan], mesh: nx.DiGraph, as_json: bool, out: TextIO) -> None:
+    if as_json:
+        payload: Any = (
+            {name: plan.to_dict() for name, plan in plans.items()}
+            if len(plans) > 1
+            else next(iter(plans.values())).to_dict()
+        )
+        print(json.dumps(payload, indent=2), file=out)
+        return
+    blocks = [render_plan_table(plan, mesh) for plan in plans.values()]
+    if len(plans) > 1:
+        blocks.append(render_comparison(list(plans.values())))
+    print("\n\n".join(blocks), file=out)
+
+
+# ---- rendering ------------------------------------------------------------------------------
+
+
+def render_plan_table(plan: Plan, mesh: nx.DiGraph) -> str:
+    """A readable table: stage, node, layers, memory used/usable, ms per token, and totals."""
+    names = {str(node): str(data.get("name") or node) for node, data in mesh.nodes(data=True)}
+    rows = [("stage", "node", "layers", "memory used / usable", "ms/token")]
+    memory = {entry.node: entry for entry in plan.memory}
+    for index, stage in enumerate(plan.stages):
+        seconds = plan.prediction.stage_decode_s[index]
+        for position, node in enumerate(stage.nodes):
+            entry = memory[node]
+            rows.append(
+                (
+                    str(index) if position == 0 else "",
+                    _node_label(node, names) + (" [TP]" if stage.tensor_parallel else ""),
+                    _layer_label(stage) if position == 0 else "",
+                    f"{format_bytes(entry.total_bytes)} / {format_bytes(entry.usable_bytes)} "
+                    f"({100 * entry.total_bytes / max(entry.usable_bytes, 1):.0f}%)",
+                    f"{seconds * 1e3:.2f}" if position == 0 else "",
+                )
+            )
+    if plan.hops:
+        hop_ms = f"{plan.prediction.hops_decode_s * 1e3:.2f}"
+        rows.append(("hops", f"{len(plan.hops)} transfers (incl. token back)", "", "", hop_ms))
+    used = sum(entry.total_bytes for entry in plan.memory)
+    usable = sum(entry.usable_bytes for entry in plan.memory)
+    total_ms = f"{plan.prediction.decode_s_per_token * 1e3:.2f}"
+    rows.append(("total", "", f"{plan.num_layers} layers", _usage(used, usable), total_ms))
+    lines = [_plan_header(plan), *_format_rows(rows), _speed_line(plan)]
+    lines.extend(_route_lines(plan, names))
+    lines.extend(
+        f"left out: {_node_label(entry.node, names)}: {entry.reason}" for entry in plan.left_out
+    )
+    return "\n".join(lines)
+
+
+def render_comparison(plans: list[Plan]) -> str:
+    """Side-by-side predicted speed of several plans of the same model and mesh."""
+    rows = [("strategy", "stages", "ms/token", "tokens/s", "TTFT", "plan id")]
+    for plan in plans:
+        rows.append(
+            (
+                plan.strategy,
+                str(len(plan.stages)),
+                f"{plan.prediction.decode_s_per_token * 1e3:.2f}",
+                f"{plan.prediction.tokens_per_s:.1f}",
+                format_seconds(plan.prediction.ttft_s),
+                plan.short_id,
+            )
+        )
+    lines = ["comparison:", *_format_rows(rows)]
+    by_name = {plan.strategy: plan for plan in plans}
+    if "speed" in by_name and "memory" in by_name:
+        ratio = (
+            by_name["memory"].prediction.decode_s_per_token
+            / by_name["speed"].prediction.decode_s_per_token
+        )
+        lines.append(f"speed is predicted {ratio:.2f}x as fast as memory per token")
+    return "\n".join(lines)
+
+
+def _plan_header(plan: Plan) -> str:
+    return (
+        f"plan {plan.short_id}  strategy {plan.strategy}  model {plan.model_name}  "
+        f"context {plan.context_length} x {plan.concurrency} sequence(s)"
+    )
+
+
+def _speed_line(plan: Plan) -> str:
+    prediction = plan.prediction
+    text = (
+        f"predicted: {prediction.decode_s_per_token * 1e3:.2f} ms/token = "
+        f"{prediction.tokens_per_s:.1f} tokens/s; time to first token "
+        f"{format_seconds(prediction.ttft_s)} for {prediction.prompt_len} prompt tokens"
+    )
+    if plan.concurrency > 1:
+        text += (
+            f"; with {plan.concurrency} sequences {prediction.aggregate_tokens_per_s:.1f} "
+            "tokens/s in all"
+        )
+    return text
+
+
+def _route_lines(plan: Plan, names: dict[str, str]) -> list[str]:
+    return [
+        f"hop {hop.src_stage}->{hop.dst_stage} ({hop.carries}): "
+        f"{' > '.join(hop.path)}  {hop.decode_s * 1e3:.3f} ms"
+        for hop in plan.hops
+        if len(hop.path) > 2
+    ]
+
+
+def _node_label(node: str, names: dict[str, str]) -> str:
+    name = names.get(node, node)
+    return node if name == node else f"{node} ({name})"
+
+
+def _layer_label(stage: Any) -> str:
+    return f"{stage.layer_start}-{stage.layer_end - 1} ({stage.num_layers})"
+
+
+def _usage(used: int, usable: int) -> str:
+    return f"{format_bytes(used)} / {format_bytes(usable)}"
+
+
+def _format_rows(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]

@@ -1,0 +1,157 @@
+"""Human-readable and JSON renderings of the mesh status for the CLI."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+
+from meshd.wire import pb
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _rate(bytes_per_s: float) -> str:
+    bits = bytes_per_s * 8
+    if bits >= 1e9:
+        return f"{bits / 1e9:.2f} Gbit/s"
+    return f"{bits / 1e6:.1f} Mbit/s"
+
+
+def _seen(peer: pb.PeerStatus) -> str:
+    if peer.source == "self":
+        return "self"
+    if not peer.alive:
+        return "lost"
+    return f"{peer.last_seen_s:.1f} s ago"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def nodes_table(status: pb.MeshStatus) -> str:
+    rows = []
+    for peer in status.nodes:
+        p = peer.profile
+        measured = p.flops > 0
+        rows.append(
+            [
+                p.node_id + (" *" if peer.source == "self" else ""),
+                p.name or "-",
+                peer.address,
+                f"{_gb(p.memory_budget)} / {_gb(p.total_memory)}"
+                if p.total_memory
+                else "measuring",
+                f"{p.flops / 1e9:.1f}" if measured else "-",
+                f"{p.mem_bandwidth / 1e9:.1f}" if measured else "-",
+                peer.source,
+                _seen(peer),
+            ]
+        )
+    return _table(
+        ["NODE", "NAME", "ADDRESS", "BUDGET / MEMORY", "GFLOP/s", "MEM GB/s", "VIA", "SEEN"], rows
+    )
+
+
+def links_table(status: pb.MeshStatus) -> str:
+    rows = [
+        [
+            f"{m.src} -> {m.dst}",
+            f"{m.tcp_rtt_s * 1e3:.3f} ms",
+            f"{m.grpc_rtt_s * 1e3:.3f} ms",
+            _rate(m.bandwidth),
+            f"{m.probe_bytes / 1e6:.1f} MB",
+        ]
+        for m in sorted(status.links, key=lambda m: (m.src, m.dst))
+    ]
+    if not rows:
+        return "no links measured yet"
+    return _table(["LINK", "RTT (TCP)", "RTT (gRPC)", "BANDWIDTH", "PROBE"], rows)
+
+
+def peers_table(status: pb.MeshStatus) -> str:
+    return nodes_table(status) + "\n\n" + links_table(status)
+
+
+def agreement_text(view: pb.AgreementView) -> str:
+    """The committed plan, who confirmed it, and why not (yet) while converging."""
+    if not view.model:
+        return "plan: no model selected (start a daemon with --model, or `meshd load`)"
+    lines = [f"model {view.model}"]
+    if view.active_plan_id:
+        lines.append(
+            f"committed plan {view.active_plan_id[:12]} over {', '.join(view.members)}"
+            f" (confirmed by {len(view.confirmed_by)}/{len(view.members)})"
+        )
+        if view.plan_json:
+            import json
+
+            plan = json.loads(view.plan_json)
+            rows = [
+                [
+                    str(i),
+                    "+".join(stage["nodes"]),
+                    f"{stage['layer_start']}-{stage['layer_end'] - 1}",
+                ]
+                for i, stage in enumerate(plan["stages"])
+            ]
+            lines.append(_table(["STAGE", "NODE", "LAYERS"], rows))
+    else:
+        lines.append("no committed plan")
+    if view.refusal:
+        lines.append(f"refused: {view.refusal}")
+    if view.reason:
+        lines.append(f"converging: {view.reason}")
+    if view.draining:
+        lines.append("draining: " + ", ".join(p[:12] for p in view.draining))
+    return "\n".join(lines)
+
+
+def status_text(status: pb.MeshStatus) -> str:
+    alive = sum(1 for n in status.nodes if n.alive)
+    head = (
+        f"mesh {status.mesh_name!r} (fingerprint {status.mesh_fingerprint}), "
+        f"this node {status.node_id}, {alive} node(s) alive\n"
+        f"BLAS: {status.blas or 'unknown'}"
+    )
+    recent = "\n".join("  " + line for line in status.events[-8:])
+    plan = agreement_text(status.agreement)
+    return f"{head}\n\n{peers_table(status)}\n\n{plan}\n\nrecent events:\n{recent}"
+
+
+def status_to_json(status: pb.MeshStatus) -> dict[str, Any]:
+    return MessageToDict(
+        status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+def profile_text(profile: Any) -> str:
+    d = profile.to_dict()
+    lines = [f"{key:18} {value}" for key, value in d.items() if key != "versions"]
+    lines.append(
+        f"{'versions':18} " + ", ".join(f"{k} {v}" for k, v in d.get("versions", {}).items())
+    )
+    return "\n".join(lines)
+
+
+def models_table(models: pb.ModelList) -> str:
+    rows = [
+        [
+            m.name + (" *" if m.name == models.selected else ""),
+            m.architecture,
+            str(m.layers),
+            f"{m.size_bytes / 1e9:.2f} GB",
+            m.source,
+        ]
+        for m in models.models
+    ]
+    table = _table(["MODEL", "ARCH", "LAYERS", "SIZE", "SOURCE"], rows) if rows else "no models"
+    return f"{table}\n\nthe mesh runs: {models.selected or 'no model'}"

@@ -1,0 +1,90 @@
+"""The mesh view: live nodes and measured links as a networkx graph.
+
+This is the partitioner's input. It is built only from `NodeState`s exactly as
+each node serves them (its own profile and its own outgoing links), so every
+node that has fetched the same states builds the same graph, attribute for
+attribute. Links to or from nodes that are not alive are left out.
+
+Node attributes: memory_budget (bytes), flops (FLOP/s), mem_bandwidth (bytes/s), name.
+Edge attributes (directed src -> dst): latency_s and bandwidth (bytes/s) as planning uses
+them (the measurer's bucket, with hysteresis), measured_latency_s and measured_bandwidth
+(the last raw sample), tcp_rtt_s, grpc_rtt_s, measured_at.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+
+import networkx as nx
+
+from meshd.wire import pb
+from partitioner.quantize import bucket_value
+
+
+def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
+    """Graph of the given node states (each one a live node)."""
+    states = sorted(states, key=lambda s: s.profile.node_id)
+    graph = nx.DiGraph()
+    for state in states:
+        profile = state.profile
+        graph.add_node(
+            profile.node_id,
+            name=profile.name,
+            memory_budget=int(profile.memory_budget),
+            flops=float(profile.flops),
+            mem_bandwidth=float(profile.mem_bandwidth),
+        )
+    for state in states:
+        for link in sorted(state.links, key=lambda m: m.dst):
+            if link.src != state.profile.node_id or link.dst not in graph:
+                continue
+            graph.add_edge(
+                link.src,
+                link.dst,
+                latency_s=planning_latency(link),
+                bandwidth=planning_bandwidth(link),
+                measured_latency_s=link.latency_s,
+                measured_bandwidth=link.bandwidth,
+                tcp_rtt_s=link.tcp_rtt_s,
+                grpc_rtt_s=link.grpc_rtt_s,
+                measured_at=link.measured_at,
+            )
+    return graph
+
+
+def planning_bandwidth(link: pb.LinkMeasurement) -> float:
+    """The bandwidth planning uses: the measurer's (sticky) bucket, else the raw number."""
+    if link.HasField("bandwidth_bucket"):
+        return bucket_value(link.bandwidth_bucket)
+    return link.bandwidth
+
+
+def planning_latency(link: pb.LinkMeasurement) -> float:
+    if link.HasField("latency_bucket"):
+        return bucket_value(link.latency_bucket)
+    return link.latency_s
+
+
+def graph_from_status(status: pb.MeshStatus) -> nx.DiGraph:
+    """The live view as the local API reports it (for `meshd plan` and tools)."""
+    alive = {n.profile.node_id for n in status.nodes if n.alive}
+    states = [
+        pb.NodeState(
+            profile=n.profile,
+            links=[m for m in status.links if m.src == n.profile.node_id and m.dst in alive],
+        )
+        for n in status.nodes
+        if n.alive
+    ]
+    return mesh_graph(states)
+
+
+def graph_digest(graph: nx.DiGraph) -> str:
+    """Hash of the graph's structure and attributes (for tests and convergence checks)."""
+    payload = {
+        "nodes": [[n, sorted(graph.nodes[n].items())] for n in sorted(graph.nodes)],
+        "edges": [[u, v, sorted(d.items())] for u, v, d in sorted(graph.edges(data=True))],
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,587 @@
+"""Membership: which peers are alive, what they measured, and the links to them.
+
+Discovery (mDNS or static `--peer`) only proposes *addresses*. For each address
+this component runs one session task that dials the peer over mutual TLS, says
+Hello, fetches its state and keeps a heartbeat stream open. Liveness is decided
+here, over gRPC, never by mDNS: python-zeroconf keeps a killed peer listed for
+19+ minutes. A broken stream (`kill -9`: tens of ms) or a beat gap longer than
+`peer_timeout_s` (a cut link) marks the peer lost; the session then retries
+with a bounded backoff for as long as the address is wanted.
+
+Every node dials every peer, so each side judges liveness from its own
+outgoing stream. A node's own profile and outgoing link measurements are
+published as an immutable `NodeState` snapshot that the peer server hands out
+as-is; every node therefore builds the same view once it has fetched all states.
+
+Duplicate node ids (a copied state directory) are refused, not merged: the
+daemon that started later stops with a message saying what to delete.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import trio
+
+from meshd.mesh import links
+from meshd.mesh.identity import Identity
+from meshd.runtime.bridge import AsyncioThread
+from meshd.wire import pb, rpc
+
+log = logging.getLogger("meshd.membership")
+events_log = logging.getLogger("meshd")
+
+PROTOCOL_VERSION = 1
+HELLO_TIMEOUT_S = 2.0
+STATE_TIMEOUT_S = 3.0
+MAX_BACKOFF_S = 3.0
+STALL_SLACK_S = 0.02  # a heartbeat watchdog waking later than this was starved, not the peer
+CONFIRM_PAUSE_S = (0.02, 0.1)  # random, so two nodes probing one peer drift apart
+FORGET_LOST_AFTER_S = 120.0
+
+
+class DuplicateNodeId(RuntimeError):
+    """Another, earlier-started daemon uses this daemon's node id."""
+
+
+class PeerRefused(RuntimeError):
+    """The peer said no to our Hello (or we to its reply); retrying will not help soon."""
+
+
+@dataclass
+class PeerRecord:
+    """What this node knows about one peer."""
+
+    node_id: str
+    address: str
+    source: str
+    instance_id: str
+    started_at: float
+    alive: bool = True
+    joined_at: float = field(default_factory=time.time)
+    alive_since: float = field(default_factory=time.monotonic)  # renewed on every reconnect
+    last_beat: float = field(default_factory=time.monotonic)
+    stub: rpc.PeerStub | None = None
+    lost_at: float | None = None
+    lost_reason: str = ""
+    state: pb.NodeState | None = None
+    remote_version: int = 0
+    state_wanted: trio.Event = field(default_factory=trio.Event)
+
+
+class EventLog:
+    """Recent happenings in words, for logs and `meshd status`."""
+
+    def __init__(self, size: int = 50) -> None:
+        self._lines: deque[str] = deque(maxlen=size)
+
+    def add(self, message: str, *args: object, level: int = logging.INFO) -> None:
+        text = message % args if args else message
+        events_log.log(level, text)
+        self._lines.append(f"{time.strftime('%H:%M:%S')} {text}")
+
+    def lines(self) -> list[str]:
+        return list(self._lines)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"peer address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+class Membership:
+    """Owns one session task per candidate address and the resulting peer table."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        mesh_name: str,
+        bridge: AsyncioThread,
+        channel_factory: Callable[[str, bool], grpc.aio.Channel],
+        events: EventLog,
+        *,
+        heartbeat_interval_s: float,
+        peer_timeout_s: float,
+        link_probe_interval_s: float,
+    ) -> None:
+        self.identity = identity
+        self.mesh_name = mesh_name
+        self.grpc_port = 0
+        self._bridge = bridge
+        self._channel_factory = channel_factory
+        self.events = events
+        self._interval = heartbeat_interval_s
+        self._timeout = peer_timeout_s
+        self._probe_interval = link_probe_interval_s
+        self._bandwidth_turn = trio.Lock()  # one bandwidth probe at a time leaves this node
+        self.peers: dict[str, PeerRecord] = {}
+        self.links: dict[str, pb.LinkMeasurement] = {}
+        self._wanted: dict[str, str] = {}  # address -> source
+        self._sessions: dict[str, trio.CancelScope] = {}
+        self._nursery: trio.Nursery | None = None
+        self.profile: pb.NodeProfile = pb.NodeProfile(node_id=identity.node_id)
+        self.model: pb.ModelSelection | None = None
+        self.version = 1
+        self.snapshot = self._build_state()
+        self._changed = trio.Event()
+        self.fatal: DuplicateNodeId | None = None
+        self._fatal_event = trio.Event()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run sessions until cancelled; raises DuplicateNodeId if we must stop."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for address, source in list(self._wanted.items()):
+                self._start_session(address, source)
+            task_status.started()
+            await self._fatal_event.wait()
+            nursery.cancel_scope.cancel()
+        assert self.fatal is not None
+        raise self.fatal
+
+    def want(self, address: str, source: str) -> None:
+        """Keep a session to `address` (from mDNS or a static peer)."""
+        if address in self._wanted:
+            return
+        self._wanted[address] = source
+        if self._nursery is not None:
+            self._start_session(address, source)
+
+    def unwant(self, address: str, reason: str) -> None:
+        """Stop retrying `address` once its session ends (a live peer stays live)."""
+        if self._wanted.pop(address, None) is not None:
+            log.debug("no longer dialing %s: %s", address, reason)
+
+    def _start_session(self, address: str, source: str) -> None:
+        assert self._nursery is not None
+        scope = trio.CancelScope()
+        self._sessions[address] = scope
+        self._nursery.start_soon(self._session_loop, address, source, scope)
+
+    # ------------------------------------------------------------ state
+
+    def set_profile(self, profile: pb.NodeProfile) -> None:
+        self.profile = profile
+        self._publish()
+
+    def set_model(self, selection: pb.ModelSelection | None) -> None:
+        """Publish the model this node wants the mesh to run (gossiped in NodeState)."""
+        self.model = selection
+        self._publish()
+
+    def _build_state(self) -> pb.NodeState:
+        alive = sorted(p.node_id for p in self.peers.values() if p.alive)
+        own_links = [m for dst, m in sorted(self.links.items()) if dst in alive]
+        return pb.NodeState(
+            profile=self.profile,
+            links=own_links,
+            version=self.version,
+            instance_id=self.identity.instance_id,
+            alive_peers=alive,
+            model=self.model,
+        )
+
+    def _publish(self) -> None:
+        """Bump the version, swap the snapshot the peer server hands out, wake watchers."""
+        self.version += 1
+        self.snapshot = self._build_state()
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+
+    def alive_peers(self) -> list[PeerRecord]:
+        return sorted((p for p in self.peers.values() if p.alive), key=lambda p: p.node_id)
+
+    def forget_old(self) -> None:
+        now = time.monotonic()
+        for node_id, rec in list(self.peers.items()):
+            if not rec.alive and rec.lost_at and now - rec.lost_at > FORGET_LOST_AFTER_S:
+                del self.peers[node_id]
+
+    # ------------------------------------------------------------ incoming Hello
+
+    def hello_reply(
+        self, request: pb.HelloRequest, cert_node_id: str | None, caller_host: str | None = None
+    ) -> pb.HelloReply:
+        """Decide on a peer's Hello (runs on the trio thread).
+
+        An accepted caller is dialled back (source "inbound"), so a static peer configured
+        on one side only, or a peer whose mDNS does not reach us, still becomes mutual.
+        """
+        me = self.identity
+        reply = pb.HelloReply(
+            accepted=False,
+            node_id=me.node_id,
+            instance_id=me.instance_id,
+            mesh_name=self.mesh_name,
+            protocol_version=PROTOCOL_VERSION,
+            started_at=me.started_at,
+        )
+        if cert_node_id is not None and cert_node_id != request.node_id:
+            reply.refusal = pb.REFUSAL_IDENTITY_MISMATCH
+            reply.reason = (
+                f"your certificate is for node {cert_node_id!r} but you said {request.node_id!r}"
+            )
+        elif request.protocol_version != PROTOCOL_VERSION:
+            reply.refusal = pb.REFUSAL_PROTOCOL_VERSION
+            reply.reason = (
+                f"protocol version {request.protocol_version} is not {PROTOCOL_VERSION}; "
+                "upgrade meshd on both machines to the same release"
+            )
+        elif request.mesh_name != self.mesh_name:
+            reply.refusal = pb.REFUSAL_OTHER_MESH
+            reply.reason = f"this node is in mesh {self.mesh_name!r}, not {request.mesh_name!r}"
+        elif conflict := self._duplicate_of(request.node_id, request.instance_id):
+            reply.refusal = pb.REFUSAL_DUPLICATE_NODE_ID
+            reply.reason = conflict
+            self.events.add(
+                "refused a daemon claiming node id %s (instance %s): %s",
+                request.node_id,
+                request.instance_id,
+                conflict,
+                level=logging.WARNING,
+            )
+            if request.node_id == me.node_id and request.started_at < me.started_at:
+                self._die_duplicate(f"instance {request.instance_id}")
+        else:
+            reply.accepted = True
+            known = self.peers.get(request.node_id)
+            if caller_host and request.grpc_port and not (known and known.alive):
+                host = f"[{caller_host}]" if ":" in caller_host else caller_host
+                self.want(f"{host}:{request.grpc_port}", "inbound")
+        return reply
+
+    def _duplicate_of(self, node_id: str, instance_id: str) -> str:
+        """Non-empty text when `node_id` already belongs to another live daemon."""
+        me = self.identity
+        if node_id == me.node_id and instance_id != me.instance_id:
+            return (
+                f"node id {node_id} is this daemon's own id (instance {me.instance_id}); "
+                "two daemons share a copied state directory - delete the 'node_id' file in the "
+                "state directory of the newer one to give it a fresh id"
+            )
+        known = self.peers.get(node_id)
+        if known and known.alive and known.instance_id != instance_id:
+            return (
+                f"node id {node_id} is already in the mesh at {known.address} (instance "
+                f"{known.instance_id}); a copied state directory? delete its 'node_id' file "
+                "on the newer machine"
+            )
+        return ""
+
+    def _die_duplicate(self, other: str) -> None:
+        if self.fatal is None:
+            self.fatal = DuplicateNodeId(
+                f"another daemon ({other}) already uses this node id {self.identity.node_id} and "
+                "started earlier; this state directory was probably copied. Stop this daemon, "
+                "delete the 'node_id' file in its state directory, and start it again."
+            )
+            self._fatal_event.set()
+
+    # ------------------------------------------------------------ outgoing sessions
+
+    async def _session_loop(self, address: str, source: str, scope: trio.CancelScope) -> None:
+        backoff = 0.2
+        with scope:
+            while address in self._wanted:
+                try:
+                    await self._session(address, source)
+                    backoff = 0.2
+                except PeerRefused as exc:
+                    log.info("peer %s refused: %s", address, exc)
+                    backoff = MAX_BACKOFF_S * 5
+                except DuplicateNodeId:
+                    raise
+                except Exception as exc:
+                    if not links.is_transient(exc) and not isinstance(exc, ConnectionError):
+                        log.exception("session to %s failed unexpectedly", address)
+                    log.debug("session to %s ended: %s", address, exc)
+                await trio.sleep(backoff * (0.8 + 0.4 * random.random()))
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+        self._sessions.pop(address, None)
+
+    async def _session(self, address: str, source: str) -> None:
+        bridge = self._bridge
+        channel = await bridge.run(self._open_channel, address, False)
+        probe_channel = await bridge.run(self._open_channel, address, True)
+        record: PeerRecord | None = None
+        try:
+            stub = rpc.PeerStub(channel)
+            reply = await self._hello(stub, address)
+            if reply is None:
+                return
+            record = self._admit(reply, address, source)
+            if record is None:
+                return
+            record.stub = stub
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._fetch_states, stub, record)
+                nursery.start_soon(self._probe_links, stub, rpc.PeerStub(probe_channel), record)
+                await self._heartbeat(stub, record)
+                # Lost now: tell everyone before the helper tasks have wound down.
+                self._mark_lost(record)
+                nursery.cancel_scope.cancel()
+        finally:
+            if record is not None:
+                self._mark_lost(record)
+            with trio.CancelScope(shield=True):
+                await bridge.run(_close_channels, channel, probe_channel)
+
+    async def _open_channel(self, address: str, for_probe: bool) -> grpc.aio.Channel:
+        return self._channel_factory(address, for_probe)
+
+    async def _hello(self, stub: rpc.PeerStub, address: str) -> pb.HelloReply | None:
+        me = self.identity
+        request = pb.HelloRequest(
+            node_id=me.node_id,
+            instance_id=me.instance_id,
+            mesh_name=self.mesh_name,
+            protocol_version=PROTOCOL_VERSION,
+            grpc_port=self.grpc_port,
+            started_at=me.started_at,
+        )
+        reply: pb.HelloReply = await self._bridge.run(_unary, stub.Hello, request, HELLO_TIMEOUT_S)
+        if reply.node_id == me.node_id and reply.instance_id == me.instance_id:
+            self.unwant(address, "that address is this daemon")
+            return None
+        if not reply.accepted:
+            if reply.refusal == pb.REFUSAL_DUPLICATE_NODE_ID:
+                # The peer already knows another live daemon with our node id: we are the copy.
+                self._die_duplicate(f"reported by {reply.node_id} at {address}: {reply.reason}")
+            raise PeerRefused(reply.reason or "no reason given")
+        return reply
+
+    def _admit(self, reply: pb.HelloReply, address: str, source: str) -> PeerRecord | None:
+        """Register the peer as alive, unless that would merge two daemons into one id."""
+        conflict = self._duplicate_of(reply.node_id, reply.instance_id)
+        if conflict:
+            self.events.add("ignoring %s: %s", address, conflict, level=logging.WARNING)
+            if (
+                reply.node_id == self.identity.node_id
+                and reply.started_at < self.identity.started_at
+            ):
+                self._die_duplicate(f"at {address}, instance {reply.instance_id}")
+            raise PeerRefused(conflict)
+        known = self.peers.get(reply.node_id)
+        if known and known.alive:
+            log.debug("%s is already connected via %s", reply.node_id, known.address)
+            self.unwant(address, f"duplicate address of {reply.node_id}")
+            return None
+        record = PeerRecord(
+            node_id=reply.node_id,
+            address=address,
+            source=source,
+            instance_id=reply.instance_id,
+            started_at=reply.started_at,
+        )
+        record.state_wanted.set()
+        self.peers[reply.node_id] = record
+        self.events.add("peer %s joined (%s, via %s)", reply.node_id, address, source)
+        self._publish()
+        return record
+
+    def _mark_lost(self, record: PeerRecord, reason: str = "") -> None:
+        if not record.alive:
+            return
+        record.alive = False
+        record.lost_at = time.monotonic()
+        record.lost_reason = reason or record.lost_reason or "heartbeat stream ended"
+        self.links.pop(record.node_id, None)
+        self.events.add("peer %s lost: %s", record.node_id, record.lost_reason)
+        self._publish()
+
+    async def _heartbeat(self, stub: rpc.PeerStub, record: PeerRecord) -> None:
+        """Run the beat stream until it breaks or goes silent; record why."""
+
+        def on_beat(beat: pb.Beat) -> None:
+            record.last_beat = time.monotonic()
+            if beat.state_version > record.remote_version:
+                record.remote_version = beat.state_version
+                record.state_wanted.set()
+
+        def deliver(beat: pb.Beat) -> None:
+            self._bridge.call_soon_in_trio(on_beat, beat)
+
+        try:
+            await self._bridge.run(
+                _beat_stream,
+                stub,
+                self.identity.node_id,
+                lambda: self.version,
+                self._interval,
+                self._timeout,
+                deliver,
+            )
+            record.lost_reason = "peer closed the heartbeat stream (shut down)"
+        except TimeoutError:
+            record.lost_reason = f"no heartbeat for {self._timeout:.1f} s (link down or peer hung)"
+        except grpc.aio.AioRpcError as exc:
+            record.lost_reason = f"heartbeat stream broke: {exc.code().name} {exc.details()}"
+
+    async def _fetch_states(self, stub: rpc.PeerStub, record: PeerRecord) -> None:
+        while True:
+            await record.state_wanted.wait()
+            record.state_wanted = trio.Event()
+            state: pb.NodeState = await self._bridge.run(
+                _unary, stub.GetState, pb.StateRequest(), STATE_TIMEOUT_S
+            )
+            record.state = state
+            self._publish()
+
+    async def _probe_links(
+        self, stub: rpc.PeerStub, probe_stub: rpc.PeerStub, record: PeerRecord
+    ) -> None:
+        while True:  # no stagger needed: bandwidth probes take turns (`_bandwidth_turn`)
+            sample = await self._measure_link(stub, probe_stub, record)
+            if sample is not None and self._needs_confirmation(record.node_id, sample):
+                # A first or worse sample counts only when a second probe, a moment later, agrees.
+                await trio.sleep(random.uniform(*CONFIRM_PAUSE_S))
+                again = await self._measure_link(stub, probe_stub, record, sample.grpc_rtt_s)
+                if again is not None:
+                    sample = links.better_of(sample, again)
+            if sample is not None:
+                self._record_link(record.node_id, sample)
+            await trio.sleep(self._probe_interval * random.uniform(0.9, 1.1))
+
+    async def _measure_link(
+        self,
+        stub: rpc.PeerStub,
+        probe_stub: rpc.PeerStub,
+        record: PeerRecord,
+        grpc_rtt_s: float | None = None,
+    ) -> links.LinkSample | None:
+        """One probe of the link to `record`'s peer; None (logged) when the peer is unreachable.
+
+        Round trips are measured concurrently with other peers' probes; bandwidth probes take
+        turns (`_bandwidth_turn`), because probes leaving this node share its uplink. A known
+        `grpc_rtt_s` (shown, never planned with) is reused instead of measured again.
+        """
+        host, port = split_address(record.address)
+        try:
+            tcp = await links.tcp_rtt(host, port)
+            rtt = (
+                grpc_rtt_s
+                if grpc_rtt_s is not None
+                else await self._bridge.run(links.grpc_rtt, stub)
+            )
+            async with self._bandwidth_turn:
+                bandwidth, sent = await self._bridge.run(links.probe_bandwidth, probe_stub)
+        except Exception as exc:
+            if not links.is_transient(exc):
+                raise
+            log.info("measuring the link to %s failed: %s", record.node_id, exc)
+            return None
+        return links.LinkSample(tcp, rtt, bandwidth, sent, time.time())
+
+    def _needs_confirmation(self, peer: str, sample: links.LinkSample) -> bool:
+        return links.needs_confirmation(self._bucketed(peer, sample), self.links.get(peer))
+
+    def _bucketed(self, peer: str, sample: links.LinkSample) -> pb.LinkMeasurement:
+        """`sample` as a measurement with planning buckets relative to the published one."""
+        proto = sample.to_proto(self.identity.node_id, peer)
+        return links.with_planning_buckets(proto, self.links.get(peer))
+
+    def _record_link(self, peer: str, sample: links.LinkSample) -> None:
+        """Publish a link measurement only when it changed materially.
+
+        Plans hash bucketed link numbers; re-publishing every noisy sample would make
+        peers re-fetch state for nothing. A sample inside the hysteresis band of the
+        published one's buckets keeps the published one.
+        """
+        published = self.links.get(peer)
+        fresh = self._bucketed(peer, sample)
+        if not links.worth_publishing(fresh, published):
+            return
+        self.links[peer] = fresh
+        log.info(
+            "link to %s: rtt %.3f ms (grpc %.3f ms), %.1f Mbit/s",
+            peer,
+            sample.tcp_rtt_s * 1e3,
+            sample.grpc_rtt_s * 1e3,
+            sample.bandwidth * 8 / 1e6,
+        )
+        self._publish()
+
+
+async def _unary(method, request, timeout: float):
+    return await method(request, timeout=timeout)
+
+
+async def _close_channels(*channels: grpc.aio.Channel) -> None:
+    for channel in channels:
+        await channel.close(grace=None)
+
+
+async def _beat_stream(
+    stub: rpc.PeerStub,
+    node_id: str,
+    version: Callable[[], int],
+    interval: float,
+    timeout: float,
+    deliver: Callable[[pb.Beat], None],
+) -> None:
+    """asyncio side: write a beat every `interval`, raise TimeoutError on a silent gap.
+
+    The gap counts only time this process was running: a process starved of CPU (or of the
+    GIL, e.g. while importing mlx-lm or loading weights) reads its peers' beats late, and
+    blaming the peer for that would drop a healthy member and re-plan the mesh. The watchdog
+    wakes every `interval / 2`; any lateness of its own wake-up is a stall of this process and
+    extends the peer's allowance until the next beat arrives.
+    """
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    call = stub.Heartbeat()
+    received = 0
+    last_beat_at = loop.time()
+
+    async def send() -> None:
+        seq = 0
+        while True:
+            seq += 1
+            await call.write(
+                pb.Beat(node_id=node_id, seq=seq, state_version=version(), sent_at=time.time())
+            )
+            await asyncio.sleep(interval)
+
+    async def receive() -> None:
+        nonlocal received, last_beat_at
+        while True:
+            beat = await call.read()
+            if beat is grpc.aio.EOF:
+                return
+            received += 1
+            last_beat_at = loop.time()
+            deliver(beat)
+
+    sender = asyncio.create_task(send())
+    receiver = asyncio.create_task(receive())
+    check_s = interval / 2
+    try:
+        seen, stalled = received, 0.0
+        while not receiver.done():
+            woke_for = loop.time() + check_s
+            await asyncio.wait({receiver}, timeout=check_s)  # a broken stream ends `receiver`
+            if received != seen:
+                seen, stalled = received, 0.0
+            stalled += max(0.0, loop.time() - woke_for - STALL_SLACK_S)
+            if loop.time() - last_beat_at - stalled > timeout:
+                raise TimeoutError(f"no heartbeat for {timeout:.1f} s")
+        receiver.result()
+    finally:
+        for task in (sender, receiver):
+            task.cancel()
+        call.cancel()
+        await asyncio.gather(sender, receiver, return_exceptions=True)
