@@ -68,6 +68,25 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_three_host_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
+@pytest.fixture(scope="session")
+def architecture_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``get(name)``: the tiny random model ``TINY_CONFIGS[name]``, written once per session.
+
+    Several safetensors files each, so that stages open only the files of their layers.
+    """
+    from tests.support.random_model import make_architecture_dir
+
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            folder = tmp_path_factory.mktemp("arch") / name
+            made[name] = make_architecture_dir(folder, name, seed=7, max_shard_bytes=200_000)
+        return made[name]
+
+    return get
+
+
 @pytest.fixture
 def mesh_token() -> str:
     return security.encode_join_token(security.create_mesh_secret("test"))

@@ -1,19 +1,29 @@
 """One pipeline stage of a model: a contiguous layer range run with mlx-lm's own classes.
 
-Why this shape: every node holds only its share of the weights. :func:`load_stage` builds the
-mlx-lm ``Model`` from ``config.json`` (construction is lazy in MLX, so the random initial weights
-of layers we drop are never computed), prunes it to the stage's layers (plus the embedding on the
-first stage and the final norm/head on the last), and loads only the tensors those modules need,
-lazily, from only the safetensors files that hold them. Nothing else is ever materialized.
+Why this shape: every node holds only its share of the weights, and mlx-lm knows how to load
+every architecture it has (sanitizing checkpoint names, stacking experts, quantization with
+per-module overrides, ``quantization_config`` formats, nvfp4 global scales). :func:`load_stage`
+therefore loads through ``mlx_lm.utils.load_model`` itself (lazy and non-strict, as mlx-lm's own
+``sharded_load`` does), feeding it only the stage's tensors: the safetensors index names the
+files that hold them, only those files are opened, and ``mx.load`` is lazy, so nothing but the
+stage's own tensors is ever read. The model is then pruned to the stage's layers (plus the
+embedding on the first stage and the final norm/head on the last), checked against the
+checkpoint as strictly as ``load_weights(strict=True)`` would, and only then evaluated.
 
-The layers themselves are mlx-lm's ``TransformerBlock`` objects, called exactly as the model's
-own ``__call__`` calls them, with the attention mask built by the same function from the cache of
-the stage's first layer of each attention kind. Chained stages therefore compute the same
-floating-point operations as one mlx-lm process: logits are bit-identical (tested).
+The layers are mlx-lm's own decoder layers, called as the model's inner ``__call__`` calls them,
+with one mask per layer kind built by mlx-lm's own functions from the cache of the stage's first
+layer of that kind. A layer's kind is read from the cache the model's own ``make_cache()`` gives
+it: ``KVCache`` -> full causal attention, ``RotatingKVCache`` -> sliding window of its size,
+``ArraysCache`` -> recurrent (linear attention) state with an "ssm" mask. Models index those
+caches by position in the whole model (``cache[self.fa_idx]``); a stage finds its own first layer
+of each kind instead, which is what mlx-lm's ``pipeline()`` does for the models that have one.
+Chained stages therefore compute the same floating-point operations as one mlx-lm process:
+logits are bit-identical (tests/test_architectures.py). :data:`ARCHITECTURES` lists the
+architectures verified this way; anything else is refused with the reason.
 
 Chunked prefill and the data plane (see :func:`prefill_chunks`): the prompt is cut into chunks;
 stage 1 embeds chunk *i* and runs its layers; the resulting hidden states ``(1, n_i, hidden)``
-go to stage 2, and so on, every stage advancing its own per-request KV cache by ``n_i``. Chunks
+go to stage 2, and so on, every stage advancing its own per-request caches by ``n_i``. Chunks
 must reach each stage in order. Only the last stage applies :meth:`StageModel.head`, and only to
 the last position of the last chunk (the other positions' logits are never needed). Decode steps
 are chunks of one token. :meth:`StageModel.run` is exactly one stage's part of a chunk, and
@@ -22,31 +32,31 @@ are chunks of one token. :meth:`StageModel.run` is exactly one stage's part of a
 
 from __future__ import annotations
 
+import copy
 import json
 import re
-import struct
+import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
-from mlx_lm.utils import _get_classes, infer_quant_config, load_config
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.utils import MODEL_REMAPPING, load_model
 
 from meshd.inference.sampling import SamplingParams, TokenSampler
-from meshd.models.info import INDEX_FILE
+from meshd.models.info import INDEX_FILE, ModelInfoError, read_safetensors_header
 
-# Families whose inner model is "embed_tokens -> layers(h, mask, cache) -> norm" with nothing
-# else in between, which is what StageModel reproduces. Others need checking before adding.
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 MAX_OPEN_REQUESTS = 64
+# Files next to config.json that mlx-lm's load_model reads besides the weights.
+_CONFIG_FILES = ("config.json", "generation_config.json", "hf_quant_config.json")
 
 Cache = list[Any]
 
@@ -64,11 +74,124 @@ class TooManyRequests(RuntimeError):
 
 
 @dataclass(frozen=True)
-class _LayerKind:
-    """How one layer attends: full causal attention or a sliding window of ``window`` tokens."""
+class StageRecipe:
+    """What a stage needs to know about an architecture beyond what mlx-lm's objects say.
 
-    sliding: bool
-    window: int | None
+    ``full_mask_as_array``: the model builds its full-attention mask with ``return_array=True``
+    (DeepSeek's multi-head latent attention adds the mask to its scores, so it needs an array
+    where other models pass the string "causal").
+    """
+
+    full_mask_as_array: bool = False
+
+
+# mlx-lm model modules (``mlx_lm.models.<name>``) whose inner loop is "embed_tokens -> layers
+# (hidden, mask, cache) with the mask of the layer's kind -> norm" and whose head is lm_head or
+# the tied embedding: verified by tests/test_architectures.py and tests/test_shard_exactness.py.
+ARCHITECTURES: dict[str, StageRecipe] = {
+    "llama": StageRecipe(),  # also mistral and others mlx-lm maps to llama
+    "qwen2": StageRecipe(),
+    "qwen3": StageRecipe(),
+    "mixtral": StageRecipe(),
+    "qwen3_moe": StageRecipe(),
+    "qwen3_next": StageRecipe(),
+    "qwen3_5": StageRecipe(),
+    "qwen3_5_moe": StageRecipe(),
+    "deepseek_v3": StageRecipe(full_mask_as_array=True),  # also kimi_k2
+    "gpt_oss": StageRecipe(),
+    "glm4_moe": StageRecipe(),
+}
+# config.json model types accepted: the modules above and mlx-lm's aliases for them.
+SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset(ARCHITECTURES) | frozenset(
+    alias for alias, target in MODEL_REMAPPING.items() if target in ARCHITECTURES
+)
+# Architectures whose inner loop does more than a stage replays, and what exactly.
+NOT_SLICEABLE: dict[str, str] = {
+    "gemma3_text": (
+        "its inner model multiplies the embeddings by sqrt(hidden_size) after embed_tokens, "
+        "which a first stage's embedding does not do"
+    ),
+    "gemma3n": (
+        "its layers take per-layer inputs computed from the token ids, some layers reuse other "
+        "layers' KV caches, and AltUp carries several hidden streams: what passes between "
+        "stages would be more than one (1, n, hidden) tensor"
+    ),
+    "deepseek_v32": (
+        "each layer keeps a CacheList (the attention cache and the sparse-attention indexer's "
+        "keys), a cache kind whose mask a stage does not know how to build"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class _LayerKind:
+    """How one layer attends, read from the cache mlx-lm gives it (see the module docstring)."""
+
+    kind: Literal["full", "window", "ssm"]
+    window: int | None = None
+
+    @staticmethod
+    def of(cache: Any, index: int) -> _LayerKind:
+        if isinstance(cache, ArraysCache):
+            return _LayerKind("ssm")
+        if type(cache) is RotatingKVCache:
+            return _LayerKind("window", cache.max_size)
+        if type(cache) is KVCache:
+            return _LayerKind("full")
+        raise UnsupportedModel(
+            f"Layer {index} keeps a {type(cache).__name__} cache; stages know the masks of "
+            "KVCache (full attention), RotatingKVCache (sliding window) and ArraysCache "
+            "(linear attention) layers only."
+        )
+
+    def mask(self, hidden: mx.array, cache: Any, recipe: StageRecipe) -> Any:
+        """The mask mlx-lm's inner model builds for layers of this kind."""
+        if self.kind == "ssm":
+            return create_ssm_mask(hidden, cache)
+        if self.kind == "window":
+            return create_attention_mask(hidden, cache, window_size=self.window)
+        return create_attention_mask(hidden, cache, return_array=recipe.full_mask_as_array)
+
+
+@dataclass(frozen=True)
+class _TextModel:
+    """Where a model keeps its text parts: the inner model (embed_tokens, layers, norm) and the
+    module that owns the head (``lm_head``, absent when the embedding is tied) and the args."""
+
+    inner: nn.Module
+    head_owner: nn.Module
+
+    @staticmethod
+    def locate(model: nn.Module) -> _TextModel:
+        """The text parts of a model already checked by :meth:`of` (pruned ones too)."""
+        # Vision-language wrappers (qwen3_5) keep the text model under language_model.
+        head_owner = model.get("language_model", model)
+        return _TextModel(head_owner.model, head_owner)
+
+    @staticmethod
+    def of(model: nn.Module, architecture: str) -> _TextModel:
+        """The text parts of a whole model, which must have them where stages expect them."""
+        head_owner = model.get("language_model", model)
+        inner = getattr(head_owner, "model", None)
+        missing = [
+            name
+            for name in ("embed_tokens", "layers", "norm")
+            if inner is None or name not in inner
+        ]
+        if missing or not hasattr(head_owner, "args"):
+            raise UnsupportedModel(
+                f"mlx-lm's {architecture} model has no {', '.join(missing) or 'args'} where a "
+                "stage expects it (model.model.embed_tokens/layers/norm, model.args)."
+            )
+        return _TextModel(inner, head_owner)
+
+    @property
+    def lm_head(self) -> nn.Module | None:
+        return self.head_owner.get("lm_head")
+
+    @property
+    def args(self) -> Any:
+        return self.head_owner.args
 
 
 class StageModel:
@@ -85,24 +208,31 @@ class StageModel:
         *,
         has_embedding: bool,
         has_head: bool,
-        cache_factories: list[Callable[[], Any]],
+        empty_caches: list[Any],
+        num_model_layers: int,
+        architecture: str = "llama",
     ) -> None:
         self._model = model
-        self._inner = model.model
+        self._text = _TextModel.locate(model)
+        self._inner = self._text.inner
         self._config = config
         self._layer_range = layer_range
         self._has_embedding = has_embedding
         self._has_head = has_head
-        self._tied = bool(getattr(model.args, "tie_word_embeddings", False))
+        self._num_model_layers = num_model_layers
+        self._architecture = architecture
+        self._recipe = ARCHITECTURES.get(architecture, StageRecipe())
         self._layers = list(self._inner.layers[layer_range[0] : layer_range[1]])
-        self._kinds = [self._layer_kind(layer) for layer in self._layers]
-        self._cache_factories = cache_factories
-
-    def _layer_kind(self, layer: nn.Module) -> _LayerKind:
-        """Sliding-window layers (llama's ``layer_types``) get their own mask, as in mlx-lm."""
-        if getattr(layer, "use_sliding", False):
-            return _LayerKind(sliding=True, window=getattr(self._inner, "sliding_window", None))
-        return _LayerKind(sliding=False, window=None)
+        if len(empty_caches) != len(self._layers):
+            raise ValueError(
+                f"{len(empty_caches)} caches given for the {len(self._layers)} layers of "
+                f"stage {layer_range}."
+            )
+        self._empty_caches = empty_caches
+        self._kinds = [
+            _LayerKind.of(cache, layer_range[0] + offset)
+            for offset, cache in enumerate(empty_caches)
+        ]
 
     @property
     def layer_range(self) -> tuple[int, int]:
@@ -112,7 +242,17 @@ class StageModel:
     @property
     def num_model_layers(self) -> int:
         """Number of layers of the whole model (not just this stage)."""
-        return int(self._config["num_hidden_layers"])
+        return self._num_model_layers
+
+    @property
+    def architecture(self) -> str:
+        """The mlx-lm model module this stage runs (``mlx_lm.models.<architecture>``)."""
+        return self._architecture
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        """Per layer of the stage: "full", "window" or "ssm" (see the module docstring)."""
+        return [kind.kind for kind in self._kinds]
 
     @property
     def has_embedding(self) -> bool:
@@ -124,11 +264,11 @@ class StageModel:
 
     @property
     def hidden_size(self) -> int:
-        return int(self._config["hidden_size"])
+        return int(self._text.args.hidden_size)
 
     @property
     def vocab_size(self) -> int:
-        return int(self._config["vocab_size"])
+        return int(self._text.args.vocab_size)
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -148,8 +288,9 @@ class StageModel:
         return dict(self._config)
 
     def make_cache(self) -> Cache:
-        """Fresh KV caches for this stage's layers only (same cache types mlx-lm would make)."""
-        return [factory() for factory in self._cache_factories]
+        """Fresh caches for this stage's layers only: copies of the empty caches the model's
+        own ``make_cache()`` gave these layers (KV, rotating or recurrent)."""
+        return [copy.deepcopy(cache) for cache in self._empty_caches]
 
     def embed(self, tokens: mx.array) -> mx.array:
         """Token ids ``(T,)`` or ``(1, T)`` -> hidden states ``(1, T, hidden)`` (first stage)."""
@@ -179,15 +320,16 @@ class StageModel:
         return hidden
 
     def _masks(self, hidden: mx.array, cache: Cache) -> dict[_LayerKind, Any]:
-        """One mask per attention kind, from the cache of the stage's first layer of that kind.
+        """One mask per layer kind, from the cache of the stage's first layer of that kind.
 
-        This is what the mlx-lm model does with ``cache[fa_idx]`` / ``cache[0]``; all layers of
-        one kind share the same offset, so the first one in the stage stands for all of them.
+        This is what the mlx-lm model does with ``cache[fa_idx]`` / ``cache[ssm_idx]`` /
+        ``cache[0]``; all layers of one kind have seen the same tokens, so the first one in the
+        stage stands for all of them.
         """
         masks: dict[_LayerKind, Any] = {}
         for kind, layer_cache in zip(self._kinds, cache, strict=True):
             if kind not in masks:
-                masks[kind] = create_attention_mask(hidden, layer_cache, window_size=kind.window)
+                masks[kind] = kind.mask(hidden, layer_cache, self._recipe)
         return masks
 
     def run(self, inputs: mx.array, cache: Cache | None, *, logits: str = "last") -> mx.array:
@@ -210,9 +352,10 @@ class StageModel:
                 f"Stage {self._layer_range} has no head; only the last stage computes logits."
             )
         normed = self._inner.norm(hidden)
-        if self._tied:
+        lm_head = self._text.lm_head
+        if lm_head is None:
             return self._inner.embed_tokens.as_linear(normed)
-        return self._model.lm_head(normed)
+        return lm_head(normed)
 
 
 class RequestCaches:
@@ -291,34 +434,40 @@ def load_stage(
 ) -> StageModel:
     """Load layers ``[layer_start, layer_end)`` of the model in ``model_dir`` as one stage.
 
-    Only the tensors of those layers (plus the embedding if ``has_embedding``, the final norm
-    and LM head, or the tied embedding, if ``has_head``) are read, and only from the files the
-    index names for them. Quantized models (config ``quantization``) are quantized before
-    loading, as mlx-lm does.
+    mlx-lm's ``load_model`` (lazy, non-strict) builds the model and loads the checkpoint, fed
+    with the stage's tensors only: those of its layers, plus the embedding if
+    ``has_embedding`` and the final norm and LM head (or the tied embedding) if ``has_head``,
+    read from only the files the index names for them. The model is then pruned to the stage,
+    its parameters checked against the checkpoint, and evaluated: only the stage's tensors are
+    ever read from disk or held in memory.
     """
     model_dir = Path(model_dir)
-    config = _read_config(model_dir)
-    num_layers = int(config["num_hidden_layers"])
-    _check_range(layer_start, layer_end, num_layers)
-    model = _build_model(config)
-    cache_factories = _cache_factories(model)[layer_start:layer_end]
-    tied = bool(getattr(model.args, "tie_word_embeddings", False))
-    keep_embedding = has_embedding or (has_head and tied)  # a tied head is the embedding
-    _prune(model, layer_start, layer_end, keep_embedding=keep_embedding, keep_head=has_head)
-    weights = _load_needed_weights(
-        model_dir, layer_start, layer_end, keep_embedding=keep_embedding, keep_head=has_head
+    _check_model_type(model_dir)
+    with _config_only_view(model_dir) as view:
+        skeleton = _build(view, model_dir)
+        architecture = _architecture_of(skeleton, model_dir)
+        text = _TextModel.of(skeleton, architecture)
+        num_layers = len(text.inner.layers)
+        _check_range(layer_start, layer_end, num_layers)
+        # A tied head multiplies by the embedding matrix, so the last stage keeps it too.
+        keep_embedding = has_embedding or (has_head and text.lm_head is None)
+        checkpoint = _StageCheckpoint(
+            model_dir,
+            _load_needed_weights(
+                model_dir, layer_start, layer_end, keep_embedding=keep_embedding, keep_head=has_head
+            ),
+        )
+        model, config = _build(view, model_dir, checkpoint.model_classes(skeleton))
+    del skeleton
+    empty_caches = make_prompt_cache(model)[layer_start:layer_end]
+    _prune(
+        _TextModel.locate(model),
+        layer_start,
+        layer_end,
+        keep_embedding=keep_embedding,
+        keep_head=has_head,
     )
-    if hasattr(model, "sanitize"):
-        weights = model.sanitize(weights)
-    _quantize_if_configured(model, config, weights)
-    model.eval()
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as error:
-        raise StageLoadError(
-            f"The weights in {model_dir} do not match layers [{layer_start}, {layer_end}) of "
-            f"its config: {error}"
-        ) from error
+    checkpoint.check_stage(model, (layer_start, layer_end))
     mx.eval(model.parameters())
     return StageModel(
         model,
@@ -326,25 +475,176 @@ def load_stage(
         (layer_start, layer_end),
         has_embedding=has_embedding,
         has_head=has_head,
-        cache_factories=cache_factories,
+        empty_caches=empty_caches,
+        num_model_layers=num_layers,
+        architecture=architecture,
     )
 
 
-def _read_config(model_dir: Path) -> dict[str, Any]:
-    """``config.json`` (via mlx-lm, so generation_config's eos is merged) with a clear error."""
-    if not (model_dir / "config.json").is_file():
+def _check_model_type(model_dir: Path) -> None:
+    """Refuse early, with the reason, a config whose model type stages cannot run."""
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
         raise StageLoadError(
             f"{model_dir} has no config.json; it is not an MLX model directory "
             "(import the model into the model store first)."
         )
-    config = load_config(model_dir)
-    model_type = config.get("model_type")
+    try:
+        model_type = json.loads(config_path.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as error:
+        raise StageLoadError(f"{config_path} is not a readable JSON object: {error}") from error
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel(
-            f"Model type {model_type!r} in {model_dir} cannot run as pipeline stages yet; "
-            f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}."
-        )
-    return config
+        raise UnsupportedModel(_unsupported_message(str(model_type), str(model_type), model_dir))
+
+
+def _unsupported_message(model_type: str, architecture: str, model_dir: Path) -> str:
+    reason = NOT_SLICEABLE.get(architecture)
+    if reason is not None:
+        return f"Model type {model_type!r} in {model_dir} cannot run as pipeline stages: {reason}."
+    return (
+        f"Model type {model_type!r} in {model_dir} (mlx-lm's {architecture}) has not been "
+        "verified to run as pipeline stages; verified: "
+        f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}."
+    )
+
+
+@contextmanager
+def _config_only_view(model_dir: Path) -> Iterator[Path]:
+    """A temporary directory with the model's config files and no weights, for mlx-lm's loader.
+
+    ``load_model`` opens every ``model*.safetensors`` of the directory it is given; handing it
+    this view instead, and the stage's tensors through the model's ``sanitize``, keeps the
+    files of other stages closed.
+    """
+    with tempfile.TemporaryDirectory(prefix="meshd-stage-") as folder:
+        view = Path(folder)
+        for name in _CONFIG_FILES:
+            if (model_dir / name).is_file():
+                (view / name).symlink_to((model_dir / name).resolve())
+        yield view
+
+
+def _build(
+    view: Path,
+    model_dir: Path,
+    get_model_classes: Callable[..., tuple[Any, Any]] | None = None,
+) -> Any:
+    """``mlx_lm.utils.load_model(view, lazy=True, strict=False)``, its errors made ours.
+
+    Returns the model alone when no ``get_model_classes`` is given (a lazily initialized
+    skeleton: no parameter memory is touched), else ``(model, config)``.
+    """
+    extra = {} if get_model_classes is None else {"get_model_classes": get_model_classes}
+    try:
+        model, config = load_model(view, lazy=True, strict=False, **extra)
+    except (StageLoadError, UnsupportedModel):
+        raise
+    except ValueError as error:  # mlx-lm: unknown model type, quantization it cannot load
+        raise UnsupportedModel(f"mlx-lm cannot load the model in {model_dir}: {error}") from error
+    except (KeyError, TypeError, IndexError) as error:  # config fields or tensors it needs
+        raise StageLoadError(
+            f"mlx-lm cannot build the model in {model_dir} from its config.json and "
+            f"checkpoint: {type(error).__name__}: {error}"
+        ) from error
+    return model if get_model_classes is None else (model, config)
+
+
+def _architecture_of(model: nn.Module, model_dir: Path) -> str:
+    """The mlx-lm model module of ``model``, which must be one stages are verified for."""
+    architecture = type(model).__module__.rsplit(".", 1)[-1]
+    if architecture not in ARCHITECTURES:
+        model_type = str(getattr(model, "model_type", architecture))
+        raise UnsupportedModel(_unsupported_message(model_type, architecture, model_dir))
+    return architecture
+
+
+class _StageCheckpoint:
+    """The stage's tensors, handed to mlx-lm's loader, and what its ``sanitize`` made of them.
+
+    ``load_model`` calls ``model.sanitize(weights)`` before it quantizes the model and loads the
+    weights; the model class :meth:`model_classes` gives it returns the stage's tensors there,
+    sanitized by the real model's own ``sanitize``, so every checkpoint format mlx-lm knows is
+    handled by mlx-lm.
+    """
+
+    def __init__(self, model_dir: Path, tensors: dict[str, mx.array]) -> None:
+        self._model_dir = model_dir
+        self._tensors = tensors
+        self._sanitized: dict[str, mx.array] | None = None
+
+    def model_classes(self, skeleton: nn.Module) -> Callable[..., tuple[Any, Any]]:
+        """A ``get_model_classes`` for ``load_model``: the skeleton's classes, fed by us."""
+        base = type(skeleton)
+        checkpoint = self
+
+        class StageCheckpointModel(base):  # type: ignore[misc, valid-type]
+            def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+                # ``weights`` is empty: the view load_model was given holds no weight files.
+                return checkpoint._sanitize(self, base, weights)
+
+        StageCheckpointModel.__qualname__ = f"{base.__qualname__}[stage]"
+        args_class = type(skeleton.args)
+        return lambda config: (StageCheckpointModel, args_class)
+
+    def _sanitize(
+        self, model: nn.Module, base: type, weights: dict[str, mx.array]
+    ) -> dict[str, mx.array]:
+        tensors = {**weights, **self._tensors}
+        if hasattr(base, "sanitize"):
+            tensors = base.sanitize(model, tensors)
+        self._check_shapes(model, tensors)
+        self._sanitized = tensors
+        return tensors
+
+    def _check_shapes(self, model: nn.Module, tensors: dict[str, mx.array]) -> None:
+        """Every tensor has the shape the (not yet quantized) model expects; for a quantized
+        weight, all but its packed last axis."""
+        expected = dict(tree_flatten(model.parameters()))
+        wrong = []
+        for name, tensor in tensors.items():
+            param = expected.get(name)
+            if param is None:
+                continue  # quantization scales and biases, or extras (see check_stage)
+            want, got = param.shape, tensor.shape
+            if name.endswith(".weight") and f"{name[: -len('weight')]}scales" in tensors:
+                want, got = want[:-1], got[:-1]
+            if want != got:
+                wrong.append(
+                    f"{name}: {tuple(tensor.shape)} in the checkpoint, {param.shape} in the model"
+                )
+        if wrong:
+            raise StageLoadError(
+                f"The weights in {self._model_dir} do not match its config.json: "
+                f"{'; '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}."
+            )
+
+    def check_stage(self, model: nn.Module, layer_range: tuple[int, int]) -> None:
+        """The pruned model's parameters are exactly the stage's sanitized tensors, as
+        ``load_weights(strict=True)`` would insist (mlx-lm's non-strict load does not)."""
+        if self._sanitized is None:
+            raise StageLoadError(
+                f"mlx-lm's loader did not call the model's sanitize for {self._model_dir}; "
+                "this mlx-lm version loads differently from the one stages were built for."
+            )
+        params = {name for name, _ in tree_flatten(model.parameters())}
+        missing = sorted(params - self._sanitized.keys())
+        extra = sorted(self._sanitized.keys() - params)
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"lacks {len(missing)} tensors the stage needs ({_some(missing)})")
+            if extra:
+                parts.append(f"has {len(extra)} tensors the model does not use ({_some(extra)})")
+            raise StageLoadError(
+                f"The checkpoint in {self._model_dir}, for layers [{layer_range[0]}, "
+                f"{layer_range[1]}), {' and '.join(parts)}. Re-import or re-fetch the model; a "
+                "Hugging Face checkpoint mlx-lm cannot sanitize per stage (e.g. per-expert "
+                "tensors split over files) must be converted with mlx_lm.convert first."
+            )
+
+
+def _some(names: list[str], limit: int = 4) -> str:
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
 
 
 def _check_range(start: int, end: int, num_layers: int) -> None:
@@ -355,44 +655,15 @@ def _check_range(start: int, end: int, num_layers: int) -> None:
         )
 
 
-def _build_model(config: dict[str, Any]) -> nn.Module:
-    """The full mlx-lm model, lazily initialized (no parameter memory is touched yet)."""
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    if not hasattr(model, "model") or not hasattr(model.model, "layers"):
-        raise UnsupportedModel(
-            f"mlx-lm's {model_class.__module__}.Model has no model.layers to slice into stages."
-        )
-    return model
-
-
-def _cache_factories(model: nn.Module) -> list[Callable[[], Any]]:
-    """Per layer, how to make the cache mlx-lm's ``make_prompt_cache`` would give that layer.
-
-    Asked of the full model before pruning, so sliding-window layers get rotating caches.
-    """
-    factories: list[Callable[[], Any]] = []
-    for cache in make_prompt_cache(model):
-        if type(cache) is KVCache:
-            factories.append(KVCache)
-        elif type(cache) is RotatingKVCache:
-            factories.append(partial(RotatingKVCache, max_size=cache.max_size, keep=cache.keep))
-        else:
-            raise UnsupportedModel(
-                f"Layer cache type {type(cache).__name__} is not supported for pipeline stages."
-            )
-    return factories
-
-
 def _prune(
-    model: nn.Module, start: int, end: int, *, keep_embedding: bool, keep_head: bool
+    text: _TextModel, start: int, end: int, *, keep_embedding: bool, keep_head: bool
 ) -> None:
-    """Drop every module the stage does not run, before any weight is loaded or evaluated.
+    """Drop every module the stage does not run, before any weight is evaluated.
 
     Layers before ``start`` become ``None`` (as mlx-lm's PipelineMixin does) so that parameter
     names keep the checkpoint's layer numbers; layers from ``end`` on are cut off.
     """
-    inner = model.model
+    inner = text.inner
     layers = list(inner.layers[:end])
     layers[:start] = [None] * start
     inner.layers = layers
@@ -400,8 +671,8 @@ def _prune(
         del inner.embed_tokens
     if not keep_head:
         del inner.norm
-        if "lm_head" in model:
-            del model.lm_head
+        if text.lm_head is not None:
+            del text.head_owner.lm_head
 
 
 def _load_needed_weights(
@@ -450,10 +721,10 @@ def read_weight_map(model_dir: Path) -> dict[str, str]:
 
 def safetensors_tensor_names(path: Path) -> list[str]:
     """Names of the tensors in a safetensors file, read from its header alone."""
-    with open(path, "rb") as handle:
-        (header_length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(header_length))
-    return [name for name in header if name != "__metadata__"]
+    try:
+        return list(read_safetensors_header(path))
+    except ModelInfoError as error:
+        raise StageLoadError(str(error)) from error
 
 
 def write_sharded_safetensors(
@@ -508,35 +779,6 @@ def _group_by_size(sized_names: list[tuple[str, int]], max_bytes: int) -> list[l
 def _natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
     """Sort ``layers.10`` after ``layers.9`` so files hold consecutive layers."""
     return tuple((0, int(part)) if part.isdigit() else (1, part) for part in name.split("."))
-
-
-def _quantize_if_configured(
-    model: nn.Module, config: dict[str, Any], weights: dict[str, mx.array]
-) -> None:
-    """Swap in quantized modules where the checkpoint has ``.scales``, as mlx-lm's loader does."""
-    quantization = config.get("quantization")
-    if quantization is None:
-        if config.get("quantization_config"):
-            raise UnsupportedModel(
-                "This model uses a 'quantization_config' format; convert it with "
-                "mlx_lm.convert (which writes 'quantization') before loading it as stages."
-            )
-        return
-
-    def class_predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
-        if path in quantization:
-            return quantization[path]
-        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
-            return False
-        return infer_quant_config(path, module, weights)
-
-    nn.quantize(
-        model,
-        group_size=quantization["group_size"],
-        bits=quantization["bits"],
-        mode=quantization.get("mode", "affine"),
-        class_predicate=class_predicate,
-    )
 
 
 class LocalPipeline:

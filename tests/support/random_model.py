@@ -6,6 +6,13 @@ directory this writes has the same layout as a converted MLX model (``config.jso
 ``tokenizer_config.json``), so ``mlx_lm.load`` and :func:`meshd.inference.shard.load_stage` read
 it exactly like a real one. Weights are float32, the only fast dtype on the CPUs we test on.
 
+Models are built by mlx-lm itself (:func:`build_model` runs ``mlx_lm.utils.load_model`` on a
+directory holding only ``config.json``), so every architecture mlx-lm has can be made here: the
+dense families with :func:`make_random_model_dir`, and the mixture-of-experts and hybrid
+architectures people split with :func:`make_architecture_dir`, from the tiny configurations in
+:data:`TINY_CONFIGS` (real ``config.json`` field names, tiny dimensions, a few experts, layer
+kinds spread so that every stage of a 2- or 3-way split of 6 layers holds each kind).
+
 The tokenizer is a byte-level BPE made with ``tokenizers``: the 256 byte symbols, a few ChatML
 special tokens and as many merges of byte pairs as it takes to fill the model's vocabulary, so
 every id the model can produce decodes to something.
@@ -15,13 +22,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
+from math import prod
 from pathlib import Path
 from typing import Any, Literal
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
-from mlx_lm.utils import _get_classes
+from mlx_lm.utils import load_model
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from meshd.inference.shard import write_sharded_safetensors
@@ -91,6 +101,241 @@ def make_three_host_llama(path: Path) -> Path:
     )
 
 
+TINY_LAYERS = 6
+TINY_VOCAB = 320
+SLIDING_WINDOW = 8  # shorter than the test prompts, so rotating caches wrap and windows mask
+_EOS_ID = BYTE_SYMBOLS + SPECIAL_TOKENS.index("<|im_end|>")
+_TINY_COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": TINY_LAYERS,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": TINY_VOCAB,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "eos_token_id": _EOS_ID,
+    "torch_dtype": "float32",
+}
+_HYBRID_TEXT: dict[str, Any] = {
+    # Gated-delta-net (linear attention) layers keep an ArraysCache; every second layer is full
+    # attention (the real models use 4), so each stage of a 2- or 3-way split of 6 has both.
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 2,
+    "partial_rotary_factor": 0.25,
+    "tie_word_embeddings": False,
+}
+_TINY_MOE: dict[str, Any] = {"moe_intermediate_size": 64, "num_experts_per_tok": 2}
+
+# Field names are those of the real config.json files (Hugging Face / mlx-community); only the
+# sizes are tiny. Layer kinds are spread so that a 2- or 3-way split puts each in every stage
+# where the architecture allows it (DeepSeek/GLM dense layers come first by design).
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "mistral": {**_TINY_COMMON, "model_type": "mistral", "tie_word_embeddings": False},
+    "llama-sliding": {
+        **_TINY_COMMON,
+        "model_type": "llama",
+        "tie_word_embeddings": True,
+        "sliding_window": SLIDING_WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"] * (TINY_LAYERS // 2),
+    },
+    "mixtral": {
+        **_TINY_COMMON,
+        "model_type": "mixtral",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "rope_theta": 1e6,
+        "tie_word_embeddings": False,
+    },
+    "qwen3_moe": {
+        **_TINY_COMMON,
+        **_TINY_MOE,
+        "model_type": "qwen3_moe",
+        "num_experts": 4,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0, 3, 4],  # dense MLP layers between the MoE ones
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+    },
+    "qwen3_next": {
+        **_TINY_COMMON,
+        **_HYBRID_TEXT,
+        **_TINY_MOE,
+        "model_type": "qwen3_next",
+        "num_experts": 4,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 64,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    },
+    "qwen3_5": {
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": True,
+        "eos_token_id": _EOS_ID,
+        "text_config": {
+            **_TINY_COMMON,
+            **_HYBRID_TEXT,
+            "model_type": "qwen3_5_text",
+            "tie_word_embeddings": True,
+        },
+    },
+    "qwen3_5_moe": {
+        "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": False,
+        "eos_token_id": _EOS_ID,
+        "text_config": {
+            **_TINY_COMMON,
+            **_HYBRID_TEXT,
+            **_TINY_MOE,
+            "model_type": "qwen3_5_moe_text",
+            "num_experts": 4,
+            "decoder_sparse_step": 1,
+            "shared_expert_intermediate_size": 64,
+            "norm_topk_prob": True,
+        },
+    },
+    "deepseek_v3": {
+        **_TINY_COMMON,
+        "model_type": "deepseek_v3",
+        "num_key_value_heads": 4,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "n_routed_experts": 8,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 48,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "n_group": 2,
+        "topk_group": 1,
+        "num_experts_per_tok": 2,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 1,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "tie_word_embeddings": False,
+    },
+    "gpt_oss": {
+        **_TINY_COMMON,
+        "model_type": "gpt_oss",
+        "intermediate_size": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": SLIDING_WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"] * (TINY_LAYERS // 2),
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+    },
+    "glm4_moe": {
+        **_TINY_COMMON,
+        "model_type": "glm4_moe",
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "routed_scaling_factor": 1.0,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "rope_scaling": None,
+        "use_qk_norm": True,
+        "tie_word_embeddings": False,
+        "attention_bias": True,
+        "partial_rotary_factor": 0.5,
+    },
+}
+
+
+def make_architecture_dir(
+    path: Path,
+    name: str,
+    *,
+    seed: int = 0,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overrides: dict[str, Any] | None = None,
+) -> Path:
+    """Write the random float32 model :data:`TINY_CONFIGS` ``[name]`` to ``path``.
+
+    ``overrides`` replaces top-level config fields (e.g. a larger ``num_hidden_layers``).
+    """
+    if name not in TINY_CONFIGS:
+        raise ValueError(f"Unknown architecture {name!r}; choose one of {', '.join(TINY_CONFIGS)}.")
+    config = json.loads(json.dumps(TINY_CONFIGS[name]))  # a deep copy the caller cannot change
+    config.update(overrides or {})
+    return write_model_dir(path, config, seed=seed, max_shard_bytes=max_shard_bytes)
+
+
+def write_model_dir(
+    path: Path,
+    config: dict[str, Any],
+    *,
+    seed: int = 0,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write a model directory for ``config`` with random float32 weights; returns ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    weights = random_weights(config, seed=seed)
+    write_sharded_safetensors(path, weights, max_shard_bytes=max_shard_bytes)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    text_config = config.get("text_config") or config
+    write_byte_level_tokenizer(path, int(text_config["vocab_size"]))
+    return path
+
+
+def quantize_model_dir(
+    source: Path,
+    dest: Path,
+    *,
+    bits: int = 4,
+    group_size: int = 64,
+    mode: str = "affine",
+    quant_predicate: Callable[[str, nn.Module], bool | dict[str, Any]] | None = None,
+) -> Path:
+    """Quantize ``source`` into ``dest`` with ``mlx_lm.convert``, as mlx-community checkpoints are.
+
+    Without ``quant_predicate`` the model's own ``quant_predicate`` applies (mlx-lm's default),
+    which is where the per-module overrides of real MoE checkpoints come from (8-bit routers
+    and gates in a 4-bit model).
+    """
+    from mlx_lm.convert import convert
+
+    convert(
+        str(source),
+        str(dest),
+        quantize=True,
+        q_group_size=group_size,
+        q_bits=bits,
+        q_mode=mode,
+        quant_predicate=quant_predicate,
+    )
+    return Path(dest)
+
+
 def random_model_config(
     arch: Architecture,
     *,
@@ -129,8 +374,7 @@ def random_weights(config: dict[str, Any], *, seed: int) -> dict[str, mx.array]:
     ~ N(0, 1/columns), norms ~ 1, biases small; so sampling at temperature 1 stays varied
     instead of locking onto one token.
     """
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
+    model = build_model(config)
     names = [name for name, _ in tree_flatten(model.parameters())]
     keys = dict(zip(names, mx.random.split(mx.random.key(seed), len(names)), strict=True))
 
@@ -143,6 +387,19 @@ def random_weights(config: dict[str, Any], *, seed: int) -> dict[str, mx.array]:
     return weights
 
 
+def build_model(config: dict[str, Any]) -> nn.Module:
+    """The mlx-lm model of ``config`` with lazy random initial weights, built by mlx-lm itself.
+
+    ``mlx_lm.utils.load_model`` on a directory that holds only ``config.json`` (lazy, non-strict)
+    is mlx-lm's public way to go from a config to its model class, aliases included (mlx-lm's own
+    ``sharded_load`` does the same before it knows which weights a rank needs).
+    """
+    with tempfile.TemporaryDirectory(prefix="meshd-config-") as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(config))
+        model, _ = load_model(Path(folder), lazy=True, strict=False)
+    return model
+
+
 def _random_like(name: str, param: mx.array, key: mx.array) -> mx.array:
     """One random tensor shaped like ``param``, scaled by its role (see :func:`random_weights`)."""
     shape = param.shape
@@ -150,7 +407,9 @@ def _random_like(name: str, param: mx.array, key: mx.array) -> mx.array:
         return 0.02 * mx.random.normal(shape, dtype=mx.float32, key=key)
     if param.ndim == 1:
         return 1.0 + 0.1 * mx.random.normal(shape, dtype=mx.float32, key=key)
-    fan_in = shape[-1]
+    # Matrices and stacked experts (E, out, in) read their last axis; a depthwise convolution
+    # (channels, kernel, 1) reads its kernel.
+    fan_in = shape[-1] if shape[-1] > 1 else prod(shape[1:])
     return mx.random.normal(shape, dtype=mx.float32, key=key) * (fan_in**-0.5)
 
 
