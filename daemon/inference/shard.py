@@ -442,7 +442,7 @@ def load_stage(
     ever read from disk or held in memory.
     """
     model_dir = Path(model_dir)
-    _check_model_type(model_dir)
+    check_model_type(model_dir)
     with _config_only_view(model_dir) as view:
         skeleton = _build(view, model_dir)
         architecture = _architecture_of(skeleton, model_dir)
@@ -481,8 +481,13 @@ def load_stage(
     )
 
 
-def _check_model_type(model_dir: Path) -> None:
-    """Refuse early, with the reason, a config whose model type stages cannot run."""
+def check_model_type(model_dir: Path) -> None:
+    """Refuse, with the reason, a model whose config names a type stages cannot run.
+
+    Reads only ``config.json``: cheap enough to call before a model is proposed to the mesh.
+    Raises :class:`UnsupportedModel` or :class:`StageLoadError`.
+    """
+    model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise StageLoadError(
