@@ -329,3 +329,25 @@ def test_incomplete_or_mismatched_checkpoints_are_refused(
         StageLoadError, match=r"\(4, 64\) in the checkpoint, \(5, 64\) in the model"
     ):
         load_stage(wider, 1, 3, has_embedding=False, has_head=False)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "deepseek_v3"])
+def test_a_fetched_part_loads_the_same_stage_as_the_whole_model(
+    name: str, architecture_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A node without the model fetches its part (meshd.models.share.export_part: the stage's
+    tensors as they are in the checkpoint, nested names included); its stage is the same."""
+    from meshd.models.share import PartSpec, export_part
+
+    model_dir = architecture_dir(name)
+    part_dir = tmp_path / "part"
+    export_part(model_dir, PartSpec(name, "digest", 2, 4, False, False), part_dir)
+    headers = [read_safetensors_header(path) for path in part_dir.glob("*.safetensors")]
+    assert all(".layers.2." in n or ".layers.3." in n for h in headers for n in h)
+
+    whole = load_stage(model_dir, 2, 4, has_embedding=False, has_head=False)
+    part = load_stage(part_dir, 2, 4, has_embedding=False, has_head=False)
+    assert part.nbytes == whole.nbytes and part.layer_kinds == whole.layer_kinds
+    hidden = mx.random.normal((1, len(PROMPT), whole.hidden_size), key=mx.random.key(1))
+    caches = (whole.make_cache(), part.make_cache())
+    assert max_abs_diff(whole.run(hidden, caches[0]), part.run(hidden, caches[1])) == 0.0
