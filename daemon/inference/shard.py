@@ -615,7 +615,7 @@ class _StageCheckpoint:
                 want, got = want[:-1], got[:-1]
             if want != got:
                 wrong.append(
-                    f"{name}: {tuple(tensor.shape)} in the checkpoint, {param.shape} in the model"
+                    f"{name}: {tensor.shape} in the checkpoint, {param.shape} in the model"
                 )
         if wrong:
             raise StageLoadError(
