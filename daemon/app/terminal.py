@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from status_model import SEPARATOR, Menu, StatusFeed
-
 from meshd.api.client import api_address_for
+from meshd.app.status_model import SEPARATOR, Menu, StatusFeed
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 RULE = "-" * 60
