@@ -58,7 +58,7 @@ def render_desktop_entry(argv: Sequence[str], icon_path: Path) -> str:
                 "Exec=" + " ".join(_desktop_exec_word(arg) for arg in argv),
                 f"Icon={icon_path}",
                 "Terminal=false",
-                "Categories=Utility;Network;",
+                "Categories=Network;",
                 "StartupNotify=false",
                 "X-GNOME-Autostart-enabled=true",
             ]

@@ -27,6 +27,7 @@ from meshd.app.desktop import Desktop, DesktopError
 from meshd.app.menu_model import LABELS, Action, AppContext, Entry, ServiceView, app_menu
 from meshd.app.status_model import Menu, MeshState, StatusFeed, menu_unreachable
 from meshd.app.terminal import render
+from meshd.models.store import DEFAULT_MODEL
 from meshd.service.manager import Manager
 from meshd.service.units import ServiceError
 from meshd.wire import pb
@@ -149,7 +150,10 @@ class AppController:
         except client.DaemonUnreachable:
             return
         self._models_for = menu.model
-        self._set_context(models=tuple(m.name for m in models.models))
+        names = [m.name for m in models.models]
+        if DEFAULT_MODEL not in names:  # imported from the meshd install on first use
+            names.append(DEFAULT_MODEL)
+        self._set_context(models=tuple(names))
 
     # ------------------------------------------------------------ actions
 
