@@ -39,11 +39,12 @@ BADGE_COLOURS: dict[MeshState, tuple[int, int, int, int]] = {
 WHITE = (255, 255, 255, 255)
 CLEAR = (0, 0, 0, 0)
 
-NODES = ((100, 34), (30, 160), (170, 160))  # the glyph: three nodes ...
-NODE_RADIUS = 28
+# A margin of 1/16 on every side: trays clip an icon that fills its slot exactly.
+NODES = ((100, 46), (42, 158), (164, 158))  # the glyph: three nodes ...
+NODE_RADIUS = 27
 LINK_WIDTH = 16  # ... and the links between them
-BADGE_CENTRE = (198, 198)
-BADGE_RADIUS = 54
+BADGE_CENTRE = (190, 190)
+BADGE_RADIUS = 50
 BADGE_GAP = 14  # transparent ring between the glyph and the badge
 FADED_ALPHA = 0.4  # the glyph's opacity while the daemon is down
 

@@ -25,7 +25,7 @@ TOOLS = ("Xvfb", "trayer", "dbus-daemon", "xdotool", "xclip")
 SCREEN = (800, 600)
 TRAY_HEIGHT = 32
 TRAY_WIDTH = 200
-TRAY_BACKGROUND = (255, 255, 255)  # trayer --tint 0xffffff: a light bar
+DESKTOP = (58, 74, 92)  # the root window's colour (24-bit TrueColor: the pixel is RGB)
 START_TIMEOUT_S = 10.0
 
 
@@ -72,6 +72,7 @@ class XSession:
             "NO_AT_BRIDGE": "1",  # GTK: no accessibility bus to look for
         }
         self.env.pop("WAYLAND_DISPLAY", None)
+        self._paint_desktop()
         self.spawn(
             [
                 "trayer", "--edge", "top", "--align", "right", "--SetDockType", "true",
@@ -128,7 +129,7 @@ class XSession:
             proc = subprocess.Popen(
                 [
                     "Xvfb", "-displayfd", str(write_end), "-screen", "0",
-                    f"{SCREEN[0]}x{SCREEN[1]}x24", "-nolisten", "tcp",
+                    f"{SCREEN[0]}x{SCREEN[1]}x24", "-nolisten", "tcp", "-noreset",
                 ],
                 pass_fds=(write_end,), stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -168,6 +169,15 @@ class XSession:
         from Xlib import display
 
         return display.Display(self.display)
+
+    def _paint_desktop(self) -> None:
+        """A desktop colour instead of Xvfb's black root window (screenshots read better)."""
+        with contextlib.closing(self._xlib()) as d:
+            root = d.screen().root
+            red, green, blue = DESKTOP
+            root.change_attributes(background_pixel=(red << 16) | (green << 8) | blue)
+            root.clear_area()
+            d.sync()
 
     def tray_owner(self) -> int | None:
         with contextlib.closing(self._xlib()) as d:
