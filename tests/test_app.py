@@ -10,6 +10,7 @@ import plistlib
 import shutil
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -238,3 +239,25 @@ def _wait(check, what: str, timeout_s: float = 15.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"no {what} within {timeout_s} s")
         time.sleep(0.05)
+
+
+def test_the_command_line_imports_no_gui_toolkit() -> None:
+    """`meshd --help` and every app module import without pystray, GTK or rumps (they load
+    only when the app starts), so the CLI stays fast and works on headless servers."""
+    code = (
+        "import sys; from meshd.api.cli import build_parser; build_parser(); "
+        "import meshd.app.macos, meshd.app.tray, meshd.app.controller, meshd.app.autostart; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('pystray', 'gi', 'rumps', 'mlx', 'Xlib')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "[]"), done.stderr
+
+
+def test_app_without_a_display_says_to_use_the_terminal(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    command = [sys.executable, "-m", "meshd", "app", "--state-dir", str(tmp_path)]
+    if os.uname().sysname != "Linux":
+        pytest.skip("the display check is Linux's")
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 2 and "meshd app --terminal" in done.stderr, done.stderr
