@@ -149,18 +149,18 @@ class Systemd:
             return ["systemctl", f"--root={self.root}", *args]
         return ["systemctl", *([] if self.system else ["--user"]), *args]
 
-    def _require_systemd(self) -> None:
+    def _require_systemd(self, verb: str) -> None:
         if self.root is None and self._check_booted and not systemd_is_running():
             raise ServiceError(
-                "systemd is not running on this machine (no /run/systemd/system), so there is "
-                "no service manager to install into; `meshd service install --dry-run` shows "
-                "the unit, `meshd run` runs the daemon in the foreground"
+                f"systemd is not running on this machine (no /run/systemd/system): nothing "
+                f"can {verb} the service here; `meshd service install --dry-run` shows the "
+                "unit, `meshd run` runs the daemon in the foreground"
             )
 
     # ------------------------------------------------------------ commands
 
     def install(self, unit_text: str) -> None:
-        self._require_systemd()
+        self._require_systemd("install")
         changed = write_if_changed(self.unit_path, unit_text.encode(), self.say)
         if self.root is not None:
             self.tools.run(self._systemctl("enable", UNIT_NAME))
@@ -202,7 +202,7 @@ class Systemd:
         if self.root is not None:
             self.tools.run(self._systemctl("disable", UNIT_NAME))
         else:
-            self._require_systemd()
+            self._require_systemd("uninstall")
             self.tools.run(self._systemctl("disable", "--now", UNIT_NAME))
         self.unit_path.unlink()
         self.say(f"removed {self.unit_path}")
@@ -222,7 +222,7 @@ class Systemd:
         if self.root is not None:
             raise ServiceError(f"cannot {verb} a unit in {self.root}: no systemd runs it")
         self._require_installed()
-        self._require_systemd()
+        self._require_systemd(verb)
         self.tools.run(self._systemctl(verb, UNIT_NAME))
 
     def _require_installed(self) -> None:
