@@ -29,6 +29,7 @@ from meshd.mesh.identity import Identity, load_or_create_node_id
 from meshd.mesh.membership import PROTOCOL_VERSION, EventLog, Membership
 from meshd.mesh.peer_service import PeerService
 from meshd.runtime.bridge import AsyncioThread
+from meshd.service.notify import notify_ready
 from meshd.wire import dataplane_pb2_grpc as dataplane_rpc
 from meshd.wire import pb, rpc
 
@@ -411,6 +412,7 @@ class Node:
                     task_status.started(
                         NodeInfo(self.identity.node_id, self.peer_port, self.config.api_address)
                     )
+                    notify_ready(self.config.api_address)  # systemd Type=notify; no-op elsewhere
             finally:
                 with trio.CancelScope(shield=True):
                     await self.bridge.run(_stop_servers, peer_server, api_server)

@@ -9,7 +9,16 @@ SYSTEM_PACKAGES=()
 if [ "$(uname -s)" = "Linux" ]; then
   # OpenBLAS: ~60x faster float32 matmuls than the reference BLAS of the mlx[cpu] wheel.
   # iproute2: network namespaces for the multi-node tests.
-  SYSTEM_PACKAGES=(libopenblas0-pthread iproute2)
+  # The tray app (`meshd app`): GTK 3 for pystray's menus, built into PyGObject (gcc,
+  # pkg-config, the introspection and cairo headers), xclip for "Copy join token".
+  # Its tests: systemd (systemd-analyze verify of the units; no running systemd needed),
+  # Xvfb, a tray host (trayer), a D-Bus session bus, xdotool to click,
+  # desktop-file-validate for the autostart entry.
+  SYSTEM_PACKAGES=(
+    libopenblas0-pthread iproute2
+    gir1.2-gtk-3.0 libgirepository1.0-dev libcairo2-dev pkg-config gcc xclip
+    systemd xvfb trayer dbus-daemon xdotool desktop-file-utils
+  )
 fi
 missing=()
 # ${a[@]+"${a[@]}"}: an empty array under `set -u` on macOS's bash 3.2.

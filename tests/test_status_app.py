@@ -1,12 +1,10 @@
-"""The status app (packaging/status_app): menus from hand-built statuses, a feed that follows
-real loopback daemons through joins, shutdown and restart, a hung daemon, and the terminal
-front end as a subprocess stopped with Ctrl-C.
+"""The status app's presenter (meshd.app.status_model): menus from hand-built statuses, a feed
+that follows real loopback daemons through joins, shutdown and restart, a hung daemon, and
+`meshd app --terminal` as a subprocess stopped with Ctrl-C.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import select
@@ -18,26 +16,15 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
-from types import ModuleType
 
 import grpc
 import pytest
 
+from meshd.app import status_model as sm
+from meshd.app import terminal
 from meshd.wire import pb, rpc
 
-APP_DIR = Path(__file__).resolve().parents[1] / "packaging" / "status_app"
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
-
-
-def _load(name: str) -> ModuleType:
-    """The app is a folder of scripts, not a package: import its modules the way they do."""
-    if str(APP_DIR) not in sys.path:
-        sys.path.insert(0, str(APP_DIR))
-    return importlib.import_module(name)
-
-
-sm = _load("status_model")
-terminal = _load("terminal")
 
 
 # ---------------------------------------------------------------- hand-built statuses
@@ -289,7 +276,15 @@ def _read_until(proc: subprocess.Popen[bytes], needle: bytes, timeout_s: float) 
 def test_terminal_front_end_draws_the_node_and_stops_on_ctrl_c(daemons, mesh_token) -> None:
     daemon = daemons([*LOOPBACK, "--join", mesh_token])
     node_id = daemon.wait_ready().node_id
-    command = [sys.executable, str(APP_DIR / "terminal.py"), "--state-dir", str(daemon.state_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "meshd",
+        "app",
+        "--terminal",
+        "--state-dir",
+        str(daemon.state_dir),
+    ]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out = _read_until(proc, node_id.encode(), timeout_s=10)
@@ -303,13 +298,3 @@ def test_terminal_front_end_draws_the_node_and_stops_on_ctrl_c(daemons, mesh_tok
     assert node_id in text and "○ 1 · no model" in text, text
     assert proc.returncode == 0, err.decode()
     assert b"Traceback" not in err, err.decode()
-
-
-@pytest.mark.skipif(
-    importlib.util.find_spec("rumps") is not None, reason="rumps is installed: the app would start"
-)
-def test_menu_bar_app_without_rumps_says_how_to_install_it() -> None:
-    command = [sys.executable, str(APP_DIR / "macos_menubar.py")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
-    assert done.returncode == 1
-    assert "pip install rumps" in done.stderr and "terminal.py" in done.stderr

@@ -138,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--nodes", type=int, default=3, help="number of local daemons (default 3)")
     demo.add_argument("--keep-state", type=Path, help="keep the daemons' state here")
     demo.add_argument("--timeout", type=float, default=60.0, help="give up after this many seconds")
+    from meshd.app.cli import register as register_app
+    from meshd.service.cli import register as register_service
+
+    register_service(sub)  # `meshd service ...`; each sets its own `handler`
+    register_app(sub)  # `meshd app`
     return parser
 
 
@@ -441,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshd.mesh.security import InvalidJoinToken
 
     try:
-        return COMMANDS[args.command](args)
+        return COMMANDS.get(args.command, getattr(args, "handler", None))(args)
     except (ConfigError, DaemonUnreachable, InvalidJoinToken, GenerationFailed) as exc:
         print(f"meshd: {exc}", file=sys.stderr)
         return 2

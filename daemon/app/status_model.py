@@ -1,6 +1,6 @@
 """The status app's core: a mesh status in a few short lines, and a feed that follows the daemon.
 
-Every front end (the macOS menu bar, the terminal) only draws a `Menu`; everything worth
+Every front end (the tray, the macOS menu bar, the terminal) only draws a `Menu`; everything worth
 testing lives here, with no GUI import, so it runs on any machine. A `Menu` is rebuilt from
 each `MeshStatus` the daemon streams over its local API (`Local.WatchStatus`), and
 `StatusFeed` keeps that stream open in a background thread: it reconnects with a bounded
@@ -58,12 +58,16 @@ TITLE_MARKS: dict[MeshState, str] = {
 class Menu:
     """What a front end shows: a short menu-bar title and the lines of the drop-down.
 
-    `items` are single lines; an empty string (SEPARATOR) separates sections.
+    `items` are single lines; an empty string (SEPARATOR) separates sections. `model` is
+    the model the mesh runs ("" when none or unknown); `dashboard_url` is where the daemon
+    serves its dashboard ("" while it serves none).
     """
 
     title: str
     items: tuple[str, ...]
     state: MeshState
+    model: str = ""
+    dashboard_url: str = ""
 
 
 # ---------------------------------------------------------------- status -> menu
@@ -86,7 +90,22 @@ def menu_from_status(status: pb.MeshStatus) -> Menu:
         if section:
             items += [SEPARATOR] if items else []
             items += [_one_line(line) for line in section]
-    return Menu(title=_title(state, alive, status.agreement.model), items=tuple(items), state=state)
+    return Menu(
+        title=_title(state, alive, status.agreement.model),
+        items=tuple(items),
+        state=state,
+        model=status.agreement.model,
+        dashboard_url=dashboard_url(status),
+    )
+
+
+def dashboard_url(status: pb.MeshStatus) -> str:
+    """The daemon's dashboard URL ("" from a daemon that reports none, or predates the field).
+
+    Daemons with HTTP report the base URL of their APIs and dashboard in `http_url`; older
+    ones have no such field, and the app shows the status text instead.
+    """
+    return str(getattr(status, "http_url", "") or "")
 
 
 def menu_unreachable(error_text: str) -> Menu:
@@ -94,7 +113,7 @@ def menu_unreachable(error_text: str) -> Menu:
     lines = [
         "meshd is not reachable",
         *(error_text.strip().splitlines() or ["no answer from the daemon"]),
-        "start it with `meshd run` (or its launchd/systemd service); retrying",
+        "start it with `meshd service start` or `meshd run`; retrying",
     ]
     return Menu(
         title=f"{TITLE_MARKS[MeshState.UNREACHABLE]} meshd",

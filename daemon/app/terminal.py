@@ -1,9 +1,10 @@
 """Terminal front end of the status app: redraws the mesh menu on every update.
 
-    python packaging/status_app/terminal.py [--state-dir DIR | --api ADDRESS]
+    meshd app --terminal [--state-dir DIR | --api ADDRESS] [--exit-after SECONDS]
 
-Works on Linux and over ssh. On a terminal the screen is cleared before each redraw; when the
-output is a pipe or a file, each update is appended below a rule instead. Ctrl-C quits.
+Works on Linux, macOS and over ssh. On a terminal the screen is cleared before each redraw;
+when the output is a pipe or a file, each update is appended below a rule instead. Ctrl-C
+quits.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from status_model import SEPARATOR, Menu, StatusFeed
-
 from meshd.api.client import api_address_for
+from meshd.app.status_model import SEPARATOR, Menu, StatusFeed
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 RULE = "-" * 60

@@ -1,0 +1,143 @@
+"""The tray front end (Linux, Windows) on pystray: an icon per state and the app's menu.
+
+On Linux pystray shows the icon through AppIndicator or GTK's XEmbed status icon (both need
+PyGObject and GTK, and a D-Bus session bus) and, without them, through plain Xlib with no
+menu; `PYSTRAY_BACKEND=appindicator|gtk|xorg` picks one. pystray runs its loop on the main
+thread and its setters may be called from any thread, which is how the controller's threads
+redraw. This module only translates: what the menu holds is decided in menu_model.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from typing import Any
+
+from meshd.app.controller import AppController
+from meshd.app.icons import icon_image
+from meshd.app.menu_model import Action, Entry
+from meshd.app.status_model import MeshState
+from meshd.service.manager import Manager
+
+log = logging.getLogger("meshd.app")
+
+PROGRAM_NAME = "meshd"  # the X window class of the icon (how a tray, or a test, finds it)
+ICON_SIZE = 64
+
+
+class AppError(RuntimeError):
+    """The app cannot start here; the message says what is missing."""
+
+
+def _name_the_program() -> None:
+    """Name the process for GTK before pystray initialises it (window class, tray tooltips)."""
+    try:
+        from gi.repository import GLib
+    except ImportError:
+        return
+    GLib.set_prgname(PROGRAM_NAME)
+    GLib.set_application_name(PROGRAM_NAME)
+
+
+def load_pystray() -> Any:
+    _name_the_program()
+    try:
+        import pystray
+    except ImportError as exc:
+        raise AppError(
+            "the tray app needs pystray and Pillow: pip install 'meshd[app]' "
+            f"({exc}); `meshd app --terminal` works without them"
+        ) from exc
+    except Exception as exc:  # a backend that fails to initialise (no display, no GTK)
+        raise AppError(f"no tray is available here: {exc}") from exc
+    return pystray
+
+
+class Tray:
+    """The pystray icon, redrawn from the controller's snapshot."""
+
+    def __init__(
+        self, pystray: Any, api_address: str, *, theme: str, service: Manager | None
+    ) -> None:
+        self.pystray = pystray
+        self.theme = theme
+        self.icon = pystray.Icon(
+            PROGRAM_NAME, icon_image(MeshState.UNREACHABLE, theme, ICON_SIZE), "meshd"
+        )
+        self.controller = AppController(api_address, self.redraw, service=service)
+        self._lock = threading.Lock()
+        self._drawn_state: MeshState | None = None
+        self._quitting = False
+        if not self.icon.HAS_MENU:
+            log.warning(
+                "this tray backend has no menus (install PyGObject and GTK for them); "
+                "a click on the icon shows the status"
+            )
+
+    def run(self) -> int:
+        """Show the icon until Quit; returns the exit status."""
+
+        def setup(icon: Any) -> None:
+            icon.visible = True
+            self.controller.start()
+            self.redraw()
+
+        try:
+            self.icon.run(setup)
+        except Exception as exc:
+            if not self._quitting:
+                raise AppError(
+                    f"the tray could not start: {exc}; the GTK tray needs a graphical session "
+                    "with a D-Bus session bus (DBUS_SESSION_BUS_ADDRESS)"
+                ) from exc
+            # pystray's GTK backend hides its notification on the way out and fails where
+            # no notification service runs; the app has ended all the same.
+            log.debug("the tray ended with: %s", exc)
+        finally:
+            self.controller.close()
+        return 0
+
+    def quit(self) -> None:
+        self._quitting = True
+        self.controller.close(timeout_s=2.0)
+        self.icon.stop()
+
+    # ------------------------------------------------------------ drawing
+
+    def redraw(self) -> None:
+        with self._lock:
+            menu, entries = self.controller.snapshot()
+            if menu.state is not self._drawn_state:
+                self.icon.icon = icon_image(menu.state, self.theme, ICON_SIZE)
+                self._drawn_state = menu.state
+            self.icon.title = menu.title
+            self.icon.menu = self.pystray.Menu(*(self._item(entry) for entry in entries))
+
+    def _item(self, entry: Entry) -> Any:
+        pystray = self.pystray
+        if entry.is_separator:
+            return pystray.Menu.SEPARATOR
+        if entry.children:
+            submenu = pystray.Menu(*(self._item(child) for child in entry.children))
+            return pystray.MenuItem(entry.label, submenu, enabled=entry.enabled)
+        action = None if entry.action is None else functools.partial(self._clicked, entry)
+        checked = None if entry.checked is None else functools.partial(_fixed, entry.checked)
+        return pystray.MenuItem(
+            entry.label, action, enabled=entry.enabled, checked=checked, default=entry.default
+        )
+
+    def _clicked(self, entry: Entry, _icon: Any, _item: Any) -> None:
+        """pystray's thread: hand the action over, never run it here."""
+        if entry.action is Action.QUIT:
+            self.quit()
+        else:
+            self.controller.perform(entry)
+
+
+def _fixed(value: bool, _item: Any) -> bool:
+    return value
+
+
+def run_tray(api_address: str, *, theme: str, service: Manager | None) -> int:
+    return Tray(load_pystray(), api_address, theme=theme, service=service).run()

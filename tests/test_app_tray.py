@@ -1,0 +1,232 @@
+"""The tray app for real: `meshd app` under Xvfb with a tray host (trayer) and a D-Bus session,
+against a running daemon. The icon is found in the tray, and its pixels are compared with
+every state's icon; the menu is opened with a right click and walked with the keyboard.
+
+One session: no model -> Load model (menu) -> serving -> Copy join token (menu, checked on
+the clipboard) -> the daemon stops (daemon down) -> it starts again (no model) -> Quit
+(menu). Screenshots are saved as artefacts (MESHD_TEST_ARTIFACTS, else the pytest run's
+base temporary folder).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from meshd.api import client
+from meshd.app.icons import icon_image
+from meshd.app.menu_model import Action, AppContext, action_entries, enabled_actions
+from meshd.app.status_model import Menu, MeshState
+from tests.support.xsession import Geometry, XSession, missing_tools, x_session
+
+LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
+THEME = "light"  # trayer is tinted white: a light bar
+STATE_TIMEOUT_S = 20.0
+MIN_ICON = 12  # the smallest size a tray would scale the icon to
+
+pytestmark = [
+    pytest.mark.skipif(bool(missing_tools()), reason=f"needs {', '.join(missing_tools())}"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("pystray") is None or importlib.util.find_spec("gi") is None,
+        reason="needs pystray and PyGObject (pip install 'meshd[app]')",
+    ),
+]
+
+
+@pytest.fixture
+def artefacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = Path(os.environ.get("MESHD_TEST_ARTIFACTS") or tmp_path_factory.getbasetemp())
+    folder = folder / "tray-app"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+# ---------------------------------------------------------------- reading the icon
+
+
+Placement = tuple[int, int, int]  # icon size, x and y offset in the tray's slot
+
+
+def _scores(
+    crop: Image.Image, placements: list[Placement]
+) -> tuple[dict[MeshState, float], Placement]:
+    """How far the tray's pixels are from each state's icon (mean absolute difference, 0-255),
+    and where the best-matching icon sits.
+
+    The tray scales the icon to its own size and centres it in its slot (a slot smaller than
+    the icon clips it), so each icon is tried at each placement, on the slot's own background.
+    """
+    pixels = np.asarray(crop, dtype=np.float32)
+    background = crop.getpixel((0, 0))
+    scores: dict[MeshState, float] = {}
+    best_placement = placements[0]
+    best_overall = float("inf")
+    for state in MeshState:
+        best = float("inf")
+        for size, dx, dy in placements:
+            icon = icon_image(state, THEME, size)
+            canvas = Image.new("RGB", crop.size, background)
+            canvas.paste(icon, (dx, dy), mask=icon)
+            difference = float(np.abs(np.asarray(canvas, dtype=np.float32) - pixels).mean())
+            best = min(best, difference)
+            if difference < best_overall:
+                best_overall, best_placement = difference, (size, dx, dy)
+        scores[state] = best
+    return scores, best_placement
+
+
+def _all_placements(width: int, height: int) -> list[Placement]:
+    """Every size and offset a tray might use: inside the slot, or centred over it (± 1)."""
+
+    def offsets(slot: int, size: int) -> range:
+        if size <= slot:
+            return range(0, slot - size + 1)
+        centred = (slot - size) // 2
+        return range(centred - 1, centred + 2)
+
+    return [
+        (size, dx, dy)
+        for size in range(MIN_ICON, max(width, height) + 3)
+        for dy in offsets(height, size)
+        for dx in offsets(width, size)
+    ]
+
+
+def _near(placement: Placement) -> list[Placement]:
+    size, x, y = placement
+    return [
+        (size + ds, x + dx, y + dy)
+        for ds in (-1, 0, 1)
+        for dx in (-1, 0, 1)
+        for dy in (-1, 0, 1)
+        if size + ds >= MIN_ICON
+    ]
+
+
+class TrayApp:
+    """The app's process, its icon in the tray, and its menu."""
+
+    def __init__(self, x: XSession, artefacts: Path) -> None:
+        self.x = x
+        self.artefacts = artefacts
+        self.icon: Geometry | None = None
+        self.placement: Placement | None = None  # where the tray draws the icon, once found
+
+    def find_icon(self) -> Geometry:
+        """The icon's window in the tray, once the tray has given it its size."""
+
+        def docked() -> list[Geometry]:
+            icons = self.x.windows_of("meshd", top_level=False)
+            return [icon for icon in icons if min(icon.width, icon.height) >= MIN_ICON]
+
+        icons = self.x.wait_for(docked, "icon docked in the tray")
+        assert len(icons) == 1, icons
+        self.icon = icons[0]
+        return self.icon
+
+    def wait_state(self, expected: MeshState, name: str) -> dict[MeshState, float]:
+        """Wait until the icon's pixels match `expected` best; save the tray's picture."""
+        assert self.icon is not None
+        deadline = time.monotonic() + STATE_TIMEOUT_S
+        while True:
+            crop = self.x.screenshot(self.find_icon().box)
+            if self.placement is None:
+                placements = _all_placements(*crop.size)
+            else:
+                placements = _near(self.placement)
+            scores, placement = _scores(crop, placements)
+            best = min(scores, key=scores.__getitem__)
+            if best is expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        crop.resize((crop.width * 4, crop.height * 4), Image.Resampling.NEAREST).save(
+            self.artefacts / f"{name}-icon.png"
+        )
+        ranked = sorted(scores.items(), key=lambda item: item[1])
+        assert best is expected, f"the icon looks {best.name}, not {expected.name}: {ranked}"
+        assert scores[expected] < 6.0, ranked  # close to the drawn icon, not merely nearest
+        self.placement = placement
+        return scores
+
+    def open_menu(self) -> Geometry:
+        assert self.icon is not None
+        x, y = self.icon.centre
+        self.x.xdotool("mousemove", str(x), str(y), "click", "3")
+        menus = self.x.wait_for(lambda: self.x.windows_of("meshd", top_level=True), "open menu")
+        time.sleep(0.3)  # let GTK finish drawing it
+        return menus[0]
+
+    def choose(self, *keys: str) -> None:
+        """Open the menu and walk it with the keyboard (disabled lines are skipped)."""
+        self.open_menu()
+        self.x.xdotool("key", "--delay", "80", *keys)
+        self.x.wait_for(lambda: not self.x.windows_of("meshd", top_level=True), "the menu to close")
+
+    def screenshot_menu(self, name: str) -> Path:
+        menu = self.open_menu()
+        assert self.icon is not None
+        top = min(menu.y, self.icon.y)
+        left = min(menu.x, self.icon.x)
+        right = max(menu.x + menu.width, self.icon.x + self.icon.width)
+        path = self.artefacts / f"{name}.png"
+        self.x.screenshot((left, top, right, menu.y + menu.height)).save(path)
+        self.x.xdotool("key", "Escape")
+        self.x.wait_for(lambda: not self.x.windows_of("meshd", top_level=True), "menu closed")
+        return path
+
+
+def _downs_to(action: Action) -> list[str]:
+    """Down presses that select `action` in a reachable daemon's menu without a service."""
+    menu = Menu("", (), MeshState.NO_MODEL)
+    clickable = enabled_actions(action_entries(menu, AppContext(models=("m",))))
+    return ["Down"] * ([entry.action for entry in clickable].index(action) + 1)
+
+
+def test_tray_icon_follows_the_daemon_and_its_menu_acts(
+    tmp_path: Path, daemons, mesh_token, artefacts: Path
+) -> None:
+    run_args = [*LOOPBACK, "--join", mesh_token]
+    daemon = daemons(run_args)
+    daemon.wait_ready()
+    home = tmp_path / "home"
+    home.mkdir()
+    with x_session(tmp_path / "x") as x:
+        env = {**x.env, "PYSTRAY_BACKEND": "gtk", "HOME": str(home)}
+        for name in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME"):
+            env.pop(name, None)
+        command = [sys.executable, "-m", "meshd", "app", "--state-dir", str(daemon.state_dir)]
+        proc = x.spawn([*command, "--theme", THEME], "app.log", env=env)
+        app = TrayApp(x, artefacts)
+        try:
+            app.find_icon()
+            app.wait_state(MeshState.NO_MODEL, "1-no-model")
+
+            # Load model -> the embedded default: the mesh plans it and serves.
+            app.choose(*_downs_to(Action.LOAD_MODEL), "Right", "Home", "Return")
+            app.wait_state(MeshState.READY, "2-serving")
+            app.screenshot_menu("tray-app-serving")
+
+            token = client.fetch_token(daemon.api).token
+            app.choose(*_downs_to(Action.COPY_TOKEN), "Return")
+            x.wait_for(lambda: x.clipboard() == token, "the join token on the clipboard")
+
+            daemon.terminate()
+            app.wait_state(MeshState.UNREACHABLE, "3-daemon-down")
+            app.screenshot_menu("tray-app-daemon-down")
+            daemons(run_args, state_dir=daemon.state_dir).wait_ready()
+            app.wait_state(MeshState.NO_MODEL, "4-back")
+
+            app.choose("End", "Return")  # Quit is the last line
+            assert proc.wait(15) == 0
+        finally:
+            x.screenshot().save(artefacts / "screen-at-end.png")
+            log = (tmp_path / "x" / "app.log").read_text(errors="replace")
+            (artefacts / "app.log").write_text(log)
+        assert "Traceback" not in log, log
