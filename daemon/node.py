@@ -28,6 +28,7 @@ from meshd.mesh import security
 from meshd.mesh.identity import Identity, load_or_create_node_id
 from meshd.mesh.membership import PROTOCOL_VERSION, EventLog, Membership
 from meshd.mesh.peer_service import PeerService
+from meshd.models.share import PartExporter
 from meshd.runtime.bridge import AsyncioThread
 from meshd.wire import dataplane_pb2_grpc as dataplane_rpc
 from meshd.wire import pb, rpc
@@ -153,9 +154,9 @@ class Node:
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ]
         )
-        service = PeerService(self.membership, self.bridge)
-        service.agreement = self.agreement
-        service.model_source = self._local_model_source
+        service = PeerService(
+            self.membership, self.bridge, self.agreement, PartExporter(self._locate_model)
+        )
         rpc.add_PeerServicer_to_server(service, server)
         dataplane_rpc.add_DataPlaneServicer_to_server(self.inference.plane.servicer(), server)
         address = f"{self.config.peer_host}:{self.config.peer_port}"
@@ -185,7 +186,7 @@ class Node:
                 instance_id=self.identity.instance_id,
             )
         ]
-        links = list(me.snapshot.links)
+        links = list(me.own_state.links)
         for rec in sorted(me.peers.values(), key=lambda r: r.node_id):
             profile = rec.state.profile if rec.state else pb.NodeProfile(node_id=rec.node_id)
             nodes.append(
@@ -332,6 +333,10 @@ class Node:
                 self.events.add("importing %s: %s %d%%", name, phase, 25 * quarter)
 
         return report
+
+    async def _locate_model(self, name: str, digest: str) -> Path | None:
+        """asyncio side: this node's full copy of model (name, digest), asked on trio."""
+        return await self.bridge.call_in_trio(self._local_model_source, name, digest)
 
     def _local_model_source(self, name: str, digest: str) -> Path | None:
         """This node's full copy of the selected model, to send parts of to peers."""

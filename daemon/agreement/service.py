@@ -263,7 +263,7 @@ class PlanAgreement:
 
     def _feed_membership(self) -> None:
         membership = self._membership
-        own = membership.snapshot
+        own = membership.own_state
         states = {self._node_id: own}
         alive: dict[str, float] = {}
         for record in membership.alive_peers():
@@ -332,14 +332,16 @@ class PlanAgreement:
     # ------------------------------------------------------------ messages
 
     def receive(self, message: pb.ProposalMessage, cert_node_id: str | None) -> None:
-        """A peer's Propose call (on the trio thread)."""
+        """A member's Propose call (on the trio thread).
+
+        Raises PermissionError when the certificate names another sender, ValueError when the
+        message is malformed; the peer service answers the caller with that refusal.
+        """
         if cert_node_id is not None and cert_node_id != message.sender:
-            log.warning(
-                "dropped a proposal claiming to be from %s over a channel of %s",
-                message.sender,
-                cert_node_id,
+            raise PermissionError(
+                f"the proposal claims to be from {message.sender!r} but arrived over a channel "
+                f"of {cert_node_id!r}"
             )
-            return
         self._apply(self.core.on_message(time.monotonic(), message_from_proto(message)))
 
     def _apply(self, outputs: list[ag.Output]) -> None:

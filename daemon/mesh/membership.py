@@ -10,7 +10,7 @@ with a bounded backoff for as long as the address is wanted.
 
 Every node dials every peer, so each side judges liveness from its own
 outgoing stream. A node's own profile and outgoing link measurements are
-published as an immutable `NodeState` snapshot that the peer server hands out
+published as an immutable `NodeState` (`own_state`) that the peer server hands out
 as-is; every node therefore builds the same view once it has fetched all states.
 
 Duplicate node ids (a copied state directory) are refused, not merged: the
@@ -130,7 +130,7 @@ class Membership:
         self.profile: pb.NodeProfile = pb.NodeProfile(node_id=identity.node_id)
         self.model: pb.ModelSelection | None = None
         self.version = 1
-        self.snapshot = self._build_state()
+        self.own_state = self._build_state()
         self._changed = trio.Event()
         self.fatal: DuplicateNodeId | None = None
         self._fatal_event = trio.Event()
@@ -192,9 +192,9 @@ class Membership:
         )
 
     def _publish(self) -> None:
-        """Bump the version, swap the snapshot the peer server hands out, wake watchers."""
+        """Bump the version, replace the published state, wake watchers."""
         self.version += 1
-        self.snapshot = self._build_state()
+        self.own_state = self._build_state()
         self._changed.set()
         self._changed = trio.Event()
 
@@ -419,7 +419,7 @@ class Membership:
                 _beat_stream,
                 stub,
                 self.identity.node_id,
-                lambda: self.version,
+                lambda: self.own_state.version,
                 self._interval,
                 self._timeout,
                 deliver,
