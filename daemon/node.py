@@ -22,14 +22,15 @@ from meshd.agreement.protocol import AgreementConfig
 from meshd.agreement.service import PlanAgreement, model_selection
 from meshd.api.local_service import start_api_server
 from meshd.config import Config
-from meshd.inference.dataplane import DataPlane, mtls_channel_factory
+from meshd.inference.dataplane import DataPlane
 from meshd.inference.serving import Inference
-from meshd.mesh import security
+from meshd.mesh import channels, security
 from meshd.mesh.identity import Identity, load_or_create_node_id
-from meshd.mesh.membership import PROTOCOL_VERSION, EventLog, Membership
+from meshd.mesh.membership import PROTOCOL_VERSION, Membership
 from meshd.mesh.peer_service import PeerService
 from meshd.models.share import PartExporter
 from meshd.runtime.bridge import AsyncioThread
+from meshd.runtime.events import EventLog
 from meshd.wire import dataplane_pb2_grpc as dataplane_rpc
 from meshd.wire import pb, rpc
 
@@ -110,50 +111,22 @@ class Node:
 
     def _channel(self, address: str, for_probe: bool) -> grpc.aio.Channel:
         """A mutual-TLS channel to a peer; probes get their own TCP connection."""
-        options = list(security.CHANNEL_OPTIONS)
-        options += [
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 2_000),
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-        ]
-        if for_probe:
-            options.append(("grpc.use_local_subchannel_pool", 1))
-        return grpc.aio.secure_channel(address, self._channel_credentials, options=options)
+        return channels.peer_channel(address, self._channel_credentials, dedicated=for_probe)
 
-    async def _create_inference(self) -> Inference:
-        """The data plane lives on the asyncio thread, so it is created there."""
-        holder: list[Inference] = []
-
-        def check_serving(plan_id: str) -> None:
-            holder[0].check_serving(plan_id)
-
-        plane = DataPlane(
+    async def _create_plane(self) -> DataPlane:
+        """asyncio side: the data plane lives on the asyncio thread, so it is created there."""
+        return DataPlane(
             self.identity.node_id,
-            mtls_channel_factory(self.credentials),
-            check_serving,
+            channels.peer_channel_factory(self.credentials),
+            self._check_serving,
         )
-        inference = Inference(
-            self.membership,
-            self.agreement,
-            self.bridge,
-            self.events,
-            plane,
-            self.model_dir_for_selection,
-            self.store_root / "parts",
-        )
-        holder.append(inference)
-        return inference
+
+    def _check_serving(self, plan_id: str) -> None:
+        """The data plane's fencing (asyncio thread): reads the published serving set."""
+        self.inference.check_serving(plan_id)
 
     async def _start_peer_server(self) -> grpc.aio.Server:
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            ]
-        )
+        server = channels.peer_server()
         service = PeerService(
             self.membership, self.bridge, self.agreement, PartExporter(self._locate_model)
         )
@@ -261,7 +234,14 @@ class Node:
         )
 
     async def wait_changed(self) -> None:
-        await self.membership.wait_changed()
+        """Until the peer table or the agreement changes (what `WatchStatus` shows)."""
+        with (
+            self.membership.changes.subscribe() as mesh,
+            self.agreement.changes.subscribe() as plans,
+        ):
+            async with trio.open_nursery() as nursery:
+                for feed in (mesh, plans):
+                    nursery.start_soon(_first_item_cancels, feed, nursery.cancel_scope)
 
     @property
     def store_root(self) -> Path:
@@ -387,7 +367,16 @@ class Node:
         self, *, task_status: trio.TaskStatus[NodeInfo] = trio.TASK_STATUS_IGNORED
     ) -> None:
         async with self.bridge:
-            self.inference = await self.bridge.run(self._create_inference)
+            plane = await self.bridge.run(self._create_plane)
+            self.inference = Inference(
+                self.membership,
+                self.agreement,
+                self.bridge,
+                self.events,
+                plane,
+                self.model_dir_for_selection,
+                self.store_root / "parts",
+            )
             peer_server = await self.bridge.run(self._start_peer_server)
             self.membership.grpc_port = self.peer_port
             api_server = await self.bridge.run(
@@ -432,10 +421,10 @@ class Node:
 
     async def _discovery_task(self, *, task_status: trio.TaskStatus[None]) -> None:
         from meshd.mesh import discovery
+        from meshd.mesh.announcement import Announcement
+        from meshd.mesh.interfaces import resolve_interfaces
 
-        interfaces = discovery.resolve_interfaces(
-            self.config.interfaces or None, self.config.skip_interfaces
-        )
+        interfaces = resolve_interfaces(self.config.interfaces or None, self.config.skip_interfaces)
         if not interfaces:
             self.events.add(
                 "mDNS disabled: no usable interface (set --interface or use --peer)",
@@ -443,7 +432,7 @@ class Node:
             )
             task_status.started()
             return
-        own = discovery.Announcement(
+        own = Announcement(
             node_id=self.identity.node_id,
             mesh_name=self.secret.mesh_name,
             protocol_version=PROTOCOL_VERSION,
@@ -473,10 +462,12 @@ class Node:
                 self.membership.want(address, DISCOVERY_PEER_SOURCE)
         elif isinstance(event, discovery.PeerGone):
             log.info("mDNS goodbye from %s (%s)", event.node_id, event.reason)
-            for address in list(self.membership._wanted):
-                rec = self.membership.peers.get(event.node_id)
-                if rec is not None and rec.address == address:
-                    self.membership.unwant(address, "mDNS goodbye")
+            self.membership.unwant_peer(event.node_id, "mDNS goodbye")
+
+
+async def _first_item_cancels(feed: trio.MemoryReceiveChannel, scope: trio.CancelScope) -> None:
+    await feed.receive()
+    scope.cancel()
 
 
 async def _stop_servers(*servers: grpc.aio.Server) -> None:

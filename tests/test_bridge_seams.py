@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from meshd.mesh import security
-from meshd.mesh.security import CHANNEL_OPTIONS as PEER_CHANNEL_OPTIONS
+from meshd.mesh.channels import PEER_CHANNEL_OPTIONS
 from meshd.wire import pb, rpc
 
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]

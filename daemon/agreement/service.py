@@ -39,8 +39,10 @@ import trio
 import partitioner
 from meshd.agreement import protocol as ag
 from meshd.mesh.graph import mesh_graph, planning_bandwidth, planning_latency
-from meshd.mesh.membership import EventLog, Membership
+from meshd.mesh.membership import Membership
 from meshd.runtime.bridge import AsyncioThread
+from meshd.runtime.events import EventLog
+from meshd.runtime.notify import Publisher
 from meshd.wire import pb, rpc
 from partitioner.quantize import bucket_index, latency_bucket_index
 
@@ -230,22 +232,25 @@ class PlanAgreement:
         self._outbox: dict[str, ag.ProposalMessage] = {}
         self._outbox_ready: dict[str, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
+        self.changes = Publisher[PlanChange]("agreement")
+        # Synchronous callbacks, only for meshd.inference.serving until it subscribes to
+        # `changes` (the data-plane split); nothing else may add one.
         self.listeners: list[Callable[[PlanChange], None]] = []
         self.last_refusal = ""
 
     # ------------------------------------------------------------ run
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            self._feed_membership()
-            nursery.start_soon(self._watch_membership)
-            nursery.start_soon(self._tick)
-            task_status.started()
+        with self._membership.changes.subscribe() as membership_changes:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._feed_membership()
+                nursery.start_soon(self._follow_membership, membership_changes)
+                nursery.start_soon(self._tick)
+                task_status.started()
 
-    async def _watch_membership(self) -> None:
-        while True:
-            await self._membership.wait_changed()
+    async def _follow_membership(self, changes: trio.MemoryReceiveChannel[None]) -> None:
+        async for _ in changes:
             self._feed_membership()
 
     async def _tick(self) -> None:
@@ -378,6 +383,7 @@ class PlanAgreement:
         self._notify(PlanChange("committed", output.plan_id, plan))
 
     def _notify(self, change: PlanChange) -> None:
+        self.changes.publish(change)
         for listener in self.listeners:
             listener(change)
 
