@@ -101,7 +101,7 @@ LIST_FIELDS = ("interfaces", "skip_interfaces", "peers")
 
 def _coerce(name: str, value: Any) -> Any:
     """Convert a raw setting (TOML value, env string, flag) to the field's type."""
-    from meshd.units import parse_size
+    from partitioner.humanize import parse_size
 
     if value is None:
         return None

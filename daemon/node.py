@@ -33,6 +33,7 @@ from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
 from meshd.wire import dataplane_pb2_grpc as dataplane_rpc
 from meshd.wire import pb, rpc
+from partitioner.humanize import format_bytes, format_flops, format_rate
 
 log = logging.getLogger("meshd.node")
 
@@ -272,10 +273,10 @@ class Node:
         selection = model_selection(spec, options, self.identity.node_id, str(model_dir))
         self.membership.set_model(selection)
         self.events.add(
-            "selected model %s (%d layers, %.2f GB of weights)",
+            "selected model %s (%d layers, %s of weights)",
             spec.name,
             spec.num_layers,
-            spec.total_weight_bytes / 1e9,
+            format_bytes(spec.total_weight_bytes),
         )
         return selection
 
@@ -354,10 +355,10 @@ class Node:
 
         mx.reset_peak_memory()  # the benchmark's buffers are not the model's memory
         self.events.add(
-            "profile measured: %.1f GFLOP/s, %.1f GB/s memory, budget %.2f GB (%s)",
-            profile.flops / 1e9,
-            profile.mem_bandwidth / 1e9,
-            profile.memory_budget / 1e9,
+            "profile measured: %s, %s memory, budget %s (%s)",
+            format_flops(profile.flops),
+            format_rate(profile.mem_bandwidth),
+            format_bytes(profile.memory_budget),
             profile.blas,
         )
 

@@ -295,7 +295,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from meshd.api import render
     from meshd.mesh.profiling import load_or_measure_profile
-    from meshd.units import parse_size
+    from partitioner.humanize import parse_size
 
     budget = parse_size(args.memory_budget) if args.memory_budget else None
     profile = load_or_measure_profile(

@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 
-from meshd.units import format_flops, format_size
 from meshd.wire import pb, rpc
+from partitioner.humanize import format_bytes, format_flops
 
 log = logging.getLogger("meshd.status_app")
 
@@ -185,7 +185,7 @@ def _node_line(node: pb.PeerStatus, layers: dict[str, str]) -> str:
         head += f" ({profile.name})"
     parts = [head]
     if profile.flops > 0:
-        parts += [f"{format_size(profile.memory_budget)} budget", format_flops(profile.flops)]
+        parts += [f"{format_bytes(profile.memory_budget)} budget", format_flops(profile.flops)]
     else:
         parts.append("measuring")
     if profile.node_id in layers:
@@ -206,10 +206,11 @@ def _memory_lines(memory: pb.RuntimeMemory) -> list[str]:
     """This node's memory next to its budget (and the plan's prediction while serving)."""
     if not memory.budget:
         return []
-    line = f"this node: MLX {format_size(memory.mlx_active)} of {format_size(memory.budget)} budget"
+    used, budget = format_bytes(memory.mlx_active), format_bytes(memory.budget)
+    line = f"this node: MLX {used} of {budget} budget"
     if memory.planned:
-        line += f" (plan predicts {format_size(memory.planned)})"
-    return [line + f" · RSS {format_size(memory.rss)}"]
+        line += f" (plan predicts {format_bytes(memory.planned)})"
+    return [line + f" · RSS {format_bytes(memory.rss)}"]
 
 
 def _parse_plan(plan_json: str) -> dict[str, Any] | None:
