@@ -12,7 +12,7 @@ from typing import Any
 
 import mlx.nn as nn
 import pytest
-from mlx_lm.utils import _get_classes, save_model
+from mlx_lm.utils import save_model
 
 from meshd.api.plan_cli import (
     EXIT_BAD_INPUT,
@@ -27,6 +27,7 @@ from meshd.api.plan_cli import (
     run_plan,
 )
 from partitioner import Plan, PlanOptions, plan_model
+from tests.support.random_model import model_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "meshes"
@@ -53,8 +54,7 @@ EXAMPLE_MODELS = {
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
-    model_class, args_class = _get_classes(CONFIG)
-    model: nn.Module = model_class(args_class.from_dict(CONFIG))
+    model: nn.Module = model_from_config(CONFIG)
     save_model(path, model)
     (path / "config.json").write_text(json.dumps(CONFIG))
     return path

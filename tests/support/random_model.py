@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
-from mlx_lm.utils import _get_classes
+from mlx_lm.utils import load_model
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from meshd.inference.shard import write_sharded_safetensors
@@ -122,6 +124,18 @@ def random_model_config(
     return config
 
 
+def model_from_config(config: dict[str, Any]) -> nn.Module:
+    """mlx-lm's model for ``config``, unevaluated (its public loader, no weights read).
+
+    `mlx_lm.utils.load_model` maps the config to its model class (remappings included) the
+    way `mlx_lm.load` does; with ``strict=False`` and no weight files it only builds.
+    """
+    with tempfile.TemporaryDirectory(prefix="meshd-config-") as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(config))
+        model, _ = load_model(Path(folder), lazy=True, strict=False)
+    return model
+
+
 def random_weights(config: dict[str, Any], *, seed: int) -> dict[str, mx.array]:
     """Float32 weights for ``config`` drawn from a key derived from ``seed`` (not global state).
 
@@ -129,8 +143,7 @@ def random_weights(config: dict[str, Any], *, seed: int) -> dict[str, mx.array]:
     ~ N(0, 1/columns), norms ~ 1, biases small; so sampling at temperature 1 stays varied
     instead of locking onto one token.
     """
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
+    model = model_from_config(config)
     names = [name for name, _ in tree_flatten(model.parameters())]
     keys = dict(zip(names, mx.random.split(mx.random.key(seed), len(names)), strict=True))
 
