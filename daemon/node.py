@@ -18,7 +18,7 @@ import grpc
 import trio
 
 import partitioner
-from meshd.agreement.protocol import AgreementConfig
+from meshd.agreement.messages import AgreementConfig
 from meshd.agreement.service import PlanAgreement, model_selection
 from meshd.api.local_service import start_api_server
 from meshd.config import Config
@@ -186,7 +186,7 @@ class Node:
             links=links,
             events=self.events.lines(),
             blas=me.profile.blas,
-            agreement=self.agreement.view(),
+            agreement=self.agreement.status_message(),
             memory=self.runtime_memory(),
             generated_at=time.time(),
         )

@@ -11,9 +11,8 @@ from collections import Counter
 
 import pytest
 
-from meshd.agreement.protocol import (
+from meshd.agreement.messages import (
     AgreementConfig,
-    AgreementNode,
     Broadcast,
     Committed,
     ModelRef,
@@ -26,6 +25,7 @@ from meshd.agreement.protocol import (
     Send,
     Withdrawn,
 )
+from meshd.agreement.protocol import AgreementNode
 from tests.agreement_sim import (
     NetworkFaults,
     SafetyViolation,

@@ -1,7 +1,7 @@
 """Agreement in the daemon: feed the pure protocol core, carry its messages, plan the mesh.
 
 `meshd.agreement.protocol.AgreementNode` is the protocol (pure, simulated in the tests). This
-component is its runtime:
+component is its runtime, and what the data plane sees of it is `meshd.agreement.contract`:
 
 * **Inputs.** The live peers from `Membership` (with the monotonic time each became alive,
   renewed on every reconnect), one *profile digest* per node, and the selected model.
@@ -32,12 +32,13 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import trio
 
 import partitioner
-from meshd.agreement import protocol as ag
+from meshd.agreement import messages as ag
+from meshd.agreement.contract import PlanChange, ServedPlans
+from meshd.agreement.protocol import AgreementNode
 from meshd.mesh.graph import mesh_graph, planning_bandwidth, planning_latency
 from meshd.mesh.membership import Membership
 from meshd.runtime.bridge import AsyncioThread
@@ -193,16 +194,6 @@ def message_from_proto(message: pb.ProposalMessage) -> ag.ProposalMessage:
 # ---------------------------------------------------------------- the component
 
 
-@dataclass
-class PlanChange:
-    """What the data plane is told: a plan became active, or one must stop."""
-
-    kind: str  # "committed" | "withdrawn" | "refused"
-    plan_id: str
-    plan: partitioner.Plan | None
-    reason: str = ""
-
-
 class PlanAgreement:
     """Runs the agreement protocol for one daemon."""
 
@@ -218,7 +209,7 @@ class PlanAgreement:
         self._events = events
         self._node_id = membership.identity.node_id
         self._started_at = time.monotonic()
-        self.core = ag.AgreementNode(
+        self.core = AgreementNode(
             self._node_id,
             time.time_ns(),
             self._compute_plan,
@@ -428,12 +419,16 @@ class PlanAgreement:
         """A draining plan has no request left here: stop serving it."""
         self._apply(self.core.release_draining(plan_id))
 
-    def is_serving(self, plan_id: str) -> bool:
-        return self.core.is_serving(plan_id)
+    def served(self) -> ServedPlans:
+        """The plans this node serves now (`meshd.agreement.contract.PlanSource`)."""
+        core = self.core
+        active = core.active.plan_id if core.active is not None else ""
+        return ServedPlans(active, tuple(served.plan_id for served in core.draining))
 
-    def view(self) -> pb.AgreementView:
+    def status_message(self) -> pb.AgreementStatus:
+        """The agreement's status as `meshd status` and the status app show it."""
         status = self.core.status(time.monotonic())
-        out = pb.AgreementView(
+        out = pb.AgreementStatus(
             model=self._selection.name if self._selection else "",
             confirmed_by=sorted(status.confirmed_by),
             committed_by=sorted(status.committed_by),

@@ -71,20 +71,20 @@ def peers_table(status: pb.MeshStatus) -> str:
     return nodes_table(status) + "\n\n" + links_table(status)
 
 
-def agreement_text(view: pb.AgreementView) -> str:
+def agreement_text(agreement: pb.AgreementStatus) -> str:
     """The committed plan, who confirmed it, and why not (yet) while converging."""
-    if not view.model:
+    if not agreement.model:
         return "plan: no model selected (start a daemon with --model, or `meshd load`)"
-    lines = [f"model {view.model}"]
-    if view.active_plan_id:
+    lines = [f"model {agreement.model}"]
+    if agreement.active_plan_id:
         lines.append(
-            f"committed plan {view.active_plan_id[:12]} over {', '.join(view.members)}"
-            f" (confirmed by {len(view.confirmed_by)}/{len(view.members)})"
+            f"committed plan {agreement.active_plan_id[:12]} over {', '.join(agreement.members)}"
+            f" (confirmed by {len(agreement.confirmed_by)}/{len(agreement.members)})"
         )
-        if view.plan_json:
+        if agreement.plan_json:
             import json
 
-            plan = json.loads(view.plan_json)
+            plan = json.loads(agreement.plan_json)
             rows = [
                 [
                     str(i),
@@ -96,12 +96,12 @@ def agreement_text(view: pb.AgreementView) -> str:
             lines.append(_table(["STAGE", "NODE", "LAYERS"], rows))
     else:
         lines.append("no committed plan")
-    if view.refusal:
-        lines.append(f"refused: {view.refusal}")
-    if view.reason:
-        lines.append(f"converging: {view.reason}")
-    if view.draining:
-        lines.append("draining: " + ", ".join(p[:12] for p in view.draining))
+    if agreement.refusal:
+        lines.append(f"refused: {agreement.refusal}")
+    if agreement.reason:
+        lines.append(f"converging: {agreement.reason}")
+    if agreement.draining:
+        lines.append("draining: " + ", ".join(p[:12] for p in agreement.draining))
     return "\n".join(lines)
 
 

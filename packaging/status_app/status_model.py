@@ -103,7 +103,7 @@ def menu_unreachable(error_text: str) -> Menu:
     )
 
 
-def mesh_state(view: pb.AgreementView) -> MeshState:
+def mesh_state(view: pb.AgreementStatus) -> MeshState:
     """Classify the agreement view; a refusal outranks a still-served older plan."""
     if not view.model:
         return MeshState.NO_MODEL
@@ -134,7 +134,7 @@ def _mesh_line(status: pb.MeshStatus) -> str:
 
 
 def _agreement_lines(
-    view: pb.AgreementView, state: MeshState, plan: dict[str, Any] | None
+    view: pb.AgreementStatus, state: MeshState, plan: dict[str, Any] | None
 ) -> list[str]:
     if state is MeshState.NO_MODEL:
         return ["no model selected · choose one with `meshd load MODEL`"]
@@ -149,7 +149,7 @@ def _agreement_lines(
     return lines
 
 
-def _plan_line(view: pb.AgreementView, plan: dict[str, Any] | None) -> str:
+def _plan_line(view: pb.AgreementStatus, plan: dict[str, Any] | None) -> str:
     parts = [f"plan {view.active_plan_id[:8]}"]
     stages = plan.get("stages") if plan else None
     if isinstance(stages, list):
@@ -164,7 +164,7 @@ def _plan_line(view: pb.AgreementView, plan: dict[str, Any] | None) -> str:
     return " · ".join(parts)
 
 
-def _pending_reasons(view: pb.AgreementView) -> list[str]:
+def _pending_reasons(view: pb.AgreementStatus) -> list[str]:
     """The daemon's reasons why the plan is not (yet) committed, minus what is said elsewhere.
 
     The daemon joins its reasons with "; " and includes the refusal text; the refusal has its
