@@ -159,11 +159,9 @@ class LocalService(rpc.LocalServicer):
                 lambda: self._node.select_model(request.model, **options)
             )
         except Exception as exc:
-            from meshd.models.store import UnknownModel
-
             code = (
                 grpc.StatusCode.NOT_FOUND
-                if isinstance(exc, UnknownModel | FileNotFoundError)
+                if isinstance(exc, LookupError | FileNotFoundError)  # e.g. the store's UnknownModel
                 else grpc.StatusCode.INVALID_ARGUMENT
             )
             await context.abort(code, f"cannot load {request.model!r}: {exc}")
