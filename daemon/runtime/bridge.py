@@ -275,6 +275,8 @@ class AsyncioThread:
             with contextlib.suppress(trio.RunFinishedError):
                 self._token().run_sync_soon(scope.cancel)
             await asyncio.wait({ended}, timeout=CANCEL_GRACE_S)
+            if ended.done() and not ended.cancelled():
+                ended.exception()  # retrieved: the caller is gone, and nobody else will read it
             raise
 
     def _forget_trio_call(self, scope: trio.CancelScope) -> None:
