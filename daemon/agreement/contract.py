@@ -47,6 +47,15 @@ class ServedPlans:
     def ids(self) -> frozenset[str]:
         return frozenset([self.active] if self.active else []) | frozenset(self.draining)
 
+    def check(self, plan_id: str, node_id: str) -> None:
+        """Fencing for the data plane: raise `PlanNotCommittedError` unless `plan_id` is served.
+
+        The one fencing check (the protocol core raises the same error with the same words);
+        cheap and safe on any thread, since a `ServedPlans` is immutable.
+        """
+        if plan_id not in self.ids:
+            raise PlanNotCommittedError.for_plan(plan_id, node_id, self.ids)
+
 
 class PlanSource(Protocol):
     """The agreement as the data plane sees it (trio thread)."""

@@ -9,7 +9,7 @@ The protocol itself, its safety and liveness argument, is in `meshd.agreement.pr
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 NodeId = str
@@ -210,6 +210,17 @@ class AgreementStatus:
 
 class PlanNotCommittedError(RuntimeError):
     """Data-plane work arrived for a plan this node does not serve (fencing)."""
+
+    @classmethod
+    def for_plan(
+        cls, plan_id: str, node_id: NodeId, serving: Collection[str]
+    ) -> PlanNotCommittedError:
+        """The refusal naming the plan, this node and what it serves instead."""
+        served = ", ".join(sorted(serving)) or "no plan"
+        return cls(
+            f"plan {plan_id} is not committed on node {node_id} (it serves {served}); "
+            "the mesh is changing plans: retry once the sender and this node agree"
+        )
 
 
 @dataclass(frozen=True)

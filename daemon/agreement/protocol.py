@@ -177,14 +177,8 @@ class AgreementNode:
 
     def check_serving(self, plan_id: str) -> None:
         """Fencing: raise `PlanNotCommittedError` unless `plan_id` is served here."""
-        if self.is_serving(plan_id):
-            return
-        serving = sorted(self._served_ids())
-        raise PlanNotCommittedError(
-            f"plan {plan_id} is not committed on node {self.node_id} "
-            f"(it serves {', '.join(serving) if serving else 'no plan'}); "
-            "the mesh is changing plans: retry once the sender and this node agree"
-        )
+        if not self.is_serving(plan_id):
+            raise PlanNotCommittedError.for_plan(plan_id, self.node_id, self._served_ids())
 
     def status(self, now: float) -> AgreementStatus:
         """The committed plan, who confirmed the proposal, and why it is not committed yet."""
