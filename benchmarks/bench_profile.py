@@ -18,7 +18,7 @@ from meshd.runtime.blas import enable_fast_blas
 BLAS = enable_fast_blas()  # before anything imports mlx.core
 
 from meshd.mesh.profiling import NodeProfile, load_or_measure_profile
-from meshd.units import format_flops, format_rate, format_size, parse_size
+from partitioner.humanize import format_bytes, format_flops, format_rate, parse_size
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def _bench(state_dir: Path, override: int | None) -> None:
     print(f"compute:        {format_flops(cold.flops)} ({cold.dtype} matmul)")
     print(f"mem bandwidth:  {format_rate(cold.mem_bandwidth)} (matrix-vector)")
     sizes = (cold.total_memory, cold.memory_budget, cold.available_memory)
-    print("memory:         total {}, budget {}, available {}".format(*map(format_size, sizes)))
+    print("memory:         total {}, budget {}, available {}".format(*map(format_bytes, sizes)))
     print(f"first call:     {cold_s:.3f} s (measured unless the cache was valid)")
     print(f"cached call:    {cached_s * 1000:.1f} ms, identical: {cached == cold}")
 

@@ -1,29 +1,39 @@
 """Daemon configuration: defaults < config file (TOML) < environment < flags.
 
-Every setting has one name used in all three places: `peer_port` in the TOML
-file, `MESHD_PEER_PORT` in the environment, `--peer-port` on the command line.
-Lists (`peers`, `interfaces`, `skip_interfaces`) are comma-separated in the
-environment and repeatable on the command line. The config file is
-`<state_dir>/meshd.toml` unless `--config` / `MESHD_CONFIG` names another.
+Each setting is declared once, as a field of `Config` made with `setting(...)`: its default,
+its help text, how a raw value is read, and (only where the derived one does not fit) its
+flag. Everything else derives from that declaration: the TOML key (`peer_port`), the
+environment variable (`MESHD_PEER_PORT`), the flag (`--peer-port`), `meshd run --help`,
+and the error that names a bad value and where it came from. Adding a setting is adding one
+field.
 
-Several daemons can run on one machine (tests, demos) by giving each its own
-state directory: node id, mesh secret, certificates, profile cache and the
-local API socket all live there.
+Lists (`peers`, `interfaces`, `skip_interfaces`) are comma-separated in the environment,
+arrays in TOML and repeatable flags. The config file is `<state_dir>/meshd.toml` unless
+`--config` / `MESHD_CONFIG` names another; settings may sit at its top level or under a
+`[meshd]` table.
+
+Several daemons can run on one machine (tests, demos) by giving each its own state
+directory: node id, mesh secret, certificates, profile cache and the local API socket all
+live there.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import platform
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from partitioner.humanize import parse_size
+
 DEFAULT_PEER_PORT = 52300
 DEFAULT_MESH_NAME = "home"
+ENV_PREFIX = "MESHD_"
 
 
 class ConfigError(ValueError):
@@ -38,127 +48,302 @@ def default_state_dir() -> Path:
     return Path(base) / "meshd"
 
 
+# ---------------------------------------------------------------- how raw values are read
+
+
+def _text(value: Any) -> str:
+    return str(value)
+
+
+def _optional_text(value: Any) -> str | None:
+    return str(value) or None
+
+
+def _path(value: Any) -> Path:
+    return Path(str(value)).expanduser()
+
+
+def _port(value: Any) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{port} is not a TCP port")
+    return port
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("use true or false")
+
+
+def _size(value: Any) -> int:
+    return parse_size(value if isinstance(value, int) else str(value))
+
+
+def _seconds(*, zero_ok: bool = False) -> Callable[[Any], float]:
+    def read(value: Any) -> float:
+        seconds = float(value)
+        if not seconds >= 0 or (seconds == 0 and not zero_ok):
+            raise ValueError("must be positive" if not zero_ok else "must be >= 0")
+        return seconds
+
+    return read
+
+
+def _count(value: Any) -> int:
+    count = int(value)
+    if count < 1:
+        raise ValueError("must be at least 1")
+    return count
+
+
+def _level(value: Any) -> str:
+    level = str(value).upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError("use DEBUG, INFO, WARNING or ERROR")
+    return level
+
+
+# ---------------------------------------------------------------- the declaration
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one `Config` field is read, documented and offered as a flag."""
+
+    help: str
+    read: Callable[[Any], Any] = _text
+    flag: str = ""  # default: --name-with-dashes, without a trailing "_s" (seconds)
+    metavar: str | None = None
+    many: bool = False  # a list: repeatable flag, comma-separated env, TOML array
+    choices: tuple[str, ...] = ()
+
+
+def setting(default: Any, help: str, **how: Any) -> Any:
+    """A `Config` field with its `Setting` (see the module docstring)."""
+    meta = {"setting": Setting(help, **how)}
+    if callable(default):
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class Config:
-    """All settings of one daemon. Field docs double as `meshd run --help` text."""
+    """All settings of one daemon; each field is the one declaration of a setting."""
 
-    state_dir: Path = field(default_factory=default_state_dir)
-    name: str = field(default_factory=lambda: platform.node() or "meshd")
-    mesh_name: str = DEFAULT_MESH_NAME
-    join_token: str | None = None
-    peer_host: str = "0.0.0.0"
-    peer_port: int = DEFAULT_PEER_PORT
-    api: str = ""  # "" means unix:<state_dir>/api.sock
-    interfaces: list[str] = field(default_factory=list)
-    skip_interfaces: list[str] = field(default_factory=list)
-    mdns: bool = True
-    peers: list[str] = field(default_factory=list)
-    memory_budget: int | None = None
-    heartbeat_interval_s: float = 0.2
-    peer_timeout_s: float = 1.5
-    link_probe_interval_s: float = 30.0
-    join_stability_s: float = 0.5
-    startup_grace_s: float = 1.5
-    model: str | None = None
-    strategy: str = "speed"
-    context_length: int | None = None
-    concurrency: int = 1
-    log_level: str = "INFO"
+    state_dir: Path = setting(
+        default_state_dir,
+        "directory for node id, mesh secret, certificates, caches and the API socket",
+        read=_path,
+        metavar="DIR",
+    )
+    name: str = setting(
+        lambda: platform.node() or "meshd",
+        "human label of this machine in the mesh (default: hostname)",
+        metavar="NAME",
+    )
+    mesh_name: str = setting(
+        DEFAULT_MESH_NAME,
+        "name of the mesh to create when this daemon has no secret yet",
+        metavar="NAME",
+    )
+    join_token: str | None = setting(
+        None,
+        "join token from `meshd token` on a member (joins that mesh)",
+        read=_optional_text,
+        flag="--join",
+        metavar="TOKEN",
+    )
+    peer_host: str = setting(
+        "0.0.0.0", "address the peer (mutual TLS) server binds to", metavar="HOST"
+    )
+    peer_port: int = setting(
+        DEFAULT_PEER_PORT,
+        "port of the peer server (0 picks a free one)",
+        read=_port,
+        metavar="PORT",
+    )
+    api: str = setting(
+        "",
+        "local client API address: unix:/path or 127.0.0.1:PORT (default: socket in state dir)",
+        metavar="ADDRESS",
+    )
+    interfaces: list[str] = setting(
+        list,
+        "interface name or IPv4 address to announce and browse on (repeatable; default: all "
+        "non-loopback, non-container interfaces)",
+        flag="--interface",
+        metavar="IF",
+        many=True,
+    )
+    skip_interfaces: list[str] = setting(
+        list,
+        "interface name or address never to announce on (repeatable)",
+        flag="--skip-interface",
+        metavar="IF",
+        many=True,
+    )
+    mdns: bool = setting(
+        True, "announce and browse with mDNS (--no-mdns: use --peer instead)", read=_flag
+    )
+    peers: list[str] = setting(
+        list,
+        "static peer to dial where multicast does not pass (repeatable)",
+        flag="--peer",
+        metavar="HOST:PORT",
+        many=True,
+    )
+    memory_budget: int | None = setting(
+        None,
+        "bytes this node may use for a model, e.g. 300MB or 12GiB",
+        read=_size,
+        metavar="SIZE",
+    )
+    heartbeat_interval_s: float = setting(
+        0.2, "seconds between liveness beats", read=_seconds(), metavar="SECONDS"
+    )
+    peer_timeout_s: float = setting(
+        1.5,
+        "a peer with no beat for this many seconds is lost",
+        read=_seconds(),
+        metavar="SECONDS",
+    )
+    link_probe_interval_s: float = setting(
+        30.0,
+        "seconds between re-measurements of each link",
+        read=_seconds(),
+        metavar="SECONDS",
+    )
+    join_stability_s: float = setting(
+        0.5,
+        "a new peer joins the plan after it has been alive this many seconds",
+        read=_seconds(zero_ok=True),
+        metavar="SECONDS",
+    )
+    startup_grace_s: float = setting(
+        1.5,
+        "a starting daemon listens this many seconds before proposing a plan",
+        read=_seconds(zero_ok=True),
+        metavar="SECONDS",
+    )
+    model: str | None = setting(
+        None,
+        "model to run: a model directory, a .gguf file, or a name in the model store",
+        read=_optional_text,
+        metavar="MODEL",
+    )
+    strategy: str = setting(
+        "speed", "partition strategy", choices=("speed", "memory"), metavar="STRATEGY"
+    )
+    context_length: int | None = setting(
+        None,
+        "tokens of KV cache every node reserves per sequence",
+        read=_count,
+        metavar="N",
+    )
+    concurrency: int = setting(
+        1,
+        "sequences decoded at once (KV cache is reserved for each)",
+        read=_count,
+        metavar="N",
+    )
+    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", read=_level, metavar="LEVEL")
 
     @property
     def api_address(self) -> str:
         return self.api or f"unix:{self.state_dir / 'api.sock'}"
 
 
-FIELD_HELP: dict[str, str] = {
-    "state_dir": "directory for node id, mesh secret, certificates, caches and the API socket",
-    "name": "human label of this machine in the mesh (default: hostname)",
-    "mesh_name": "name of the mesh to create when this daemon has no secret yet",
-    "join_token": "join token from `meshd token` on a member (joins that mesh)",
-    "peer_host": "address the peer (mutual TLS) server binds to",
-    "peer_port": "port of the peer server (0 picks a free one)",
-    "api": "local client API address: unix:/path or 127.0.0.1:PORT (default: socket in state dir)",
-    "interfaces": "interface names or IPv4 addresses to announce and browse on (default: all "
-    "non-loopback, non-container interfaces)",
-    "skip_interfaces": "interface names or addresses never to announce on",
-    "mdns": "announce and browse with mDNS (disable with --no-mdns and use --peer)",
-    "peers": "static peer host:port to dial (networks where multicast does not pass)",
-    "memory_budget": "bytes this node may use for a model, e.g. 300MB or 12GiB",
-    "heartbeat_interval_s": "seconds between liveness beats",
-    "peer_timeout_s": "a peer with no beat for this long is lost",
-    "link_probe_interval_s": "seconds between re-measurements of each link",
-    "join_stability_s": "a new peer joins the plan after it has been alive this long",
-    "startup_grace_s": "a starting daemon listens this long before proposing a plan",
-    "model": "model to run: a model directory, or a name in the model store",
-    "strategy": "partition strategy: speed (default) or memory",
-    "context_length": "tokens of KV cache every node reserves per sequence",
-    "concurrency": "sequences decoded at once (KV cache is reserved for each)",
-    "log_level": "DEBUG, INFO, WARNING or ERROR",
-}
-
-LIST_FIELDS = ("interfaces", "skip_interfaces", "peers")
+def settings() -> dict[str, Setting]:
+    """Every setting by name, in declaration order."""
+    return {f.name: f.metadata["setting"] for f in dataclasses.fields(Config)}
 
 
-def _coerce(name: str, value: Any) -> Any:
-    """Convert a raw setting (TOML value, env string, flag) to the field's type."""
-    from meshd.units import parse_size
+def env_name(name: str) -> str:
+    return f"{ENV_PREFIX}{name.upper()}"
 
+
+def flag_name(name: str, how: Setting) -> str:
+    return how.flag or "--" + name.removesuffix("_s").replace("_", "-")
+
+
+# ---------------------------------------------------------------- flags for argparse
+
+
+def add_setting_flags(parser: argparse.ArgumentParser, names: Iterable[str] | None = None) -> None:
+    """One flag per setting (all, or `names`), with help that names its env variable."""
+    declared = settings()
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    for name in declared if names is None else names:
+        how = declared[name]
+        text = f"{how.help}: {', '.join(how.choices)}" if how.choices else how.help
+        default = defaults[name]
+        shown = "" if default in (None, "", dataclasses.MISSING) else f"default {default}, "
+        text += f" [{shown}env {env_name(name)}]"
+        options: dict[str, Any] = {"dest": name, "help": text, "default": None}
+        if how.read is _flag:
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            options["metavar"] = how.metavar or name.removesuffix("_s").upper()
+            if how.many:
+                options["action"] = "append"
+            if how.choices:
+                options["choices"] = how.choices
+        parser.add_argument(flag_name(name, how), **options)
+
+
+def flags_given(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings the user gave as flags (what `add_setting_flags` parsed), by name."""
+    names = settings()
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+# ---------------------------------------------------------------- reading the sources
+
+
+def _read(name: str, how: Setting, value: Any, origin: str) -> Any:
+    """`value` as the setting's type; a bad one names the setting, the value and its origin."""
     if value is None:
         return None
     try:
-        if name == "state_dir":
-            return Path(value).expanduser()
-        if name in LIST_FIELDS:
-            if isinstance(value, str):
-                return [part.strip() for part in value.split(",") if part.strip()]
-            return [str(item) for item in value]
-        if name == "memory_budget":
-            return parse_size(str(value)) if isinstance(value, str) else int(value)
-        if name == "peer_port":
-            port = int(value)
-            if not 0 <= port <= 65535:
-                raise ValueError(f"{port} is not a TCP port")
-            return port
-        if name == "mdns":
-            if isinstance(value, bool):
-                return value
-            return str(value).strip().lower() in ("1", "true", "yes", "on")
-        if name.endswith("_s"):
-            seconds = float(value)
-            if seconds < 0 or (
-                seconds == 0 and name not in ("join_stability_s", "startup_grace_s")
-            ):
-                raise ValueError("must be positive")
-            return seconds
-        if name in ("context_length", "concurrency"):
-            count = int(value)
-            if count < 1:
-                raise ValueError("must be at least 1")
-            return count
-        return str(value)
+        if how.many:
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return [how.read(item.strip() if isinstance(item, str) else item) for item in items]
+        read = how.read(value)
+        if how.choices and read not in how.choices:
+            raise ValueError(f"use {' or '.join(how.choices)}")
+        return read
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"setting {name!r} has a bad value {value!r}: {exc}") from exc
+        raise ConfigError(
+            f"setting {name!r} has a bad value {value!r} (from {origin}): {exc}"
+        ) from exc
 
 
 def _from_mapping(source: Mapping[str, Any], origin: str) -> dict[str, Any]:
-    known = {f.name for f in dataclasses.fields(Config)}
+    declared = settings()
     values: dict[str, Any] = {}
     for key, raw in source.items():
         name = key.replace("-", "_")
-        if name not in known:
+        if name not in declared:
             raise ConfigError(
-                f"unknown setting {key!r} in {origin}; known settings: {', '.join(sorted(known))}"
+                f"unknown setting {key!r} in {origin}; known settings: "
+                f"{', '.join(sorted(declared))}"
             )
-        values[name] = _coerce(name, raw)
+        values[name] = _read(name, declared[name], raw, origin)
     return values
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(Config):
-        raw = env.get(f"MESHD_{f.name.upper()}")
-        if raw is not None and raw != "":
-            values[f.name] = _coerce(f.name, raw)
+    for name, how in settings().items():
+        raw = env.get(env_name(name))
+        if raw:
+            values[name] = _read(name, how, raw, f"environment {env_name(name)}")
     return values
 
 
@@ -168,7 +353,6 @@ def _read_toml(path: Path) -> dict[str, Any]:
             data = tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
-    # Settings may sit at the top level or under a [meshd] table.
     if isinstance(data.get("meshd"), dict):
         data = {**{k: v for k, v in data.items() if k != "meshd"}, **data["meshd"]}
     return _from_mapping(data, str(path))
@@ -185,7 +369,8 @@ def load_config(
     The state directory is resolved first, since the config file lives in it.
     """
     env = os.environ if env is None else env
-    flag_values = _from_mapping({k: v for k, v in (flags or {}).items() if v is not None}, "flags")
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
+    flag_values = _from_mapping(given, "flags")
     env_values = _from_env(env)
     state_dir = flag_values.get("state_dir") or env_values.get("state_dir") or default_state_dir()
     path = config_path or (Path(env["MESHD_CONFIG"]) if env.get("MESHD_CONFIG") else None)
@@ -196,5 +381,4 @@ def load_config(
         raise ConfigError(f"config file {path} does not exist")
     else:
         file_values = _read_toml(path)
-    merged = {**file_values, **env_values, **flag_values}
-    return Config(**merged)
+    return Config(**{**file_values, **env_values, **flag_values})

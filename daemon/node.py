@@ -18,20 +18,23 @@ import grpc
 import trio
 
 import partitioner
-from meshd.agreement.protocol import AgreementConfig
+from meshd.agreement.messages import AgreementConfig
 from meshd.agreement.service import PlanAgreement, model_selection
 from meshd.api.local_service import start_api_server
 from meshd.config import Config
-from meshd.inference.dataplane import DataPlane, mtls_channel_factory
+from meshd.inference.dataplane import DataPlane
 from meshd.inference.serving import Inference
-from meshd.mesh import security
+from meshd.mesh import channels, security
 from meshd.mesh.identity import Identity, load_or_create_node_id
-from meshd.mesh.membership import PROTOCOL_VERSION, EventLog, Membership
+from meshd.mesh.membership import PROTOCOL_VERSION, Membership
 from meshd.mesh.peer_service import PeerService
+from meshd.models.share import PartExporter
 from meshd.runtime.bridge import AsyncioThread
+from meshd.runtime.events import EventLog
 from meshd.service.notify import notify_ready
 from meshd.wire import dataplane_pb2_grpc as dataplane_rpc
 from meshd.wire import pb, rpc
+from partitioner.humanize import format_bytes, format_flops, format_rate
 
 log = logging.getLogger("meshd.node")
 
@@ -110,53 +113,25 @@ class Node:
 
     def _channel(self, address: str, for_probe: bool) -> grpc.aio.Channel:
         """A mutual-TLS channel to a peer; probes get their own TCP connection."""
-        options = list(security.CHANNEL_OPTIONS)
-        options += [
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 2_000),
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-        ]
-        if for_probe:
-            options.append(("grpc.use_local_subchannel_pool", 1))
-        return grpc.aio.secure_channel(address, self._channel_credentials, options=options)
+        return channels.peer_channel(address, self._channel_credentials, dedicated=for_probe)
 
-    async def _create_inference(self) -> Inference:
-        """The data plane lives on the asyncio thread, so it is created there."""
-        holder: list[Inference] = []
-
-        def check_serving(plan_id: str) -> None:
-            holder[0].check_serving(plan_id)
-
-        plane = DataPlane(
+    async def _create_plane(self) -> DataPlane:
+        """asyncio side: the data plane lives on the asyncio thread, so it is created there."""
+        return DataPlane(
             self.identity.node_id,
-            mtls_channel_factory(self.credentials),
-            check_serving,
+            channels.peer_channel_factory(self.credentials),
+            self._check_serving,
         )
-        inference = Inference(
-            self.membership,
-            self.agreement,
-            self.bridge,
-            self.events,
-            plane,
-            self.model_dir_for_selection,
-            self.store_root / "parts",
-        )
-        holder.append(inference)
-        return inference
+
+    def _check_serving(self, plan_id: str) -> None:
+        """The data plane's fencing (asyncio thread): reads the published serving set."""
+        self.inference.check_serving(plan_id)
 
     async def _start_peer_server(self) -> grpc.aio.Server:
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            ]
+        server = channels.peer_server()
+        service = PeerService(
+            self.membership, self.bridge, self.agreement, PartExporter(self._locate_model)
         )
-        service = PeerService(self.membership, self.bridge)
-        service.agreement = self.agreement
-        service.model_source = self._local_model_source
         rpc.add_PeerServicer_to_server(service, server)
         dataplane_rpc.add_DataPlaneServicer_to_server(self.inference.plane.servicer(), server)
         address = f"{self.config.peer_host}:{self.config.peer_port}"
@@ -186,7 +161,7 @@ class Node:
                 instance_id=self.identity.instance_id,
             )
         ]
-        links = list(me.snapshot.links)
+        links = list(me.own_state.links)
         for rec in sorted(me.peers.values(), key=lambda r: r.node_id):
             profile = rec.state.profile if rec.state else pb.NodeProfile(node_id=rec.node_id)
             nodes.append(
@@ -212,7 +187,7 @@ class Node:
             links=links,
             events=self.events.lines(),
             blas=me.profile.blas,
-            agreement=self.agreement.view(),
+            agreement=self.agreement.status_message(),
             memory=self.runtime_memory(),
             generated_at=time.time(),
         )
@@ -261,7 +236,14 @@ class Node:
         )
 
     async def wait_changed(self) -> None:
-        await self.membership.wait_changed()
+        """Until the peer table or the agreement changes (what `WatchStatus` shows)."""
+        with (
+            self.membership.changes.subscribe() as mesh,
+            self.agreement.changes.subscribe() as plans,
+        ):
+            async with trio.open_nursery() as nursery:
+                for feed in (mesh, plans):
+                    nursery.start_soon(_first_item_cancels, feed, nursery.cancel_scope)
 
     @property
     def store_root(self) -> Path:
@@ -292,10 +274,10 @@ class Node:
         selection = model_selection(spec, options, self.identity.node_id, str(model_dir))
         self.membership.set_model(selection)
         self.events.add(
-            "selected model %s (%d layers, %.2f GB of weights)",
+            "selected model %s (%d layers, %s of weights)",
             spec.name,
             spec.num_layers,
-            spec.total_weight_bytes / 1e9,
+            format_bytes(spec.total_weight_bytes),
         )
         return selection
 
@@ -334,6 +316,10 @@ class Node:
 
         return report
 
+    async def _locate_model(self, name: str, digest: str) -> Path | None:
+        """asyncio side: this node's full copy of model (name, digest), asked on trio."""
+        return await self.bridge.call_in_trio(self._local_model_source, name, digest)
+
     def _local_model_source(self, name: str, digest: str) -> Path | None:
         """This node's full copy of the selected model, to send parts of to peers."""
         selection = self.agreement.selection
@@ -370,10 +356,10 @@ class Node:
 
         mx.reset_peak_memory()  # the benchmark's buffers are not the model's memory
         self.events.add(
-            "profile measured: %.1f GFLOP/s, %.1f GB/s memory, budget %.2f GB (%s)",
-            profile.flops / 1e9,
-            profile.mem_bandwidth / 1e9,
-            profile.memory_budget / 1e9,
+            "profile measured: %s, %s memory, budget %s (%s)",
+            format_flops(profile.flops),
+            format_rate(profile.mem_bandwidth),
+            format_bytes(profile.memory_budget),
             profile.blas,
         )
 
@@ -383,7 +369,16 @@ class Node:
         self, *, task_status: trio.TaskStatus[NodeInfo] = trio.TASK_STATUS_IGNORED
     ) -> None:
         async with self.bridge:
-            self.inference = await self.bridge.run(self._create_inference)
+            plane = await self.bridge.run(self._create_plane)
+            self.inference = Inference(
+                self.membership,
+                self.agreement,
+                self.bridge,
+                self.events,
+                plane,
+                self.model_dir_for_selection,
+                self.store_root / "parts",
+            )
             peer_server = await self.bridge.run(self._start_peer_server)
             self.membership.grpc_port = self.peer_port
             api_server = await self.bridge.run(
@@ -429,10 +424,10 @@ class Node:
 
     async def _discovery_task(self, *, task_status: trio.TaskStatus[None]) -> None:
         from meshd.mesh import discovery
+        from meshd.mesh.announcement import Announcement
+        from meshd.mesh.interfaces import resolve_interfaces
 
-        interfaces = discovery.resolve_interfaces(
-            self.config.interfaces or None, self.config.skip_interfaces
-        )
+        interfaces = resolve_interfaces(self.config.interfaces or None, self.config.skip_interfaces)
         if not interfaces:
             self.events.add(
                 "mDNS disabled: no usable interface (set --interface or use --peer)",
@@ -440,7 +435,7 @@ class Node:
             )
             task_status.started()
             return
-        own = discovery.Announcement(
+        own = Announcement(
             node_id=self.identity.node_id,
             mesh_name=self.secret.mesh_name,
             protocol_version=PROTOCOL_VERSION,
@@ -470,10 +465,12 @@ class Node:
                 self.membership.want(address, DISCOVERY_PEER_SOURCE)
         elif isinstance(event, discovery.PeerGone):
             log.info("mDNS goodbye from %s (%s)", event.node_id, event.reason)
-            for address in list(self.membership._wanted):
-                rec = self.membership.peers.get(event.node_id)
-                if rec is not None and rec.address == address:
-                    self.membership.unwant(address, "mDNS goodbye")
+            self.membership.unwant_peer(event.node_id, "mDNS goodbye")
+
+
+async def _first_item_cancels(feed: trio.MemoryReceiveChannel, scope: trio.CancelScope) -> None:
+    await feed.receive()
+    scope.cancel()
 
 
 async def _stop_servers(*servers: grpc.aio.Server) -> None:

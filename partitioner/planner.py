@@ -25,8 +25,8 @@ from partitioner.model import ModelSpec
 from partitioner.options import PlanOptions
 from partitioner.plan import Hop, LeftOut, NodeMemory, Plan, Prediction, Stage
 from partitioner.split import largest_remainder
+from partitioner.stage_units import single_units, tensor_parallel_units, usable_bytes
 from partitioner.strategies import SpeedSearch, memory_layout
-from partitioner.units import single_units, tensor_parallel_units, usable_bytes
 
 ALGORITHM_VERSION = "meshd-partitioner/2"
 

@@ -31,9 +31,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from meshd.agreement.protocol import (
+from meshd.agreement.messages import (
     AgreementConfig,
-    AgreementNode,
     Broadcast,
     Committed,
     ComputePlan,
@@ -49,6 +48,7 @@ from meshd.agreement.protocol import (
     Send,
     Withdrawn,
 )
+from meshd.agreement.protocol import AgreementNode
 
 
 class SafetyViolation(AssertionError):

@@ -11,9 +11,8 @@ from collections import Counter
 
 import pytest
 
-from meshd.agreement.protocol import (
+from meshd.agreement.messages import (
     AgreementConfig,
-    AgreementNode,
     Broadcast,
     Committed,
     ModelRef,
@@ -26,6 +25,7 @@ from meshd.agreement.protocol import (
     Send,
     Withdrawn,
 )
+from meshd.agreement.protocol import AgreementNode
 from tests.agreement_sim import (
     NetworkFaults,
     SafetyViolation,
@@ -503,3 +503,16 @@ def test_the_safety_checks_catch_a_broken_protocol(node_class: type[AgreementNod
 def test_the_liveness_check_catches_a_protocol_that_never_resends() -> None:
     results = [random_run(seed, CONFIG, HOSTILE, node_class=MuteNode) for seed in range(50)]
     assert any(result.problems for result in results)
+
+
+def test_the_data_plane_fences_with_the_cores_words() -> None:
+    """contract.ServedPlans.check is the one fencing check outside the core: same error."""
+    from meshd.agreement.contract import ServedPlans
+
+    served = ServedPlans(active="p2", draining=("p1",))
+    served.check("p1", "n1")
+    served.check("p2", "n1")
+    with pytest.raises(PlanNotCommittedError) as refused:
+        served.check("p3", "n1")
+    assert str(refused.value) == str(PlanNotCommittedError.for_plan("p3", "n1", {"p1", "p2"}))
+    assert "plan p3 is not committed on node n1 (it serves p1, p2)" in str(refused.value)

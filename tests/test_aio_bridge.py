@@ -1,6 +1,7 @@
 """The asyncio-thread bridge: results, errors and cancellation cross in both directions."""
 
 import asyncio
+import gc
 import threading
 
 import pytest
@@ -94,3 +95,71 @@ def test_leftover_asyncio_tasks_are_cancelled_on_exit() -> None:
         assert cancelled.is_set()
 
     trio.run(main)
+
+
+def test_cancelling_the_asyncio_caller_cancels_its_trio_task(caplog) -> None:
+    """A client that goes away must not leave a trio task parked (WatchStatus did)."""
+    ended = []
+
+    async def main() -> None:
+        async with AsyncioThread() as bridge:
+
+            async def parked() -> None:
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    ended.append(threading.current_thread().name)
+
+            async def caller_goes_away() -> None:
+                call = asyncio.ensure_future(bridge.run_in_trio(parked))
+                await asyncio.sleep(0.05)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+
+            await bridge.run(caller_goes_away)
+            assert ended == [threading.current_thread().name]
+            assert bridge.trio_calls_in_flight == 0
+
+    trio.run(main)
+    gc.collect()  # an outcome nobody read is reported when its future is collected
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def test_plain_calls_cross_with_their_result_and_error() -> None:
+    async def main() -> None:
+        async with AsyncioThread() as bridge:
+
+            def refuse(text: str) -> None:
+                raise ValueError(text)
+
+            async def handler() -> str:
+                with pytest.raises(ValueError, match="malformed"):
+                    await bridge.call_in_trio(refuse, "malformed")
+                return await bridge.call_in_trio(lambda: threading.current_thread().name)
+
+            assert await bridge.run(handler) == threading.current_thread().name
+            assert bridge.trio_calls_in_flight == 0
+
+    trio.run(main)
+
+
+def test_a_failing_handover_is_logged_and_trio_keeps_running(caplog) -> None:
+    async def main() -> None:
+        async with AsyncioThread() as bridge:
+            delivered = trio.Event()
+
+            def broken() -> None:
+                raise KeyError("a bug")
+
+            async def hand_over() -> None:
+                bridge.call_soon_in_trio(broken)
+                bridge.call_soon_in_trio(delivered.set)
+
+            await bridge.run(hand_over)
+            with trio.fail_after(5):
+                await delivered.wait()
+
+    trio.run(main)
+    failures = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info is not None

@@ -4,7 +4,15 @@ from pathlib import Path
 
 import pytest
 
-from meshd.config import ConfigError, load_config
+from meshd.config import (
+    Config,
+    ConfigError,
+    env_name,
+    flag_name,
+    flags_given,
+    load_config,
+    settings,
+)
 
 
 def test_precedence(tmp_path: Path) -> None:
@@ -49,3 +57,51 @@ def test_bad_settings_name_the_problem(tmp_path: Path, text: str, message: str) 
 def test_missing_explicit_config_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config({"state_dir": tmp_path}, env={}, config_path=tmp_path / "nope.toml")
+
+
+def _run_parser():
+    from meshd.api.cli import build_parser
+
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if a.dest == "command")
+    return parser, subcommands.choices["run"]
+
+
+def test_every_setting_is_one_declaration_read_alike_from_each_source(tmp_path: Path) -> None:
+    """A value given as a flag, in the environment or in the file reads the same."""
+    parser, run = _run_parser()
+    help_text = run.format_help()
+    samples = {
+        "peer_port": "7000",
+        "memory_budget": "1.5GiB",
+        "peers": "a:1,b:2",
+        "mdns": "false",
+        "peer_timeout_s": "2.5",
+        "strategy": "memory",
+        "log_level": "debug",
+    }
+    for name, how in settings().items():
+        assert flag_name(name, how) in help_text and env_name(name) in help_text, name
+    for name, raw in samples.items():
+        how = settings()[name]
+        flag = flag_name(name, how)
+        if name == "mdns":  # a boolean: --mdns / --no-mdns
+            argv = [f"--no-{flag.removeprefix('--')}"]
+        elif how.many:
+            argv = [arg for item in raw.split(",") for arg in (flag, item)]
+        else:
+            argv = [flag, raw]
+        args = parser.parse_args(["run", "--state-dir", str(tmp_path), *argv])
+        from_flag = getattr(load_config(flags_given(args), env={}), name)
+        from_env = getattr(load_config({"state_dir": tmp_path}, env={env_name(name): raw}), name)
+        toml = tmp_path / f"{name}.toml"
+        toml.write_text(f"{name} = {raw.split(',') if how.many else repr(raw)}\n".replace("'", '"'))
+        from_file = getattr(load_config({"state_dir": tmp_path}, env={}, config_path=toml), name)
+        assert from_flag == from_env == from_file != getattr(Config(), name), name
+
+
+def test_a_bad_value_names_the_setting_and_where_it_came_from(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"'strategy'.*'fastest'.*MESHD_STRATEGY.*speed or memory"
+    ):
+        load_config({"state_dir": tmp_path}, env={"MESHD_STRATEGY": "fastest"})

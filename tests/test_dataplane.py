@@ -33,7 +33,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from meshd.agreement.protocol import PlanNotCommittedError
+from meshd.agreement.contract import PlanNotCommittedError
 from meshd.inference.dataplane import (
     Assignment,
     DataPlane,

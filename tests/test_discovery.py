@@ -26,20 +26,21 @@ import pytest
 import trio
 from zeroconf import ServiceInfo, Zeroconf
 
-from meshd.mesh.discovery import (
-    GOODBYE_REASON,
+from meshd.mesh.announcement import (
     SERVICE_TYPE,
     TXT_PROTOCOL_VERSION,
     Announcement,
+    MalformedAnnouncementError,
+)
+from meshd.mesh.discovery import (
+    GOODBYE_REASON,
     Discovery,
     DiscoveryEvent,
-    InterfaceSelectionError,
-    MalformedAnnouncementError,
     PeerAppeared,
     PeerGone,
     PeerUpdated,
-    select_interface_addresses,
 )
+from meshd.mesh.interfaces import InterfaceSelectionError, select_interface_addresses
 from tests.netns import Mesh, require_root_and_netns
 
 LOOPBACK = ["127.0.0.1"]
@@ -509,7 +510,7 @@ def test_namespaced_processes_find_each_other_and_see_leaves(tmp_path: Path) -> 
 def test_resolve_interfaces_reads_the_real_namespace() -> None:
     require_root_and_netns()
     program = (
-        "import json; from meshd.mesh.discovery import resolve_interfaces as r\n"
+        "import json; from meshd.mesh.interfaces import resolve_interfaces as r\n"
         "out = [r(None), r(['docker0']), r(['eth0', 'lo'], skip=['lo'])]\n"
         "try:\n    r(['eth7'])\nexcept ValueError as e:\n    out.append(str(e))\n"
         "print(json.dumps(out))"

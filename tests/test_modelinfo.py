@@ -11,9 +11,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes, save_model
+from mlx_lm.utils import save_model
 
 from meshd.models.info import ModelInfoError, read_model_spec, read_safetensors_header
+from tests.support.random_model import build_model
 
 LLAMA: dict[str, Any] = {
     "model_type": "llama",
@@ -27,11 +28,6 @@ LLAMA: dict[str, Any] = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }
-
-
-def build_model(config: dict[str, Any]) -> nn.Module:
-    model_class, args_class = _get_classes(config)
-    return model_class(args_class.from_dict(config))
 
 
 def write_model(path: Path, model: nn.Module, config: dict[str, Any]) -> Path:

@@ -19,7 +19,7 @@ from partitioner import InsufficientMemory, ModelSpec, Plan, PlanOptions, plan_m
 from partitioner.cost import CostModel
 from partitioner.layout import Evaluator, Layout
 from partitioner.mesh import MeshView
-from partitioner.units import single_units
+from partitioner.stage_units import single_units
 
 MiB = 2**20
 NODE_IDS = "abcdefgh"

@@ -12,7 +12,7 @@ from typing import Any
 
 import mlx.nn as nn
 import pytest
-from mlx_lm.utils import _get_classes, save_model
+from mlx_lm.utils import save_model
 
 from meshd.api.plan_cli import (
     EXIT_BAD_INPUT,
@@ -22,14 +22,12 @@ from meshd.api.plan_cli import (
     add_plan_arguments,
     load_mesh_json,
     load_model_spec_json,
-    parse_flops,
     parse_latency_s,
-    parse_rate,
-    parse_size,
     render_plan_table,
     run_plan,
 )
 from partitioner import Plan, PlanOptions, plan_model
+from tests.support.random_model import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "meshes"
@@ -56,8 +54,7 @@ EXAMPLE_MODELS = {
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
-    model_class, args_class = _get_classes(CONFIG)
-    model: nn.Module = model_class(args_class.from_dict(CONFIG))
+    model: nn.Module = build_model(CONFIG)
     save_model(path, model)
     (path / "config.json").write_text(json.dumps(CONFIG))
     return path
@@ -155,19 +152,18 @@ def test_live_view_without_a_daemon_is_a_clear_error(model_dir: Path) -> None:
     assert code == EXIT_BAD_INPUT and "--mesh FILE.json" in err
 
 
-def test_human_units() -> None:
-    assert parse_size("16GB") == 16 * 10**9
-    assert parse_size("16 GiB") == 16 * 2**30
-    assert parse_size(1024) == 1024
-    assert parse_rate("800GB/s") == 800e9
-    assert parse_rate("10Gbit/s") == parse_rate("10Gbps") == parse_rate("10Gb/s") == 1.25e9
-    assert parse_flops("25TFLOPS") == parse_flops("25 TFLOP/s") == 25e12
+def test_mesh_files_read_human_units_and_name_the_bad_field(tmp_path: Path) -> None:
+    """Mesh files use the one quantity parser of flags and config (partitioner.humanize)."""
+    mesh = load_mesh_json(write_mesh(tmp_path / "mesh.json", {"a": "16G", "b": "16 GiB"}))
+    assert mesh.nodes["a"]["memory_budget"] == 16 * 10**9
+    assert mesh.nodes["b"]["memory_budget"] == 16 * 2**30
+    assert mesh.nodes["a"]["flops"] == 1e12 and mesh.nodes["a"]["mem_bandwidth"] == 100e9
     assert parse_latency_s({"latency": "300us"}) == pytest.approx(300e-6)
     assert parse_latency_s({"latency_ms": 2}) == pytest.approx(2e-3)
-    with pytest.raises(PlanInputError, match="sizes end in B"):
-        parse_size("16G")
-    with pytest.raises(PlanInputError, match="unknown unit prefix"):
-        parse_size("16XB")
+    with pytest.raises(PlanInputError, match=r"nodes\[0\]: memory_budget: cannot read '16XB'"):
+        load_mesh_json(write_mesh(tmp_path / "bad.json", {"a": "16XB"}))
+    with pytest.raises(PlanInputError, match="link: latency: cannot read '3 parsecs'"):
+        parse_latency_s({"latency": "3 parsecs"})
 
 
 @pytest.mark.parametrize("mesh_file", sorted(EXAMPLE_MODELS))

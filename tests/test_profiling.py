@@ -29,7 +29,7 @@ from meshd.mesh.profiling import (
     total_memory,
 )
 from meshd.runtime.blas import openblas_candidates
-from meshd.units import parse_size
+from partitioner.humanize import parse_size
 from tests.pyrun import run_json
 
 GiB = 2**30

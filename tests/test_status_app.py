@@ -39,7 +39,7 @@ def _peer(node_id: str, *, alive: bool = True, source: str = "mdns", seen: float
     return pb.PeerStatus(profile=profile, alive=alive, source=source, last_seen_s=seen)
 
 
-def _status(agreement: pb.AgreementView, *, lost_peer: bool = False) -> pb.MeshStatus:
+def _status(agreement: pb.AgreementStatus, *, lost_peer: bool = False) -> pb.MeshStatus:
     nodes = [_peer("alpha-00000001", source="self"), _peer("beta-00000002")]
     if lost_peer:
         nodes.append(_peer("gamma-00000003", alive=False, seen=12.4))
@@ -57,7 +57,7 @@ def _plan_json() -> str:
     return json.dumps({"plan_id": PLAN_ID, "stages": stages, "prediction": {"tokens_per_s": 12.34}})
 
 
-def _committed(**overrides: object) -> pb.AgreementView:
+def _committed(**overrides: object) -> pb.AgreementStatus:
     fields: dict[str, object] = {
         "model": "SmolLM2-135M-Instruct",
         "active_plan_id": PLAN_ID,
@@ -67,7 +67,7 @@ def _committed(**overrides: object) -> pb.AgreementView:
         "converged": True,
         "plan_json": _plan_json(),
     }
-    return pb.AgreementView(**{**fields, **overrides})
+    return pb.AgreementStatus(**{**fields, **overrides})
 
 
 REFUSAL = (
@@ -97,7 +97,7 @@ def test_committed_plan_shows_model_plan_layers_and_a_lost_peer() -> None:
 
 
 def test_refused_plan_says_why_in_one_line_without_repeating_it_as_converging() -> None:
-    view = pb.AgreementView(
+    view = pb.AgreementStatus(
         model="big-70b",
         refusal=REFUSAL,
         reason=f"peer beta-00000002 joined 0.1 s ago; {REFUSAL}",
@@ -119,7 +119,7 @@ def test_refused_plan_says_why_in_one_line_without_repeating_it_as_converging() 
 
 def test_converging_lists_the_reasons_and_cuts_a_long_list() -> None:
     reasons = [f"waiting for the profile of peer p{i}" for i in range(5)]
-    view = pb.AgreementView(model="m", reason="; ".join(reasons))
+    view = pb.AgreementStatus(model="m", reason="; ".join(reasons))
     menu = sm.menu_from_status(_status(view))
     assert menu.state is sm.MeshState.CONVERGING
     assert menu.title == "◌ 2 · converging"
@@ -134,12 +134,12 @@ def test_converging_lists_the_reasons_and_cuts_a_long_list() -> None:
 @pytest.mark.parametrize(
     ("view", "state", "title"),
     [
-        (pb.AgreementView(reason="no model selected"), "NO_MODEL", "○ 2 · no model"),
+        (pb.AgreementStatus(reason="no model selected"), "NO_MODEL", "○ 2 · no model"),
         (_committed(converged=False, reason="peer x joined"), "UPDATING", "◐ 2 · re-planning"),
         (_committed(model="tiny"), "READY", "◉ 2 · tiny"),
     ],
 )
-def test_titles_of_each_state(view: pb.AgreementView, state: str, title: str) -> None:
+def test_titles_of_each_state(view: pb.AgreementStatus, state: str, title: str) -> None:
     menu = sm.menu_from_status(_status(view))
     assert (menu.state, menu.title) == (sm.MeshState[state], title)
     assert "converging: no model selected" not in menu.items

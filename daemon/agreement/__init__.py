@@ -1,0 +1,1 @@
+"""Leaderless agreement on one plan: a pure protocol core, its runtime, and its contract."""

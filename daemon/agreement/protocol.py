@@ -8,7 +8,7 @@ confirmed exactly that plan. This module is pure: no I/O, no trio, no gRPC, no c
 the `now` argument (monotonic seconds), the outside world is the arguments of `on_membership`,
 `on_message` and `on_tick`, and what the node wants done comes back as a list of outputs
 (`Broadcast`, `Send`, `Committed`, `Withdrawn`, `Refused`) that the daemon maps to gRPC and to
-its data plane.
+its data plane. Those values are defined in `meshd.agreement.messages`.
 
 The protocol
 ------------
@@ -102,236 +102,28 @@ names the peer whose view differs and what it sees.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
-
-NodeId = str
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    """The selected model: a name for people, a digest so that all nodes mean the same bytes."""
-
-    name: str
-    digest: str
-
-
-@dataclass(frozen=True)
-class PlanInputs:
-    """Everything a plan is computed from; equal inputs must give equal plans (A1)."""
-
-    members: tuple[NodeId, ...]
-    digests: tuple[str, ...]
-    model: ModelRef
-    settings: str = ""
-
-    def __post_init__(self) -> None:
-        if list(self.members) != sorted(set(self.members)):
-            raise ValueError(f"plan members must be sorted and unique, got {self.members}")
-        if len(self.digests) != len(self.members):
-            raise ValueError(
-                f"need one profile digest per member: {len(self.members)} members, "
-                f"{len(self.digests)} digests"
-            )
-
-    def digest_of(self, member: NodeId) -> str:
-        """The profile digest these inputs hold for `member`."""
-        return self.digests[self.members.index(member)]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A computed plan: its id (the epoch data-plane messages carry) and who holds stages."""
-
-    plan_id: str
-    stage_members: tuple[NodeId, ...]
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """`compute_plan` found no plan, e.g. "not enough memory in this mesh for X: need A, have B"."""
-
-    reason: str
-
-
-PlanOutcome = Plan | Refusal
-ComputePlan = Callable[[PlanInputs], PlanOutcome]
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """A node's current proposal: what it computed and from what. Compared as a whole."""
-
-    inputs: PlanInputs
-    outcome: PlanOutcome
-
-    @property
-    def members(self) -> tuple[NodeId, ...]:
-        return self.inputs.members
-
-    @property
-    def plan(self) -> Plan | None:
-        """The plan, or None when the outcome is a refusal."""
-        return self.outcome if isinstance(self.outcome, Plan) else None
-
-
-@dataclass(frozen=True)
-class ProposalMessage:
-    """The one message of the protocol: the sender's current proposal (a confirmation).
-
-    `(incarnation, seq)` orders a sender's messages; `committed` says that the sender has
-    committed exactly `proposal`, which makes the message a commit certificate.
-    """
-
-    sender: NodeId
-    incarnation: int
-    seq: int
-    proposal: Proposal | None
-    committed: bool
-
-    @property
-    def stamp(self) -> tuple[int, int]:
-        return (self.incarnation, self.seq)
-
-
-@dataclass(frozen=True)
-class Broadcast:
-    """Send `message` to each of `recipients` (every peer the node currently sees alive)."""
-
-    recipients: frozenset[NodeId]
-    message: ProposalMessage
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send `message` to one peer."""
-
-    to: NodeId
-    message: ProposalMessage
-
-
-@dataclass(frozen=True)
-class Committed:
-    """The node now serves `proposal`'s plan as its active plan; new requests go there.
-
-    The previously active plan, if any, now drains (see `AgreementNode.draining`).
-    """
-
-    proposal: Proposal
-
-    @property
-    def plan_id(self) -> str:
-        plan = self.proposal.plan
-        assert plan is not None, "only plans are committed"
-        return plan.plan_id
-
-    @property
-    def members(self) -> tuple[NodeId, ...]:
-        return self.proposal.members
-
-
-@dataclass(frozen=True)
-class Withdrawn:
-    """The node stopped serving plan `plan_id`; requests still running on it must fail."""
-
-    plan_id: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Refused:
-    """This node's view cannot hold the model; it starts no new request (its plan drains)."""
-
-    reason: str
-
-
-Output = Broadcast | Send | Committed | Withdrawn | Refused
-
-
-@dataclass(frozen=True)
-class ServedPlan:
-    """A committed plan this node serves, with what it needs to decide when to stop."""
-
-    proposal: Proposal
-    committed_at: float
-    member_since: tuple[tuple[NodeId, float], ...]
-    draining_since: float | None = None
-
-    @property
-    def plan(self) -> Plan:
-        plan = self.proposal.plan
-        assert plan is not None, "only plans are served"
-        return plan
-
-    @property
-    def plan_id(self) -> str:
-        return self.plan.plan_id
-
-    @property
-    def members(self) -> tuple[NodeId, ...]:
-        return self.proposal.members
-
-
-@dataclass(frozen=True)
-class AgreementStatus:
-    """What `meshd status` shows about agreement on this node.
-
-    `confirmed_by` and `committed_by` refer to the current `proposal` (they equal its members
-    once converged): the members whose newest message carries it, and those known to have
-    committed it. `reasons` says, in words, why the proposal is not committed yet or what is
-    about to change it (a peer still stabilizing); empty when converged.
-    """
-
-    node_id: NodeId
-    active: ServedPlan | None
-    draining: tuple[ServedPlan, ...]
-    proposal: Proposal | None
-    confirmed_by: frozenset[NodeId]
-    committed_by: frozenset[NodeId]
-    reasons: tuple[str, ...]
-
-    @property
-    def converged(self) -> bool:
-        """True when the proposal is committed and nothing is pending."""
-        return not self.reasons
-
-    @property
-    def reason(self) -> str:
-        """Why the node is not (or not yet) serving its current view, in one line."""
-        return "; ".join(self.reasons)
-
-
-class PlanNotCommittedError(RuntimeError):
-    """Data-plane work arrived for a plan this node does not serve (fencing)."""
-
-
-@dataclass(frozen=True)
-class AgreementConfig:
-    """Timing of the protocol, in seconds.
-
-    join_stability_s: how long a peer must stay alive before it joins the membership.
-    startup_grace_s: how long a starting node listens before proposing anything.
-    retransmit_interval_s: re-send period while the node's proposal is not committed.
-    gossip_interval_s: re-send period once it is (anti-entropy only).
-    drain_timeout_s: the longest a replaced plan keeps serving requests already running.
-    """
-
-    join_stability_s: float = 2.0
-    startup_grace_s: float = 3.0
-    retransmit_interval_s: float = 0.5
-    gossip_interval_s: float = 5.0
-    drain_timeout_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not value >= 0:
-                raise ValueError(f"{field.name} must be >= 0 seconds, got {value}")
-        if self.retransmit_interval_s <= 0 or self.gossip_interval_s <= 0:
-            raise ValueError(
-                "retransmit_interval_s and gossip_interval_s must be > 0 "
-                f"(got {self.retransmit_interval_s} and {self.gossip_interval_s})"
-            )
+from collections.abc import Collection, Mapping
+
+from meshd.agreement.messages import (
+    AgreementConfig,
+    AgreementStatus,
+    Broadcast,
+    Committed,
+    ComputePlan,
+    ModelRef,
+    NodeId,
+    Output,
+    PlanInputs,
+    PlanNotCommittedError,
+    PlanOutcome,
+    Proposal,
+    ProposalMessage,
+    Refusal,
+    Refused,
+    Send,
+    ServedPlan,
+    Withdrawn,
+)
 
 
 class AgreementNode:
@@ -385,14 +177,8 @@ class AgreementNode:
 
     def check_serving(self, plan_id: str) -> None:
         """Fencing: raise `PlanNotCommittedError` unless `plan_id` is served here."""
-        if self.is_serving(plan_id):
-            return
-        serving = sorted(self._served_ids())
-        raise PlanNotCommittedError(
-            f"plan {plan_id} is not committed on node {self.node_id} "
-            f"(it serves {', '.join(serving) if serving else 'no plan'}); "
-            "the mesh is changing plans: retry once the sender and this node agree"
-        )
+        if not self.is_serving(plan_id):
+            raise PlanNotCommittedError.for_plan(plan_id, self.node_id, self._served_ids())
 
     def status(self, now: float) -> AgreementStatus:
         """The committed plan, who confirmed the proposal, and why it is not committed yet."""

@@ -1,7 +1,7 @@
 """Agreement in the daemon: feed the pure protocol core, carry its messages, plan the mesh.
 
 `meshd.agreement.protocol.AgreementNode` is the protocol (pure, simulated in the tests). This
-component is its runtime:
+component is its runtime, and what the data plane sees of it is `meshd.agreement.contract`:
 
 * **Inputs.** The live peers from `Membership` (with the monotonic time each became alive,
   renewed on every reconnect), one *profile digest* per node, and the selected model.
@@ -32,15 +32,18 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import trio
 
 import partitioner
-from meshd.agreement import protocol as ag
+from meshd.agreement import messages as ag
+from meshd.agreement.contract import PlanChange, ServedPlans
+from meshd.agreement.protocol import AgreementNode
 from meshd.mesh.graph import mesh_graph, planning_bandwidth, planning_latency
-from meshd.mesh.membership import EventLog, Membership
+from meshd.mesh.membership import Membership
 from meshd.runtime.bridge import AsyncioThread
+from meshd.runtime.events import EventLog
+from meshd.runtime.notify import Publisher
 from meshd.wire import pb, rpc
 from partitioner.quantize import bucket_index, latency_bucket_index
 
@@ -191,16 +194,6 @@ def message_from_proto(message: pb.ProposalMessage) -> ag.ProposalMessage:
 # ---------------------------------------------------------------- the component
 
 
-@dataclass
-class PlanChange:
-    """What the data plane is told: a plan became active, or one must stop."""
-
-    kind: str  # "committed" | "withdrawn" | "refused"
-    plan_id: str
-    plan: partitioner.Plan | None
-    reason: str = ""
-
-
 class PlanAgreement:
     """Runs the agreement protocol for one daemon."""
 
@@ -216,7 +209,7 @@ class PlanAgreement:
         self._events = events
         self._node_id = membership.identity.node_id
         self._started_at = time.monotonic()
-        self.core = ag.AgreementNode(
+        self.core = AgreementNode(
             self._node_id,
             time.time_ns(),
             self._compute_plan,
@@ -230,22 +223,25 @@ class PlanAgreement:
         self._outbox: dict[str, ag.ProposalMessage] = {}
         self._outbox_ready: dict[str, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
+        self.changes = Publisher[PlanChange]("agreement")
+        # Synchronous callbacks, only for meshd.inference.serving until it subscribes to
+        # `changes` (the data-plane split); nothing else may add one.
         self.listeners: list[Callable[[PlanChange], None]] = []
         self.last_refusal = ""
 
     # ------------------------------------------------------------ run
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            self._feed_membership()
-            nursery.start_soon(self._watch_membership)
-            nursery.start_soon(self._tick)
-            task_status.started()
+        with self._membership.changes.subscribe() as membership_changes:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._feed_membership()
+                nursery.start_soon(self._follow_membership, membership_changes)
+                nursery.start_soon(self._tick)
+                task_status.started()
 
-    async def _watch_membership(self) -> None:
-        while True:
-            await self._membership.wait_changed()
+    async def _follow_membership(self, changes: trio.MemoryReceiveChannel[None]) -> None:
+        async for _ in changes:
             self._feed_membership()
 
     async def _tick(self) -> None:
@@ -263,7 +259,7 @@ class PlanAgreement:
 
     def _feed_membership(self) -> None:
         membership = self._membership
-        own = membership.snapshot
+        own = membership.own_state
         states = {self._node_id: own}
         alive: dict[str, float] = {}
         for record in membership.alive_peers():
@@ -332,14 +328,16 @@ class PlanAgreement:
     # ------------------------------------------------------------ messages
 
     def receive(self, message: pb.ProposalMessage, cert_node_id: str | None) -> None:
-        """A peer's Propose call (on the trio thread)."""
+        """A member's Propose call (on the trio thread).
+
+        Raises PermissionError when the certificate names another sender, ValueError when the
+        message is malformed; the peer service answers the caller with that refusal.
+        """
         if cert_node_id is not None and cert_node_id != message.sender:
-            log.warning(
-                "dropped a proposal claiming to be from %s over a channel of %s",
-                message.sender,
-                cert_node_id,
+            raise PermissionError(
+                f"the proposal claims to be from {message.sender!r} but arrived over a channel "
+                f"of {cert_node_id!r}"
             )
-            return
         self._apply(self.core.on_message(time.monotonic(), message_from_proto(message)))
 
     def _apply(self, outputs: list[ag.Output]) -> None:
@@ -376,6 +374,7 @@ class PlanAgreement:
         self._notify(PlanChange("committed", output.plan_id, plan))
 
     def _notify(self, change: PlanChange) -> None:
+        self.changes.publish(change)
         for listener in self.listeners:
             listener(change)
 
@@ -420,12 +419,16 @@ class PlanAgreement:
         """A draining plan has no request left here: stop serving it."""
         self._apply(self.core.release_draining(plan_id))
 
-    def is_serving(self, plan_id: str) -> bool:
-        return self.core.is_serving(plan_id)
+    def served(self) -> ServedPlans:
+        """The plans this node serves now (`meshd.agreement.contract.PlanSource`)."""
+        core = self.core
+        active = core.active.plan_id if core.active is not None else ""
+        return ServedPlans(active, tuple(served.plan_id for served in core.draining))
 
-    def view(self) -> pb.AgreementView:
+    def status_message(self) -> pb.AgreementStatus:
+        """The agreement's status as `meshd status` and the status app show it."""
         status = self.core.status(time.monotonic())
-        out = pb.AgreementView(
+        out = pb.AgreementStatus(
             model=self._selection.name if self._selection else "",
             confirmed_by=sorted(status.confirmed_by),
             committed_by=sorted(status.committed_by),

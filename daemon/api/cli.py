@@ -15,72 +15,36 @@ its client API (a Unix socket in the state directory, or --api).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import signal
 import sys
 from pathlib import Path
 
-from meshd.config import FIELD_HELP, Config, ConfigError, load_config
+from meshd.config import ConfigError, add_setting_flags, flags_given, load_config, settings
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--state-dir", type=Path, help=FIELD_HELP["state_dir"])
-    parser.add_argument("--api", help=FIELD_HELP["api"])
+    add_setting_flags(parser, ("state_dir", "api"))
 
 
 def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", type=Path, help="TOML config file (default: <state-dir>/meshd.toml)"
     )
-    parser.add_argument("--name", help=FIELD_HELP["name"])
-    parser.add_argument("--mesh-name", help=FIELD_HELP["mesh_name"])
-    parser.add_argument("--join", dest="join_token", metavar="TOKEN", help=FIELD_HELP["join_token"])
-    parser.add_argument("--peer-host", help=FIELD_HELP["peer_host"])
-    parser.add_argument("--peer-port", type=int, help=FIELD_HELP["peer_port"])
-    parser.add_argument(
-        "--interface",
-        dest="interfaces",
-        action="append",
-        metavar="IF",
-        help=FIELD_HELP["interfaces"],
-    )
-    parser.add_argument(
-        "--skip-interface",
-        dest="skip_interfaces",
-        action="append",
-        metavar="IF",
-        help=FIELD_HELP["skip_interfaces"],
-    )
-    parser.add_argument(
-        "--no-mdns", dest="mdns", action="store_const", const=False, help="do not use mDNS"
-    )
-    parser.add_argument(
-        "--peer", dest="peers", action="append", metavar="HOST:PORT", help=FIELD_HELP["peers"]
-    )
-    parser.add_argument("--memory-budget", help=FIELD_HELP["memory_budget"])
-    parser.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float)
-    parser.add_argument("--peer-timeout", dest="peer_timeout_s", type=float)
-    parser.add_argument("--link-probe-interval", dest="link_probe_interval_s", type=float)
-    parser.add_argument("--model", help=FIELD_HELP["model"])
-    parser.add_argument("--strategy", choices=["speed", "memory"], help=FIELD_HELP["strategy"])
-    parser.add_argument("--context-length", type=int, help=FIELD_HELP["context_length"])
-    parser.add_argument("--concurrency", type=int, help=FIELD_HELP["concurrency"])
-    parser.add_argument(
-        "--join-stability", dest="join_stability_s", type=float, help=FIELD_HELP["join_stability_s"]
-    )
-    parser.add_argument(
-        "--startup-grace", dest="startup_grace_s", type=float, help=FIELD_HELP["startup_grace_s"]
-    )
-    parser.add_argument("--log-level", help=FIELD_HELP["log_level"])
+    add_setting_flags(parser, [name for name in settings() if name not in ("state_dir", "api")])
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshd", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run the daemon in the foreground")
+    run = sub.add_parser(
+        "run",
+        help="run the daemon in the foreground",
+        description="Run the daemon. Every setting is also read from the config file (the "
+        "same name) and the environment (MESHD_<NAME>); flags win over both.",
+    )
     _add_common(run)
     _add_run_flags(run)
 
@@ -103,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile = sub.add_parser("profile", help="measure (or show the cached) profile of this machine")
     _add_common(profile)
     profile.add_argument("--remeasure", action="store_true", help="ignore the cache")
-    profile.add_argument("--memory-budget", help=FIELD_HELP["memory_budget"])
+    add_setting_flags(profile, ("memory_budget",))
     profile.add_argument("--json", action="store_true")
 
     plan = sub.add_parser("plan", help="plan a model over the mesh (live view or --mesh FILE)")
@@ -172,11 +136,6 @@ def _sampling(args: argparse.Namespace):
     return sampling
 
 
-def _config_flags(args: argparse.Namespace) -> dict[str, object]:
-    names = {f.name for f in dataclasses.fields(Config)}
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
-
-
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
@@ -193,7 +152,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from meshd.mesh.membership import DuplicateNodeId
     from meshd.node import run_node
 
-    config = load_config(_config_flags(args), config_path=args.config)
+    config = load_config(flags_given(args), config_path=args.config)
     _setup_logging(config.log_level)
 
     async def main() -> None:
@@ -300,9 +259,8 @@ def cmd_join(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from meshd.api import render
     from meshd.mesh.profiling import load_or_measure_profile
-    from meshd.units import parse_size
 
-    budget = parse_size(args.memory_budget) if args.memory_budget else None
+    budget = load_config(flags_given(args)).memory_budget
     profile = load_or_measure_profile(
         _state_dir(args), memory_budget_override=budget, remeasure=args.remeasure
     )

@@ -64,8 +64,8 @@ def default_model_dir() -> Path:
 
 def plan_committed(nodes: int):
     def check(status: pb.MeshStatus) -> bool:
-        view = status.agreement
-        return bool(view.active_plan_id) and len(view.members) == nodes
+        agreement = status.agreement
+        return bool(agreement.active_plan_id) and len(agreement.members) == nodes
 
     return check
 

@@ -9,14 +9,14 @@ trio side for fresh answers through the bridge.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
+import trio
 
 from meshd.runtime.bridge import AsyncioThread
 from meshd.wire import pb, rpc
@@ -49,35 +49,32 @@ class LocalService(rpc.LocalServicer):
         self._node = node
         self._bridge = bridge
 
-    async def _in_trio(self, fn: Callable[[], object]):
-        async def call():
-            return fn()
-
-        return await self._bridge.run_in_trio(call)
-
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext):
-        return await self._in_trio(self._node.status)
+        return await self._bridge.call_in_trio(self._node.status)
 
     async def WatchStatus(
         self, request: pb.WatchStatusRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.MeshStatus]:
         min_interval = max(0.05, request.min_interval_s or 0.5)
         while True:
-            yield await self._in_trio(self._node.status)
+            yield await self._bridge.call_in_trio(self._node.status)
             await asyncio.sleep(min_interval)
             await self._wait_change_or_keepalive()
 
     async def _wait_change_or_keepalive(self) -> None:
-        waiter: Callable[[], Awaitable[None]] = self._node.wait_changed
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._bridge.run_in_trio(waiter), WATCH_KEEPALIVE_S)
+        """Until the mesh changes, or WATCH_KEEPALIVE_S pass (the trio side times out)."""
+        await self._bridge.run_in_trio(self._wait_changed_at_most, WATCH_KEEPALIVE_S)
+
+    async def _wait_changed_at_most(self, seconds: float) -> None:  # trio side
+        with trio.move_on_after(seconds):
+            await self._node.wait_changed()
 
     async def GetToken(self, request: pb.TokenRequest, context: grpc.aio.ServicerContext):
-        return await self._in_trio(self._node.token)
+        return await self._bridge.call_in_trio(self._node.token)
 
     async def Remeasure(self, request: pb.RemeasureRequest, context: grpc.aio.ServicerContext):
         await self._bridge.run_in_trio(self._node.remeasure)
-        return await self._in_trio(self._node.status)
+        return await self._bridge.call_in_trio(self._node.status)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         events = self._node.inference.generate(
@@ -142,7 +139,7 @@ class LocalService(rpc.LocalServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
-        return await self._in_trio(self._node.list_models)
+        return await self._bridge.call_in_trio(self._node.list_models)
 
     async def LoadModel(self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext):
         if not request.model.strip():
@@ -162,11 +159,9 @@ class LocalService(rpc.LocalServicer):
                 lambda: self._node.select_model(request.model, **options)
             )
         except Exception as exc:
-            from meshd.models.store import UnknownModel
-
             code = (
                 grpc.StatusCode.NOT_FOUND
-                if isinstance(exc, UnknownModel | FileNotFoundError)
+                if isinstance(exc, LookupError | FileNotFoundError)  # e.g. the store's UnknownModel
                 else grpc.StatusCode.INVALID_ARGUMENT
             )
             await context.abort(code, f"cannot load {request.model!r}: {exc}")

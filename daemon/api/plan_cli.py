@@ -23,6 +23,7 @@ Mesh file format (human units accepted everywhere a size or rate is expected):
   ("B" is bytes, "b"/"bit" is bits), or "bandwidth_mbps": megabits/s;
 - flops: FLOP/s as a number, or "25TFLOPS" / "25 TFLOP/s";
 - latency: "latency_ms" (number), "latency_s" (number) or "latency": "300us" / "0.3ms";
+  (all read by partitioner.humanize, as flags and the config file are);
 - a link is used in both directions unless it says "both_ways": false (then add the reverse
   link separately, e.g. for asymmetric links); "default_link" fills every pair not listed.
 Exit codes: 0 plan printed, 1 the model does not fit (refusal printed), 2 bad input.
@@ -32,12 +33,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import re
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import networkx as nx
 
@@ -53,14 +53,19 @@ from partitioner import (
     describe_refusal,
     plan_model,
 )
-from partitioner.humanize import format_bytes, format_seconds
+from partitioner.humanize import (
+    format_bytes,
+    format_seconds,
+    parse_duration,
+    parse_flops,
+    parse_rate,
+    parse_size,
+)
 
 LIVE_TIMEOUT_S = 5.0
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
 
-_PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
-_BINARY = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50}
-_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]*)\s*$")
+T = TypeVar("T")
 _NODE_KEYS = {"id", "name", "memory_budget", "flops", "mem_bandwidth"}
 _LINK_KEYS = {
     "src",
@@ -78,76 +83,26 @@ class PlanInputError(ValueError):
     """A mesh file, model file or flag value that cannot be used; the text says how to fix it."""
 
 
-# ---- units ----------------------------------------------------------------------------------
+# ---- units (the one parser: partitioner.humanize) -----------------------------------------
 
 
-def parse_size(value: Any, what: str = "size") -> int:
-    """Bytes from a number or a string like '16GB', '16 GiB', '512MiB'."""
-    number, unit = _split_quantity(value, what)
-    if not unit:
-        return round(number)
-    if not unit.endswith("B"):
-        raise PlanInputError(f"{what} {value!r}: sizes end in B (bytes), e.g. '16GB' or '16GiB'")
-    return round(number * _unit_scale(unit[:-1].lower(), what, value))
-
-
-def parse_rate(value: Any, what: str = "bandwidth") -> float:
-    """Bytes/s from a number or '800GB/s', '10Gbit/s', '10Gbps', '1.5 GiB/s'."""
-    number, unit = _split_quantity(value, what)
-    if not unit:
-        return number
-    stem = unit.removesuffix("/s").removesuffix("ps")
-    if stem.endswith("bit") or (stem.endswith("b") and not stem.endswith("B")):
-        prefix = stem.removesuffix("bit").removesuffix("b")
-        return number * _unit_scale(prefix.lower(), what, value) / 8
-    if stem.endswith("B"):
-        return number * _unit_scale(stem[:-1].lower(), what, value)
-    raise PlanInputError(
-        f"{what} {value!r}: expected bytes/s ('800GB/s') or bits/s ('10Gbit/s', '10Gbps')"
-    )
-
-
-def parse_flops(value: Any, what: str = "flops") -> float:
-    """FLOP/s from a number or '25TFLOPS', '25 TFLOP/s', '900GFLOPS'."""
-    number, unit = _split_quantity(value, what)
-    if not unit:
-        return number
-    stem = unit.lower().removesuffix("/s").removesuffix("s").removesuffix("flop")
-    return number * _unit_scale(stem, what, value)
+def _quantity(parse: Callable[[Any], T], value: Any, what: str) -> T:
+    """`parse(value)`, with a refusal that names the field it came from."""
+    try:
+        return parse(value)
+    except ValueError as error:
+        raise PlanInputError(f"{what}: {error}") from error
 
 
 def parse_latency_s(entry: dict[str, Any], what: str = "link") -> float:
     """Seconds from latency_ms, latency_s or latency ('300us', '0.3ms', '1s')."""
     if "latency_ms" in entry:
-        return _split_quantity(entry["latency_ms"], what)[0] / 1e3
+        return _quantity(parse_duration, entry["latency_ms"], f"{what}: latency_ms") / 1e3
     if "latency_s" in entry:
-        return _split_quantity(entry["latency_s"], what)[0]
+        return _quantity(parse_duration, entry["latency_s"], f"{what}: latency_s")
     if "latency" in entry:
-        number, unit = _split_quantity(entry["latency"], what)
-        scales = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-        if unit not in scales:
-            raise PlanInputError(f"{what}: latency unit {unit!r} unknown; use s, ms, us or ns")
-        return number * scales[unit]
+        return _quantity(parse_duration, entry["latency"], f"{what}: latency")
     raise PlanInputError(f"{what}: give latency_ms (or latency_s, or latency like '300us')")
-
-
-def _split_quantity(value: Any, what: str) -> tuple[float, str]:
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if not math.isfinite(value) or value < 0:
-            raise PlanInputError(f"{what} must be a finite number >= 0, got {value!r}")
-        return float(value), ""
-    match = _QUANTITY.match(str(value)) if isinstance(value, str) else None
-    if match is None:
-        raise PlanInputError(f"{what}: cannot read {value!r}; expected e.g. 16GB, 800GB/s")
-    return float(match.group(1)), match.group(2)
-
-
-def _unit_scale(prefix: str, what: str, original: Any) -> float:
-    if prefix in _BINARY:
-        return float(_BINARY[prefix])
-    if prefix in _PREFIX:
-        return _PREFIX[prefix]
-    raise PlanInputError(f"{what} {original!r}: unknown unit prefix {prefix!r}")
 
 
 # ---- mesh file ------------------------------------------------------------------------------
@@ -188,9 +143,9 @@ def _node_entry(entry: Any, where: str) -> tuple[str, dict[str, Any]]:
         raise PlanInputError(f"{where} ({entry['id']}): missing {missing}")
     return str(entry["id"]), {
         "name": str(entry.get("name", entry["id"])),
-        "memory_budget": parse_size(entry["memory_budget"], f"{where}: memory_budget"),
-        "flops": parse_flops(entry["flops"], f"{where}: flops"),
-        "mem_bandwidth": parse_rate(entry["mem_bandwidth"], f"{where}: mem_bandwidth"),
+        "memory_budget": _quantity(parse_size, entry["memory_budget"], f"{where}: memory_budget"),
+        "flops": _quantity(parse_flops, entry["flops"], f"{where}: flops"),
+        "mem_bandwidth": _quantity(parse_rate, entry["mem_bandwidth"], f"{where}: mem_bandwidth"),
     }
 
 
@@ -199,9 +154,10 @@ def _link_attributes(entry: dict[str, Any], where: str) -> dict[str, float]:
     if unknown:
         raise PlanInputError(f"{where}: unknown key(s) {unknown}; use {sorted(_LINK_KEYS)}")
     if "bandwidth_mbps" in entry:
-        bandwidth = _split_quantity(entry["bandwidth_mbps"], where)[0] * 1e6 / 8
+        megabits = _quantity(parse_rate, entry["bandwidth_mbps"], f"{where}: bandwidth_mbps")
+        bandwidth = megabits * 1e6 / 8
     elif "bandwidth" in entry:
-        bandwidth = parse_rate(entry["bandwidth"], f"{where}: bandwidth")
+        bandwidth = _quantity(parse_rate, entry["bandwidth"], f"{where}: bandwidth")
     else:
         raise PlanInputError(f"{where}: give bandwidth (e.g. '10Gbit/s') or bandwidth_mbps")
     return {"latency_s": parse_latency_s(entry, where), "bandwidth": bandwidth}
@@ -246,13 +202,14 @@ def load_model_spec_json(path: Path | str) -> ModelSpec:
         raise PlanInputError(f"model spec {path}: expected a JSON object")
     for key in ("embedding_bytes", "head_bytes"):
         if isinstance(data.get(key), str):
-            data[key] = parse_size(data[key], f"{path}: {key}")
+            data[key] = _quantity(parse_size, data[key], f"{path}: {key}")
     layers = data.get("layer_bytes")
     if isinstance(layers, str):
-        data["layer_bytes"] = parse_size(layers, f"{path}: layer_bytes")
+        data["layer_bytes"] = _quantity(parse_size, layers, f"{path}: layer_bytes")
     elif isinstance(layers, list):
         data["layer_bytes"] = [
-            parse_size(v, f"{path}: layer_bytes") if isinstance(v, str) else v for v in layers
+            _quantity(parse_size, v, f"{path}: layer_bytes") if isinstance(v, str) else v
+            for v in layers
         ]
     return ModelSpec.from_dict(data)
 
@@ -359,7 +316,7 @@ def _load_model(args: argparse.Namespace) -> ModelSpec:
 def _options(args: argparse.Namespace) -> PlanOptions:
     return PlanOptions(
         strategy="speed",
-        reserve_bytes=parse_size(args.reserve, "--reserve"),
+        reserve_bytes=_quantity(parse_size, args.reserve, "--reserve"),
         exclude=frozenset(args.exclude),
         context_length=args.context,
         concurrency=args.concurrency,

@@ -7,17 +7,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 
 from meshd.wire import pb
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
-
-
-def _rate(bytes_per_s: float) -> str:
-    bits = bytes_per_s * 8
-    if bits >= 1e9:
-        return f"{bits / 1e9:.2f} Gbit/s"
-    return f"{bits / 1e6:.1f} Mbit/s"
+from partitioner.humanize import format_bytes, format_flops, format_rate
 
 
 def _seen(peer: pb.PeerStatus) -> str:
@@ -47,17 +37,17 @@ def nodes_table(status: pb.MeshStatus) -> str:
                 p.node_id + (" *" if peer.source == "self" else ""),
                 p.name or "-",
                 peer.address,
-                f"{_gb(p.memory_budget)} / {_gb(p.total_memory)}"
+                f"{format_bytes(p.memory_budget)} / {format_bytes(p.total_memory)}"
                 if p.total_memory
                 else "measuring",
-                f"{p.flops / 1e9:.1f}" if measured else "-",
-                f"{p.mem_bandwidth / 1e9:.1f}" if measured else "-",
+                format_flops(p.flops) if measured else "-",
+                format_rate(p.mem_bandwidth) if measured else "-",
                 peer.source,
                 _seen(peer),
             ]
         )
     return _table(
-        ["NODE", "NAME", "ADDRESS", "BUDGET / MEMORY", "GFLOP/s", "MEM GB/s", "VIA", "SEEN"], rows
+        ["NODE", "NAME", "ADDRESS", "BUDGET / MEMORY", "COMPUTE", "MEMORY BW", "VIA", "SEEN"], rows
     )
 
 
@@ -67,8 +57,8 @@ def links_table(status: pb.MeshStatus) -> str:
             f"{m.src} -> {m.dst}",
             f"{m.tcp_rtt_s * 1e3:.3f} ms",
             f"{m.grpc_rtt_s * 1e3:.3f} ms",
-            _rate(m.bandwidth),
-            f"{m.probe_bytes / 1e6:.1f} MB",
+            format_rate(m.bandwidth, bits=True),
+            format_bytes(m.probe_bytes),
         ]
         for m in sorted(status.links, key=lambda m: (m.src, m.dst))
     ]
@@ -81,20 +71,20 @@ def peers_table(status: pb.MeshStatus) -> str:
     return nodes_table(status) + "\n\n" + links_table(status)
 
 
-def agreement_text(view: pb.AgreementView) -> str:
+def agreement_text(agreement: pb.AgreementStatus) -> str:
     """The committed plan, who confirmed it, and why not (yet) while converging."""
-    if not view.model:
+    if not agreement.model:
         return "plan: no model selected (start a daemon with --model, or `meshd load`)"
-    lines = [f"model {view.model}"]
-    if view.active_plan_id:
+    lines = [f"model {agreement.model}"]
+    if agreement.active_plan_id:
         lines.append(
-            f"committed plan {view.active_plan_id[:12]} over {', '.join(view.members)}"
-            f" (confirmed by {len(view.confirmed_by)}/{len(view.members)})"
+            f"committed plan {agreement.active_plan_id[:12]} over {', '.join(agreement.members)}"
+            f" (confirmed by {len(agreement.confirmed_by)}/{len(agreement.members)})"
         )
-        if view.plan_json:
+        if agreement.plan_json:
             import json
 
-            plan = json.loads(view.plan_json)
+            plan = json.loads(agreement.plan_json)
             rows = [
                 [
                     str(i),
@@ -106,12 +96,12 @@ def agreement_text(view: pb.AgreementView) -> str:
             lines.append(_table(["STAGE", "NODE", "LAYERS"], rows))
     else:
         lines.append("no committed plan")
-    if view.refusal:
-        lines.append(f"refused: {view.refusal}")
-    if view.reason:
-        lines.append(f"converging: {view.reason}")
-    if view.draining:
-        lines.append("draining: " + ", ".join(p[:12] for p in view.draining))
+    if agreement.refusal:
+        lines.append(f"refused: {agreement.refusal}")
+    if agreement.reason:
+        lines.append(f"converging: {agreement.reason}")
+    if agreement.draining:
+        lines.append("draining: " + ", ".join(p[:12] for p in agreement.draining))
     return "\n".join(lines)
 
 
@@ -148,7 +138,7 @@ def models_table(models: pb.ModelList) -> str:
             m.name + (" *" if m.name == models.selected else ""),
             m.architecture,
             str(m.layers),
-            f"{m.size_bytes / 1e9:.2f} GB",
+            format_bytes(m.size_bytes),
             m.source,
         ]
         for m in models.models

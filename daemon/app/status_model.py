@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 
-from meshd.units import format_flops, format_size
 from meshd.wire import pb, rpc
+from partitioner.humanize import format_bytes, format_flops
 
 log = logging.getLogger("meshd.status_app")
 
@@ -122,7 +122,7 @@ def menu_unreachable(error_text: str) -> Menu:
     )
 
 
-def mesh_state(view: pb.AgreementView) -> MeshState:
+def mesh_state(view: pb.AgreementStatus) -> MeshState:
     """Classify the agreement view; a refusal outranks a still-served older plan."""
     if not view.model:
         return MeshState.NO_MODEL
@@ -153,7 +153,7 @@ def _mesh_line(status: pb.MeshStatus) -> str:
 
 
 def _agreement_lines(
-    view: pb.AgreementView, state: MeshState, plan: dict[str, Any] | None
+    view: pb.AgreementStatus, state: MeshState, plan: dict[str, Any] | None
 ) -> list[str]:
     if state is MeshState.NO_MODEL:
         return ["no model selected · choose one with `meshd load MODEL`"]
@@ -168,7 +168,7 @@ def _agreement_lines(
     return lines
 
 
-def _plan_line(view: pb.AgreementView, plan: dict[str, Any] | None) -> str:
+def _plan_line(view: pb.AgreementStatus, plan: dict[str, Any] | None) -> str:
     parts = [f"plan {view.active_plan_id[:8]}"]
     stages = plan.get("stages") if plan else None
     if isinstance(stages, list):
@@ -183,7 +183,7 @@ def _plan_line(view: pb.AgreementView, plan: dict[str, Any] | None) -> str:
     return " · ".join(parts)
 
 
-def _pending_reasons(view: pb.AgreementView) -> list[str]:
+def _pending_reasons(view: pb.AgreementStatus) -> list[str]:
     """The daemon's reasons why the plan is not (yet) committed, minus what is said elsewhere.
 
     The daemon joins its reasons with "; " and includes the refusal text; the refusal has its
@@ -204,7 +204,7 @@ def _node_line(node: pb.PeerStatus, layers: dict[str, str]) -> str:
         head += f" ({profile.name})"
     parts = [head]
     if profile.flops > 0:
-        parts += [f"{format_size(profile.memory_budget)} budget", format_flops(profile.flops)]
+        parts += [f"{format_bytes(profile.memory_budget)} budget", format_flops(profile.flops)]
     else:
         parts.append("measuring")
     if profile.node_id in layers:
@@ -225,10 +225,11 @@ def _memory_lines(memory: pb.RuntimeMemory) -> list[str]:
     """This node's memory next to its budget (and the plan's prediction while serving)."""
     if not memory.budget:
         return []
-    line = f"this node: MLX {format_size(memory.mlx_active)} of {format_size(memory.budget)} budget"
+    used, budget = format_bytes(memory.mlx_active), format_bytes(memory.budget)
+    line = f"this node: MLX {used} of {budget} budget"
     if memory.planned:
-        line += f" (plan predicts {format_size(memory.planned)})"
-    return [line + f" · RSS {format_size(memory.rss)}"]
+        line += f" (plan predicts {format_bytes(memory.planned)})"
+    return [line + f" · RSS {format_bytes(memory.rss)}"]
 
 
 def _parse_plan(plan_json: str) -> dict[str, Any] | None:

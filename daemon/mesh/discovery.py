@@ -8,31 +8,27 @@ another mesh fingerprint is never reported at all (one log line per peer says wh
 
 Threads: without an asyncio loop in the calling thread, `Zeroconf` runs its own loop thread and
 its `ServiceBrowser` calls back on a thread of its own. Nothing here blocks the trio thread:
-coroutines are submitted to zeroconf's loop and awaited through a trio event, browser callbacks
-reach trio through `TrioToken.run_sync_soon` (non-blocking, so closing the browser, which joins
-its thread, cannot deadlock), and the few blocking calls run in `trio.to_thread`.
+coroutines are submitted to zeroconf's loop and awaited with `meshd.runtime.bridge.wait_future`,
+browser callbacks reach trio through `TrioToken.run_sync_soon` (non-blocking, so closing the
+browser, which joins its thread, cannot deadlock), and the few blocking calls run in
+`trio.to_thread`.
 
-The TXT record carries only public facts: node id, mesh name, protocol version, gRPC port and
-the mesh fingerprint (a public hash that lets daemons skip meshes they cannot join).
+What is announced, and how a peer's announcement is checked: `meshd.mesh.announcement`. Which
+interfaces: `meshd.mesh.interfaces`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import ipaddress
 import logging
 import math
-import re
-import socket
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar
 
-import psutil
 import trio
 from zeroconf import (
     DNSText,
@@ -45,162 +41,13 @@ from zeroconf import (
 )
 from zeroconf.const import _CLASS_IN, _TYPE_TXT
 
+from meshd.mesh.announcement import SERVICE_TYPE, Announcement, MalformedAnnouncementError
+from meshd.mesh.interfaces import check_bind_addresses
+from meshd.runtime.bridge import wait_future
+
 log = logging.getLogger(__name__)
 
-SERVICE_TYPE = "_meshd._tcp.local."
-
-TXT_NODE_ID = "node"
-TXT_MESH_NAME = "mesh"
-TXT_PROTOCOL_VERSION = "proto"
-TXT_GRPC_PORT = "grpc"
-TXT_FINGERPRINT = "fp"
-# Bumped on every update(): a TXT record identical to one still cached (going back to an earlier
-# mesh within its 1 s flush window) would otherwise raise no browser event at all.
-TXT_REVISION = "rev"
-
-# A DNS label holds at most 63 bytes, and the node id is the service's instance label.
-_NODE_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
-_FINGERPRINT_PATTERN = re.compile(r"[0-9a-f]{0,64}")
-_MAX_MESH_NAME_CHARS = 63
-
-# Interface names of container and VM bridges: announcing there reaches containers, not peers
-# (exo #858 picked docker0). Used only when the interfaces are chosen automatically.
-VIRTUAL_INTERFACE_PREFIXES = (
-    "docker",
-    "br-",
-    "veth",
-    "virbr",
-    "vnet",
-    "cni",
-    "flannel",
-    "cali",
-    "podman",
-    "lxcbr",
-    "lxdbr",
-    "vboxnet",
-    "vmnet",
-)
-
 T = TypeVar("T")
-
-
-class MalformedAnnouncementError(ValueError):
-    """A TXT record or announcement field is missing or invalid; the message names which."""
-
-
-class InterfaceSelectionError(ValueError):
-    """The interface list cannot be resolved; the message lists what is available."""
-
-
-@dataclass(frozen=True)
-class Announcement:
-    """What a daemon announces about itself over mDNS (public facts only)."""
-
-    node_id: str
-    mesh_name: str
-    protocol_version: int
-    grpc_port: int
-    fingerprint: str
-    addresses: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        _check_announcement_fields(self)
-
-    @property
-    def instance_name(self) -> str:
-        """The mDNS service instance name; derived from the node id so it is unique per node."""
-        return f"{self.node_id}.{SERVICE_TYPE}"
-
-    def to_txt(self) -> dict[str, str]:
-        """The TXT properties announcing this node."""
-        return {
-            TXT_NODE_ID: self.node_id,
-            TXT_MESH_NAME: self.mesh_name,
-            TXT_PROTOCOL_VERSION: str(self.protocol_version),
-            TXT_GRPC_PORT: str(self.grpc_port),
-            TXT_FINGERPRINT: self.fingerprint,
-        }
-
-    def to_service_info(self, revision: int = 0) -> ServiceInfo:
-        """A zeroconf ServiceInfo for registering this announcement (`revision` goes in TXT)."""
-        return ServiceInfo(
-            SERVICE_TYPE,
-            self.instance_name,
-            port=self.grpc_port,
-            properties={**self.to_txt(), TXT_REVISION: str(revision)},
-            server=f"{self.node_id}.local.",
-            parsed_addresses=list(self.addresses),
-        )
-
-    @classmethod
-    def from_service_info(cls, info: ServiceInfo) -> Announcement:
-        """Parse a resolved peer; raises MalformedAnnouncementError naming the bad field."""
-        txt = info.decoded_properties
-        node_id = _required_txt(txt, TXT_NODE_ID)
-        if info.name != f"{node_id}.{SERVICE_TYPE}":
-            raise MalformedAnnouncementError(
-                f"instance name {info.name!r} does not match its TXT node id {node_id!r}"
-            )
-        return cls(
-            node_id=node_id,
-            mesh_name=_required_txt(txt, TXT_MESH_NAME),
-            protocol_version=_int_txt(txt, TXT_PROTOCOL_VERSION),
-            grpc_port=_int_txt(txt, TXT_GRPC_PORT),
-            fingerprint=_required_txt(txt, TXT_FINGERPRINT),
-            addresses=tuple(sorted(info.parsed_scoped_addresses())),
-        )
-
-    def incompatibility_with(self, peer: Announcement) -> str | None:
-        """Why `peer` cannot be in our mesh, or None when it can."""
-        if peer.mesh_name != self.mesh_name:
-            return f"mesh name {peer.mesh_name!r} differs from ours ({self.mesh_name!r})"
-        if peer.protocol_version != self.protocol_version:
-            return (
-                f"protocol version {peer.protocol_version} differs from ours "
-                f"({self.protocol_version}); run the same meshd version on every node"
-            )
-        if peer.fingerprint != self.fingerprint:
-            return (
-                f"mesh fingerprint {peer.fingerprint!r} differs from ours ({self.fingerprint!r}): "
-                "same mesh name, different secret; join with a token from a member"
-            )
-        return None
-
-
-def _check_announcement_fields(a: Announcement) -> None:
-    if not _NODE_ID_PATTERN.fullmatch(a.node_id):
-        raise MalformedAnnouncementError(
-            f"node id {a.node_id!r} is not a DNS label (1-63 letters, digits, '-' or '_')"
-        )
-    if not a.mesh_name or len(a.mesh_name) > _MAX_MESH_NAME_CHARS:
-        raise MalformedAnnouncementError(f"mesh name {a.mesh_name!r} must have 1-63 characters")
-    if a.protocol_version < 0:
-        raise MalformedAnnouncementError(f"protocol version {a.protocol_version} is negative")
-    if not 1 <= a.grpc_port <= 65535:
-        raise MalformedAnnouncementError(f"gRPC port {a.grpc_port} is not in 1-65535")
-    if not _FINGERPRINT_PATTERN.fullmatch(a.fingerprint):
-        raise MalformedAnnouncementError(
-            f"fingerprint {a.fingerprint!r} is not lowercase hex of at most 64 digits"
-        )
-    for address in a.addresses:
-        try:
-            ipaddress.ip_address(address.split("%", 1)[0])
-        except ValueError:
-            raise MalformedAnnouncementError(f"address {address!r} is not an IP address") from None
-
-
-def _required_txt(txt: Mapping[str, str | None], key: str) -> str:
-    value = txt.get(key)
-    if value is None:
-        raise MalformedAnnouncementError(f"TXT record has no {key!r} entry")
-    return value
-
-
-def _int_txt(txt: Mapping[str, str | None], key: str) -> int:
-    value = _required_txt(txt, key)
-    if not value.isdigit():
-        raise MalformedAnnouncementError(f"TXT entry {key}={value!r} is not a whole number")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -230,104 +77,6 @@ DiscoveryEvent = PeerAppeared | PeerUpdated | PeerGone
 GOODBYE_REASON = "mDNS goodbye (the peer left or its record expired)"
 
 
-# ---------------------------------------------------------------------------------------------
-# Interface selection
-# ---------------------------------------------------------------------------------------------
-
-
-def resolve_interfaces(spec: Sequence[str] | None, skip: Sequence[str] = ()) -> list[str]:
-    """Map interface names or IPv4 addresses to the IPv4 addresses to announce on.
-
-    `spec=None` chooses automatically: every interface that is up and has an IPv4 address,
-    except loopback and container/VM bridges (`VIRTUAL_INTERFACE_PREFIXES`). Named entries are
-    taken as given, loopback and bridges included. Anything in `skip` (names or addresses) is
-    never returned. Reads the current network namespace through psutil.
-
-    An empty list means nothing is usable (no network, or everything skipped): the caller runs
-    without mDNS. A named entry that does not exist raises InterfaceSelectionError.
-    """
-    addresses = {
-        name: [a.address for a in entries if a.family == socket.AF_INET]
-        for name, entries in psutil.net_if_addrs().items()
-    }
-    up = {name: stats.isup for name, stats in psutil.net_if_stats().items()}
-    return select_interface_addresses(spec, skip, addresses, up)
-
-
-def select_interface_addresses(
-    spec: Sequence[str] | None,
-    skip: Sequence[str],
-    addresses: Mapping[str, Sequence[str]],
-    up: Mapping[str, bool],
-) -> list[str]:
-    """The pure part of `resolve_interfaces`: `addresses` maps interface name -> IPv4 addresses."""
-    if spec is None:
-        chosen = _automatic_interfaces(addresses, up)
-    else:
-        chosen = [pair for entry in spec for pair in _explicit_interface(entry, addresses)]
-    skipped = set(skip)
-    result = [ip for name, ip in chosen if name not in skipped and ip not in skipped]
-    return list(dict.fromkeys(result))
-
-
-def _automatic_interfaces(
-    addresses: Mapping[str, Sequence[str]], up: Mapping[str, bool]
-) -> list[tuple[str, str]]:
-    return [
-        (name, ip)
-        for name, ips in addresses.items()
-        if up.get(name, False) and not name.startswith(VIRTUAL_INTERFACE_PREFIXES)
-        for ip in ips
-        if not ipaddress.ip_address(ip).is_loopback
-    ]
-
-
-def _explicit_interface(
-    entry: str, addresses: Mapping[str, Sequence[str]]
-) -> list[tuple[str, str]]:
-    if entry in addresses:
-        if not addresses[entry]:
-            raise InterfaceSelectionError(
-                f"interface {entry!r} has no IPv4 address; available: {_describe(addresses)}"
-            )
-        return [(entry, ip) for ip in addresses[entry]]
-    owners = [name for name, ips in addresses.items() if entry in ips]
-    if owners:
-        return [(owners[0], entry)]
-    raise InterfaceSelectionError(
-        f"{entry!r} is neither an interface name nor an IPv4 address of this machine; "
-        f"available: {_describe(addresses)}"
-    )
-
-
-def _describe(addresses: Mapping[str, Sequence[str]]) -> str:
-    return ", ".join(f"{name} ({', '.join(ips) or 'no IPv4'})" for name, ips in addresses.items())
-
-
-def _check_bind_addresses(interfaces: Sequence[str]) -> list[str]:
-    if not interfaces:
-        raise InterfaceSelectionError(
-            "Discovery needs an explicit list of IPv4 addresses (see resolve_interfaces); "
-            "it never binds to every interface on its own"
-        )
-    for ip in interfaces:
-        try:
-            parsed = ipaddress.ip_address(ip)
-        except ValueError:
-            parsed = None
-        if parsed is None or parsed.version != 4 or parsed.is_unspecified or parsed.is_multicast:
-            raise InterfaceSelectionError(
-                f"{ip!r} is not a unicast IPv4 interface address; map interface names to "
-                "addresses with resolve_interfaces"
-            )
-    return list(interfaces)
-
-
-# ---------------------------------------------------------------------------------------------
-# Discovery
-# ---------------------------------------------------------------------------------------------
-
-
 @dataclass
 class _Resolution:
     """An in-flight resolution of one peer; `again` asks for one more pass after it."""
@@ -354,7 +103,7 @@ class Discovery:
         resolve_attempts: int = 3,
         shutdown_timeout_s: float = 3.0,
     ) -> None:
-        self._interfaces = _check_bind_addresses(interfaces)
+        self._interfaces = check_bind_addresses(interfaces)
         self._own = self._with_addresses(announcement)
         self._events = events
         self._resolve_timeout_ms = int(resolve_timeout_s * 1000)
@@ -495,14 +244,14 @@ class Discovery:
         if self._registered is not None:
             info, self._registered = self._registered, None
             try:
-                await _wait_future(asyncio.run_coroutine_threadsafe(_unregister(zc, info), zc.loop))
+                await wait_future(asyncio.run_coroutine_threadsafe(_unregister(zc, info), zc.loop))
             except Exception as error:  # a failed goodbye must not prevent closing
                 log.warning("could not send the mDNS goodbye for %s: %s", info.name, error)
         await trio.to_thread.run_sync(zc.close, abandon_on_cancel=True)
 
     async def _on_zeroconf_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
         assert self._zc is not None and self._zc.loop is not None
-        return await _wait_future(asyncio.run_coroutine_threadsafe(coroutine, self._zc.loop))
+        return await wait_future(asyncio.run_coroutine_threadsafe(coroutine, self._zc.loop))
 
     # -- browsing ---------------------------------------------------------------------------
 
@@ -660,21 +409,3 @@ async def _update_service(zc: Zeroconf, info: ServiceInfo) -> None:
 async def _unregister(zc: Zeroconf, info: ServiceInfo) -> None:
     """Runs on zeroconf's loop: broadcasts the goodbye."""
     await (await zc.async_unregister_service(info))
-
-
-async def _wait_future(future: concurrent.futures.Future[T]) -> T:
-    """Await a future completed on another thread; cancelling the wait cancels the future."""
-    token = trio.lowlevel.current_trio_token()
-    finished = trio.Event()
-
-    def wake(_: concurrent.futures.Future[T]) -> None:
-        with contextlib.suppress(trio.RunFinishedError):
-            token.run_sync_soon(finished.set)
-
-    future.add_done_callback(wake)
-    try:
-        await finished.wait()
-    finally:
-        if not future.done():
-            future.cancel()
-    return future.result()

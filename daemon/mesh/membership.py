@@ -10,7 +10,7 @@ with a bounded backoff for as long as the address is wanted.
 
 Every node dials every peer, so each side judges liveness from its own
 outgoing stream. A node's own profile and outgoing link measurements are
-published as an immutable `NodeState` snapshot that the peer server hands out
+published as an immutable `NodeState` (`own_state`) that the peer server hands out
 as-is; every node therefore builds the same view once it has fetched all states.
 
 Duplicate node ids (a copied state directory) are refused, not merged: the
@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,10 +31,11 @@ import trio
 from meshd.mesh import links
 from meshd.mesh.identity import Identity
 from meshd.runtime.bridge import AsyncioThread
+from meshd.runtime.events import EventLog
+from meshd.runtime.notify import Publisher
 from meshd.wire import pb, rpc
 
 log = logging.getLogger("meshd.membership")
-events_log = logging.getLogger("meshd")
 
 PROTOCOL_VERSION = 1
 HELLO_TIMEOUT_S = 2.0
@@ -75,21 +75,6 @@ class PeerRecord:
     state_wanted: trio.Event = field(default_factory=trio.Event)
 
 
-class EventLog:
-    """Recent happenings in words, for logs and `meshd status`."""
-
-    def __init__(self, size: int = 50) -> None:
-        self._lines: deque[str] = deque(maxlen=size)
-
-    def add(self, message: str, *args: object, level: int = logging.INFO) -> None:
-        text = message % args if args else message
-        events_log.log(level, text)
-        self._lines.append(f"{time.strftime('%H:%M:%S')} {text}")
-
-    def lines(self) -> list[str]:
-        return list(self._lines)
-
-
 def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -125,13 +110,13 @@ class Membership:
         self.peers: dict[str, PeerRecord] = {}
         self.links: dict[str, pb.LinkMeasurement] = {}
         self._wanted: dict[str, str] = {}  # address -> source
-        self._sessions: dict[str, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
         self.profile: pb.NodeProfile = pb.NodeProfile(node_id=identity.node_id)
         self.model: pb.ModelSelection | None = None
         self.version = 1
-        self.snapshot = self._build_state()
-        self._changed = trio.Event()
+        self.own_state = self._build_state()
+        # "The peer table or a published state changed": agreement, status watchers.
+        self.changes = Publisher[None]("membership", coalesce=True)
         self.fatal: DuplicateNodeId | None = None
         self._fatal_event = trio.Event()
 
@@ -162,11 +147,15 @@ class Membership:
         if self._wanted.pop(address, None) is not None:
             log.debug("no longer dialing %s: %s", address, reason)
 
+    def unwant_peer(self, node_id: str, reason: str) -> None:
+        """Stop redialling the address peer `node_id` was reached at (it said goodbye)."""
+        record = self.peers.get(node_id)
+        if record is not None:
+            self.unwant(record.address, reason)
+
     def _start_session(self, address: str, source: str) -> None:
         assert self._nursery is not None
-        scope = trio.CancelScope()
-        self._sessions[address] = scope
-        self._nursery.start_soon(self._session_loop, address, source, scope)
+        self._nursery.start_soon(self._session_loop, address, source)
 
     # ------------------------------------------------------------ state
 
@@ -192,14 +181,10 @@ class Membership:
         )
 
     def _publish(self) -> None:
-        """Bump the version, swap the snapshot the peer server hands out, wake watchers."""
+        """Bump the version, replace the published state, wake watchers."""
         self.version += 1
-        self.snapshot = self._build_state()
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def wait_changed(self) -> None:
-        await self._changed.wait()
+        self.own_state = self._build_state()
+        self.changes.publish(None)
 
     def alive_peers(self) -> list[PeerRecord]:
         return sorted((p for p in self.peers.values() if p.alive), key=lambda p: p.node_id)
@@ -292,25 +277,23 @@ class Membership:
 
     # ------------------------------------------------------------ outgoing sessions
 
-    async def _session_loop(self, address: str, source: str, scope: trio.CancelScope) -> None:
+    async def _session_loop(self, address: str, source: str) -> None:
         backoff = 0.2
-        with scope:
-            while address in self._wanted:
-                try:
-                    await self._session(address, source)
-                    backoff = 0.2
-                except PeerRefused as exc:
-                    log.info("peer %s refused: %s", address, exc)
-                    backoff = MAX_BACKOFF_S * 5
-                except DuplicateNodeId:
-                    raise
-                except Exception as exc:
-                    if not links.is_transient(exc) and not isinstance(exc, ConnectionError):
-                        log.exception("session to %s failed unexpectedly", address)
-                    log.debug("session to %s ended: %s", address, exc)
-                await trio.sleep(backoff * (0.8 + 0.4 * random.random()))
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
-        self._sessions.pop(address, None)
+        while address in self._wanted:
+            try:
+                await self._session(address, source)
+                backoff = 0.2
+            except PeerRefused as exc:
+                log.info("peer %s refused: %s", address, exc)
+                backoff = MAX_BACKOFF_S * 5
+            except DuplicateNodeId:
+                raise
+            except Exception as exc:
+                if not links.is_transient(exc) and not isinstance(exc, ConnectionError):
+                    log.exception("session to %s failed unexpectedly", address)
+                log.debug("session to %s ended: %s", address, exc)
+            await trio.sleep(backoff * (0.8 + 0.4 * random.random()))
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     async def _session(self, address: str, source: str) -> None:
         bridge = self._bridge
@@ -419,7 +402,7 @@ class Membership:
                 _beat_stream,
                 stub,
                 self.identity.node_id,
-                lambda: self.version,
+                lambda: self.own_state.version,
                 self._interval,
                 self._timeout,
                 deliver,

@@ -1,19 +1,23 @@
 """The Peer gRPC service: what a daemon answers to other members of its mesh.
 
-It runs on the asyncio thread (grpc.aio) behind mutual TLS: only holders of a
-certificate issued under the mesh CA get past the handshake. Handlers read the
-membership's immutable `NodeState` snapshot directly and call into trio only
-for decisions that touch the peer table (Hello).
+It runs on the asyncio thread (grpc.aio) behind mutual TLS: only holders of a certificate
+issued under the mesh CA get past the handshake. Handlers read the membership's published
+`NodeState` (an immutable value the trio side replaces whole) directly, and call into trio,
+awaiting the answer, for decisions that touch trio-owned state (Hello, Propose). A bad
+message from a member is answered with a status naming the problem and one warning line;
+it never reaches trio as an unhandled error.
+
+Two services of other subsystems ride on the peer port without this package importing them
+(mesh sits below agreement and models): proposals go to a `ProposalReceiver` (the
+agreement) and model parts come from a `ModelPartSource` (model distribution); the node
+plugs both in.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 import grpc
@@ -28,27 +32,49 @@ log = logging.getLogger("meshd.peer")
 
 
 class ProposalReceiver(Protocol):
+    """Takes a member's agreement message on the trio thread.
+
+    Raises PermissionError when the message claims another sender than the certificate
+    names, and ValueError when it is malformed; both are refused, the receiver goes on.
+    """
+
     def receive(self, message: pb.ProposalMessage, cert_node_id: str | None) -> None: ...
+
+
+class ModelPartSource(Protocol):
+    """Streams a part of a model this node holds (on the asyncio thread).
+
+    Raises FileNotFoundError when this node has no copy of the model, ValueError when the
+    request is malformed.
+    """
+
+    def stream_part(
+        self, request: pb.ModelPartRequest, caller: str | None
+    ) -> AsyncIterator[pb.FileChunk]: ...
 
 
 class PeerService(rpc.PeerServicer):
     """Peer RPC handlers bound to one daemon's membership."""
 
-    def __init__(self, membership: Membership, bridge: AsyncioThread) -> None:
+    def __init__(
+        self,
+        membership: Membership,
+        bridge: AsyncioThread,
+        agreement: ProposalReceiver | None = None,
+        model_parts: ModelPartSource | None = None,
+    ) -> None:
         self._membership = membership
         self._bridge = bridge
-        self.agreement: ProposalReceiver | None = None
-        # (model name, digest) -> this node's local model directory, or None.
-        self.model_source: Callable[[str, str], Path | None] = lambda name, digest: None
+        self._agreement = agreement
+        self._model_parts = model_parts
 
     async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext):
-        cert_node_id = peer_node_id(context)
-        caller_host = caller_address_host(context.peer())
-
-        async def decide() -> pb.HelloReply:
-            return self._membership.hello_reply(request, cert_node_id, caller_host)
-
-        return await self._bridge.run_in_trio(decide)
+        return await self._bridge.call_in_trio(
+            self._membership.hello_reply,
+            request,
+            peer_node_id(context),
+            caller_address_host(context.peer()),
+        )
 
     async def Heartbeat(
         self, request_iterator: AsyncIterator[pb.Beat], context: grpc.aio.ServicerContext
@@ -58,12 +84,12 @@ class PeerService(rpc.PeerServicer):
             yield pb.Beat(
                 node_id=me,
                 seq=beat.seq,
-                state_version=self._membership.snapshot.version,
+                state_version=self._membership.own_state.version,
                 sent_at=time.time(),
             )
 
     async def GetState(self, request: pb.StateRequest, context: grpc.aio.ServicerContext):
-        return self._membership.snapshot
+        return self._membership.own_state
 
     async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext):
         return pb.PingReply(payload=request.payload)
@@ -74,33 +100,30 @@ class PeerService(rpc.PeerServicer):
     async def FetchModelPart(
         self, request: pb.ModelPartRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.FileChunk]:
-        from meshd.models.share import PartSpec, export_part, file_chunks
-
-        source = self.model_source(request.model_name, request.model_digest)
-        if source is None:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"node {self._membership.identity.node_id} has no copy of model "
-                f"{request.model_name} ({request.model_digest})",
-            )
-        part = PartSpec.from_request(request)
-        with tempfile.TemporaryDirectory(prefix="meshd-part-") as tmp:
-            root = Path(tmp)
-            paths = await asyncio.to_thread(export_part, source, part, root)
-            log.info(
-                "sending layers %d-%d of %s to %s",
-                part.layer_start,
-                part.layer_end - 1,
-                part.name,
-                peer_node_id(context),
-            )
-            for chunk in file_chunks(paths, root):
+        caller = peer_node_id(context)
+        if self._model_parts is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node shares no models")
+        try:
+            async for chunk in self._model_parts.stream_part(request, caller):
                 yield chunk
+        except FileNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except ValueError as exc:
+            log.warning("refused a malformed model part request from %s: %s", caller, exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def Propose(self, request: pb.ProposalMessage, context: grpc.aio.ServicerContext):
-        receiver = self.agreement
-        if receiver is not None:
-            self._bridge.call_soon_in_trio(receiver.receive, request, peer_node_id(context))
+        if self._agreement is None:
+            return pb.ProposeAck()
+        caller = peer_node_id(context)
+        try:
+            await self._bridge.call_in_trio(self._agreement.receive, request, caller)
+        except PermissionError as exc:
+            log.warning("refused a proposal from %s: %s", caller, exc)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except ValueError as exc:
+            log.warning("refused a malformed proposal from %s: %s", caller, exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed proposal: {exc}")
         return pb.ProposeAck()
 
 

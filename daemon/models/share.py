@@ -11,7 +11,9 @@ may still be the origin of requests).
 The transfer runs over the peer's mutual-TLS channel (`Peer.FetchModelPart`), so only mesh
 members can fetch. The model is named by its digest (the hash of its description that the
 agreement already compares), so a peer never serves a different model under the same name.
-Parts are written to a temporary folder and renamed into place once complete.
+Parts are written to a temporary folder and renamed into place once complete. Both ends run
+on the asyncio thread that also carries heartbeats, so exporting, reading, writing and
+hashing run in worker threads (`PartExporter`, `receive_part`).
 
 A daemon runs for months and its stage changes with the mesh, so fetched parts are pruned:
 after each install, parts that no installed plan uses are deleted, except the most recently
@@ -21,18 +23,23 @@ killed daemon left behind (`prune_parts`).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Collection, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from meshd.runtime.lazy_imports import import_model_runtime
 from meshd.wire import pb
+
+log = logging.getLogger("meshd.models")
 
 CHUNK_BYTES = 1024 * 1024
 FETCH_TIMEOUT_S = 600.0
@@ -127,16 +134,55 @@ def export_part(model_dir: Path, part: PartSpec, out_dir: Path) -> list[Path]:
     return sorted(path for path in out_dir.iterdir() if path.is_file())
 
 
-def file_chunks(paths: list[Path], root: Path) -> Iterator[pb.FileChunk]:
-    """The files as chunks, each file's last chunk marked, with a sha256 to check."""
+class PartExporter:
+    """Serves parts of this node's copy of a model to members (`Peer.FetchModelPart`).
+
+    Runs on the asyncio thread that also carries heartbeats, so every blocking step (the
+    export, reading and hashing 1 MiB chunks, deleting the exported copy) runs in a worker
+    thread. `locate(name, digest)` returns this node's directory of that model, or None.
+    """
+
+    def __init__(self, locate: Callable[[str, str], Awaitable[Path | None]]) -> None:
+        self._locate = locate
+
+    async def stream_part(
+        self, request: pb.ModelPartRequest, caller: str | None
+    ) -> AsyncIterator[pb.FileChunk]:
+        """The part's files as chunks; FileNotFoundError when this node lacks the model."""
+        part = PartSpec.from_request(request)
+        source = await self._locate(part.name, part.digest)
+        if source is None:
+            raise FileNotFoundError(f"this node has no copy of model {part.name} ({part.digest})")
+        root = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="meshd-part-"))
+        try:
+            paths = await asyncio.to_thread(export_part, source, part, root)
+            log.info("sending %s of %s to %s", describe_part(part), part.name, caller or "a peer")
+            async for chunk in read_chunks(paths, root):
+                yield chunk
+        finally:
+            await asyncio.to_thread(shutil.rmtree, root, True)
+
+
+def describe_part(part: PartSpec) -> str:
+    """'layers 0-9', or 'the config and tokenizer' for a node that holds no stage."""
+    if part.layer_end <= part.layer_start:
+        return "the config and tokenizer"
+    return f"layers {part.layer_start}-{part.layer_end - 1}"
+
+
+async def read_chunks(paths: list[Path], root: Path) -> AsyncIterator[pb.FileChunk]:
+    """The files as chunks, each file's last chunk marked, with a sha256 to check.
+
+    asyncio side: reads and hashing run in a worker thread, one chunk at a time.
+    """
     for path in paths:
-        size = path.stat().st_size
-        digest = hashlib.sha256()
-        with path.open("rb") as handle:
+        handle = await asyncio.to_thread(path.open, "rb")
+        try:
+            size = os.fstat(handle.fileno()).st_size
+            digest = hashlib.sha256()
             offset = 0
             while True:
-                data = handle.read(CHUNK_BYTES)
-                digest.update(data)
+                data = await asyncio.to_thread(_read_and_hash, handle, digest)
                 last = offset + len(data) >= size
                 yield pb.FileChunk(
                     path=str(path.relative_to(root)),
@@ -148,36 +194,60 @@ def file_chunks(paths: list[Path], root: Path) -> Iterator[pb.FileChunk]:
                 offset += len(data)
                 if last:
                     break
+        finally:
+            handle.close()
+
+
+def _read_and_hash(handle: BinaryIO, digest: Any) -> bytes:
+    data = handle.read(CHUNK_BYTES)
+    digest.update(data)
+    return data
 
 
 async def receive_part(chunks: AsyncIterator[pb.FileChunk], dest: Path) -> int:
-    """Write streamed chunks into `dest` atomically; returns the bytes received."""
-    if dest.exists():
+    """Write streamed chunks into `dest` atomically; returns the bytes received.
+
+    asyncio side: writing and hashing run in a worker thread, one chunk at a time.
+    """
+    if await asyncio.to_thread(dest.exists):
         return 0
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    staging = await asyncio.to_thread(_make_staging, dest)
     received = 0
-    hashes: dict[str, object] = {}
+    hashes: dict[str, Any] = {}
     try:
         async for chunk in chunks:
-            target = (staging / chunk.path).resolve()
-            if staging.resolve() not in target.parents:
-                raise ModelShareError(f"the peer sent a file outside the part: {chunk.path!r}")
-            running = hashes.setdefault(chunk.path, hashlib.sha256())
-            running.update(chunk.data)  # type: ignore[attr-defined]
-            with target.open("r+b" if chunk.offset else "wb") as handle:
-                handle.seek(chunk.offset)
-                handle.write(chunk.data)
+            await asyncio.to_thread(_write_chunk, staging, chunk, hashes)
             received += len(chunk.data)
-            if chunk.sha256 and running.hexdigest() != chunk.sha256:  # type: ignore[attr-defined]
-                raise ModelShareError(f"{chunk.path} arrived damaged (checksum mismatch)")
-        if not (staging / "config.json").is_file():
-            raise ModelShareError("the part has no config.json; the peer could not export it")
-        staging.replace(dest)
+        await asyncio.to_thread(_install_staging, staging, dest)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        await asyncio.shield(asyncio.to_thread(shutil.rmtree, staging, True))
         raise
     return received
+
+
+def _make_staging(dest: Path) -> Path:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+
+
+def _write_chunk(staging: Path, chunk: pb.FileChunk, hashes: dict[str, Any]) -> None:
+    """Write one chunk into the staging folder and check the file's sha256 at its end."""
+    target = (staging / chunk.path).resolve()
+    if staging.resolve() not in target.parents:
+        raise ModelShareError(f"the peer sent a file outside the part: {chunk.path!r}")
+    running = hashes.setdefault(chunk.path, hashlib.sha256())
+    running.update(chunk.data)
+    with target.open("r+b" if chunk.offset else "wb") as handle:
+        handle.seek(chunk.offset)
+        handle.write(chunk.data)
+    if chunk.sha256 and running.hexdigest() != chunk.sha256:
+        raise ModelShareError(f"{chunk.path} arrived damaged (checksum mismatch)")
+
+
+def _install_staging(staging: Path, dest: Path) -> None:
+    if not (staging / "config.json").is_file():
+        raise ModelShareError("the part has no config.json; the peer could not export it")
+    staging.replace(dest)
 
 
 def mark_used(part_dir: Path) -> None:

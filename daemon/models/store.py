@@ -291,15 +291,14 @@ def _check_mlx_dir(path: Path) -> None:
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
         raise InvalidModelSource(f"{path} has no tokenizer.json or tokenizer.model.")
     import_model_runtime()
-    from mlx_lm.utils import _get_classes
+    from mlx_lm.utils import load_model
 
-    config = json.loads(config_path.read_text())
-    try:
-        _get_classes(config)
-    except (KeyError, ValueError) as error:
+    try:  # mlx-lm's own loader builds the model class (lazily, reading no weights)
+        load_model(path, lazy=True, strict=False)
+    except (KeyError, ValueError, TypeError) as error:
+        model_type = json.loads(config_path.read_text()).get("model_type")
         raise InvalidModelSource(
-            f"mlx-lm cannot build the model in {path} (model_type "
-            f"{config.get('model_type')!r}): {error}"
+            f"mlx-lm cannot build the model in {path} (model_type {model_type!r}): {error}"
         ) from error
 
 

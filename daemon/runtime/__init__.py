@@ -1,0 +1,1 @@
+"""What every subsystem runs on: the trio/asyncio bridge, notification, events, BLAS, imports."""

@@ -77,11 +77,6 @@ class BlasInfo:
     path: str | None  # the loaded library file, when there is one
     reason: str  # why this BLAS: what was chosen, kept or refused
 
-    @property
-    def is_fast(self) -> bool:
-        """False only for MLX's bundled reference BLAS."""
-        return self.kind != "reference"
-
 
 _enabled: BlasInfo | None = None
 

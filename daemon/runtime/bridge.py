@@ -1,19 +1,26 @@
-"""Run grpc.aio on one dedicated asyncio thread and use it from trio.
+"""Run grpc.aio on one dedicated asyncio thread and use it from trio: every crossing owned.
 
-grpcio has no trio support. Measured on this machine, the cleanest bridge is a
-single asyncio event loop on its own thread that owns every grpc.aio server and
-channel, with trio awaiting coroutines submitted to it (trio-asyncio breaks
-grpc.aio streaming handlers). The rules this module enforces:
+grpcio has no trio support. Measured on this machine, the cleanest bridge is a single asyncio
+event loop on its own thread that owns every grpc.aio server and channel, with trio awaiting
+coroutines submitted to it (trio-asyncio breaks grpc.aio streaming handlers). Why trio stays
+the core, and the rules every crossing follows, are in docs/architecture.md. This module is
+the only place that crosses, and each way of crossing has an owner that receives the result,
+the error and the cancellation:
 
-* trio -> asyncio: `await bridge.run(coro_fn, *args)` submits the coroutine with
-  `run_coroutine_threadsafe` and waits for it without blocking the trio thread.
-  When the trio caller is cancelled, the asyncio task is cancelled too (which
-  cancels the RPC it was awaiting) and the caller waits, shielded and bounded,
-  for it to finish, so nothing outlives its trio owner.
-* asyncio -> trio: handlers call `bridge.call_soon_in_trio(fn, *args)` (fire and
-  forget, e.g. `send_nowait` on a trio channel) or `await bridge.run_in_trio(afn)`
-  which runs `afn` as a trio *system* task, so it survives the server's grace
-  period when the trio side is being cancelled on Ctrl-C.
+* trio -> asyncio, `await bridge.run(coro_fn, *args)`: the trio caller owns the asyncio task.
+  Cancelling the caller cancels the task (which cancels the RPC it was awaiting), and the
+  caller waits, shielded and bounded, until the task has really finished.
+* asyncio -> trio, `await bridge.run_in_trio(afn, *args)` (or `call_in_trio` for a plain
+  function): the asyncio caller owns a trio *system* task (system tasks survive the servers'
+  grace period while the trio side is being cancelled). Its result or exception is returned
+  to the caller; cancelling the caller (a client that goes away, a keepalive timeout)
+  cancels the trio task, and the caller waits, bounded, until it has ended. When the bridge
+  closes, trio tasks whose callers are gone are cancelled before the loop stops.
+* asyncio -> trio, `bridge.call_soon_in_trio(fn, *args)`: fire and forget for functions that
+  only hand data over (set an event, `send_nowait`). The bridge owns these calls: an
+  exception is a bug and is logged with its traceback, never turned into a TrioInternalError.
+* trio waits for a `concurrent.futures.Future` of another thread (zeroconf's loop, the
+  asyncio loop) with `wait_future`: cancelling the wait cancels the future.
 """
 
 from __future__ import annotations
@@ -35,6 +42,32 @@ T = TypeVar("T")
 CANCEL_GRACE_S = 5.0
 
 
+class BridgeClosedError(RuntimeError):
+    """The trio side has finished (the daemon is stopping): nothing more can cross."""
+
+
+async def wait_future(future: concurrent.futures.Future[T]) -> T:
+    """trio side: the result of a future completed on another thread, without blocking.
+
+    Cancelling the wait cancels the future (a coroutine submitted with
+    `run_coroutine_threadsafe` is then cancelled on its loop).
+    """
+    token = trio.lowlevel.current_trio_token()
+    finished = trio.Event()
+
+    def wake(_: concurrent.futures.Future[T]) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(finished.set)
+
+    future.add_done_callback(wake)
+    try:
+        await finished.wait()
+    finally:
+        if not future.done():
+            future.cancel()
+    return future.result()
+
+
 class AsyncioThread:
     """An asyncio event loop on a daemon thread, bound to one trio run."""
 
@@ -43,12 +76,21 @@ class AsyncioThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._trio_token: trio.lowlevel.TrioToken | None = None
+        # Cancel scopes of the trio tasks that asyncio callers await (touched on trio only).
+        self._trio_calls: set[trio.CancelScope] = set()
+        self._trio_calls_idle = trio.Event()
+        self._trio_calls_idle.set()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             raise RuntimeError("AsyncioThread is not started: use `async with AsyncioThread()`")
         return self._loop
+
+    @property
+    def trio_calls_in_flight(self) -> int:
+        """How many trio tasks asyncio callers are awaiting now (read on the trio thread)."""
+        return len(self._trio_calls)
 
     async def __aenter__(self) -> AsyncioThread:
         self._trio_token = trio.lowlevel.current_trio_token()
@@ -76,11 +118,14 @@ class AsyncioThread:
             return
         with trio.CancelScope(shield=True):
             await self._cancel_remaining_tasks()
+            await self._cancel_orphaned_trio_calls()
             loop.call_soon_threadsafe(loop.stop)
             await trio.to_thread.run_sync(self._thread.join, CANCEL_GRACE_S)
         self._loop = None
 
     async def _cancel_remaining_tasks(self) -> None:
+        """Cancel every asyncio task; their `run_in_trio` waits cancel their trio tasks."""
+
         async def cancel_all() -> None:
             current = asyncio.current_task()
             tasks = [t for t in asyncio.all_tasks() if t is not current]
@@ -89,32 +134,33 @@ class AsyncioThread:
             if tasks:
                 await asyncio.wait(tasks, timeout=CANCEL_GRACE_S)
 
-        fut = asyncio.run_coroutine_threadsafe(cancel_all(), self.loop)
         with trio.move_on_after(CANCEL_GRACE_S + 1):
-            await self._wait_future(fut)
+            await wait_future(asyncio.run_coroutine_threadsafe(cancel_all(), self.loop))
 
-    async def _wait_future(self, fut: concurrent.futures.Future[Any]) -> None:
-        """Sleep in trio until a concurrent future is done (no thread blocked)."""
-        done = trio.Event()
-        token = self._trio_token
-        assert token is not None
+    async def _cancel_orphaned_trio_calls(self) -> None:
+        """Trio tasks still running although every asyncio caller is gone: a leak, cancelled."""
+        if not self._trio_calls:
+            return
+        log.warning(
+            "%d trio task(s) started from the asyncio thread were still running at shutdown "
+            "after their callers had gone; cancelling them",
+            len(self._trio_calls),
+        )
+        for scope in list(self._trio_calls):
+            scope.cancel()
+        with trio.move_on_after(CANCEL_GRACE_S):
+            await self._trio_calls_idle.wait()
 
-        def wake(_: concurrent.futures.Future[Any]) -> None:
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(done.set)
-
-        fut.add_done_callback(wake)
-        await done.wait()
+    # ------------------------------------------------------------ trio -> asyncio
 
     async def run(self, coro_fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
         """Run `coro_fn(*args)` on the asyncio thread and return its result.
 
-        Cancellation of the trio caller cancels the asyncio task; the caller
-        then waits (shielded, bounded) until that task has really finished.
+        Cancellation of the trio caller cancels the asyncio task; the caller then waits
+        (shielded, bounded) until that task has really finished.
         """
         loop = self.loop
-        token = self._trio_token
-        assert token is not None
+        token = self._token()
         finished = trio.Event()
         outcome: dict[str, Any] = {}
         tasks: list[asyncio.Task[None]] = []
@@ -143,36 +189,106 @@ class AsyncioThread:
             raise outcome["error"]
         return outcome["value"]
 
+    # ------------------------------------------------------------ asyncio -> trio
+
     def call_soon_in_trio(self, fn: Callable[..., object], *args: Any) -> None:
-        """From the asyncio thread: schedule a plain function on the trio thread."""
-        assert self._trio_token is not None
+        """From the asyncio thread: hand data to the trio thread (fire and forget).
+
+        For functions that cannot fail by design (set an event, `send_nowait`); a failure is
+        a bug, logged with its traceback here instead of crashing the trio run.
+        """
+
+        def guarded() -> None:
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("a call handed from the asyncio thread to trio failed: %r", fn)
+
         try:
-            self._trio_token.run_sync_soon(fn, *args)
+            self._token().run_sync_soon(guarded)
         except trio.RunFinishedError:
             log.debug("trio run finished; dropped a call to %r", fn)
 
-    async def run_in_trio(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """From the asyncio thread: run `afn` as a trio system task and await it."""
-        loop = asyncio.get_running_loop()
-        result: asyncio.Future[T] = loop.create_future()
+    async def call_in_trio(self, fn: Callable[..., T], *args: Any) -> T:
+        """From the asyncio thread: run plain `fn(*args)` on the trio thread, return its result."""
 
-        def settle(outcome: Any) -> None:
-            if result.done():
+        async def call() -> T:
+            return fn(*args)
+
+        return await self.run_in_trio(call)
+
+    async def run_in_trio(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """From the asyncio thread: run `afn(*args)` as a trio system task and await it.
+
+        The task's exception is raised here. Cancelling this await cancels the trio task and
+        waits (bounded) until it has ended, so no trio task outlives its asyncio caller.
+        """
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[T] = loop.create_future()
+        scope = trio.CancelScope()
+
+        def settle(value: Any, error: BaseException | None) -> None:  # asyncio thread
+            if ended.done():
                 return
-            if isinstance(outcome, BaseException):
-                result.set_exception(outcome)
+            if error is not None:
+                ended.set_exception(error)
             else:
-                result.set_result(outcome)
+                ended.set_result(value)
+
+        def report(value: Any, error: BaseException | None) -> None:  # trio thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed: no caller is left
+                loop.call_soon_threadsafe(settle, value, error)
 
         async def runner() -> None:
+            value: Any = None
+            error: BaseException | None = None
             try:
-                value: Any = await afn(*args)
-            except Exception as exc:  # delivered to the asyncio side, not lost
-                value = exc
-            except BaseException:
-                loop.call_soon_threadsafe(settle, asyncio.CancelledError("trio is shutting down"))
+                with scope:
+                    value = await afn(*args)
+                if scope.cancelled_caught:
+                    error = asyncio.CancelledError("the trio side was cancelled")
+            except Exception as exc:  # returned to the caller, which owns it
+                error = exc
+            except BaseException:  # trio is shutting down: tell the caller, then go
+                report(None, asyncio.CancelledError("trio is shutting down"))
                 raise
-            loop.call_soon_threadsafe(settle, value)
+            finally:
+                self._forget_trio_call(scope)
+            report(value, error)
 
-        self.call_soon_in_trio(trio.lowlevel.spawn_system_task, runner)
-        return await result
+        def start() -> None:  # trio thread
+            try:
+                trio.lowlevel.spawn_system_task(runner, name=_name_of(afn))
+            except RuntimeError as exc:  # "Nursery is closed to new arrivals": trio is ending
+                report(None, BridgeClosedError(f"trio is shutting down: {exc}"))
+                return
+            self._trio_calls.add(scope)
+            self._trio_calls_idle = trio.Event()
+
+        try:
+            self._token().run_sync_soon(start)
+        except trio.RunFinishedError as exc:
+            raise BridgeClosedError("the daemon is shutting down") from exc
+        try:
+            return await asyncio.shield(ended)
+        except asyncio.CancelledError:
+            with contextlib.suppress(trio.RunFinishedError):
+                self._token().run_sync_soon(scope.cancel)
+            await asyncio.wait({ended}, timeout=CANCEL_GRACE_S)
+            if ended.done() and not ended.cancelled():
+                ended.exception()  # retrieved: the caller is gone, and nobody else will read it
+            raise
+
+    def _forget_trio_call(self, scope: trio.CancelScope) -> None:
+        self._trio_calls.discard(scope)
+        if not self._trio_calls:
+            self._trio_calls_idle.set()
+
+    def _token(self) -> trio.lowlevel.TrioToken:
+        if self._trio_token is None:
+            raise RuntimeError("AsyncioThread is not started: use `async with AsyncioThread()`")
+        return self._trio_token
+
+
+def _name_of(fn: Callable[..., object]) -> str:
+    return f"from asyncio: {getattr(fn, '__qualname__', repr(fn))}"

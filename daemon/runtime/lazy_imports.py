@@ -17,7 +17,11 @@ _imported = False
 
 
 def import_model_runtime() -> None:
-    """Import mlx-lm and the stage code once; later calls return at once (any thread)."""
+    """Import mlx-lm once; later calls return at once (any thread).
+
+    Callers then import their own modules that build on mlx-lm (the stage code) as usual:
+    what trips the import deadlock detection is mlx-lm's and transformers' own import web.
+    """
     global _imported
     if _imported:
         return
@@ -28,7 +32,5 @@ def import_model_runtime() -> None:
         import mlx_lm.models.cache
         import mlx_lm.sample_utils
         import mlx_lm.utils  # noqa: F401
-
-        import meshd.inference.shard  # noqa: F401
 
         _imported = True

@@ -329,9 +329,9 @@ class MeshStatus(_message.Message):
     events: _containers.RepeatedScalarFieldContainer[str]
     blas: str
     generated_at: float
-    agreement: AgreementView
+    agreement: AgreementStatus
     memory: RuntimeMemory
-    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ..., agreement: _Optional[_Union[AgreementView, _Mapping]] = ..., memory: _Optional[_Union[RuntimeMemory, _Mapping]] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ..., agreement: _Optional[_Union[AgreementStatus, _Mapping]] = ..., memory: _Optional[_Union[RuntimeMemory, _Mapping]] = ...) -> None: ...
 
 class RuntimeMemory(_message.Message):
     __slots__ = ("mlx_active", "mlx_peak", "rss", "peak_rss", "budget", "planned")
@@ -349,7 +349,7 @@ class RuntimeMemory(_message.Message):
     planned: int
     def __init__(self, mlx_active: _Optional[int] = ..., mlx_peak: _Optional[int] = ..., rss: _Optional[int] = ..., peak_rss: _Optional[int] = ..., budget: _Optional[int] = ..., planned: _Optional[int] = ...) -> None: ...
 
-class AgreementView(_message.Message):
+class AgreementStatus(_message.Message):
     __slots__ = ("model", "active_plan_id", "members", "confirmed_by", "committed_by", "draining", "proposal_plan_id", "refusal", "reason", "converged", "plan_json")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_PLAN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -110,7 +110,7 @@ class PeerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Propose(self, request, context):
-        """Agreement: the sender's current proposal (see daemon/agreement.py).
+        """Agreement: the sender's current proposal (see daemon/agreement/protocol.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -118,7 +118,7 @@ class PeerServicer:
 
     def FetchModelPart(self, request, context):
         """Model distribution: the files of one part of a model (its layer range, config and
-        tokenizer), for a member that holds a stage but has no copy (see daemon/model_share.py).
+        tokenizer), for a member that holds a stage but has no copy (see daemon/models/share.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -14,14 +14,9 @@ from typing import Any
 
 import trio
 
-from meshd.mesh.discovery import (
-    Announcement,
-    Discovery,
-    DiscoveryEvent,
-    PeerAppeared,
-    PeerGone,
-    resolve_interfaces,
-)
+from meshd.mesh.announcement import Announcement
+from meshd.mesh.discovery import Discovery, DiscoveryEvent, PeerAppeared, PeerGone
+from meshd.mesh.interfaces import resolve_interfaces
 
 
 def _event_record(event: DiscoveryEvent) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from meshd.agreement.protocol import PlanNotCommittedError
+from meshd.agreement.contract import PlanNotCommittedError
 from meshd.inference.dataplane import (
     DEFAULT_PREFILL_CHUNK,
     Assignment,

@@ -1,4 +1,4 @@
-"""meshd.units: sizes and rates as typed on the command line, and back."""
+"""partitioner.humanize: sizes, rates, FLOP/s and durations as people type them, and back."""
 
 from __future__ import annotations
 
@@ -6,7 +6,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshd.units import format_flops, format_rate, format_size, parse_rate, parse_size
+from partitioner.humanize import (
+    format_bytes,
+    format_flops,
+    format_rate,
+    format_seconds,
+    parse_duration,
+    parse_flops,
+    parse_rate,
+    parse_size,
+)
 
 
 @pytest.mark.parametrize(
@@ -74,10 +83,17 @@ def test_parse_rate_rejects_ambiguous_or_malformed(text: str) -> None:
 
 @pytest.mark.parametrize(
     ("size", "text"),
-    [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (3 * 2**29, "1.5 GiB"), (2**20 - 1, "1 MiB")],
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1536, "1.5 KiB"),
+        (3 * 2**29, "1.5 GiB"),
+        (2**20 - 1, "1 MiB"),
+        (-2 * 2**20, "-2 MiB"),
+    ],
 )
-def test_format_size(size: int, text: str) -> None:
-    assert format_size(size) == text
+def test_format_bytes(size: int, text: str) -> None:
+    assert format_bytes(size) == text
 
 
 def test_format_rates_and_flops() -> None:
@@ -89,10 +105,40 @@ def test_format_rates_and_flops() -> None:
 
 @given(st.integers(min_value=0, max_value=2**55))
 def test_formatted_sizes_parse_back_within_half_a_percent(size: int) -> None:
-    assert parse_size(format_size(size).replace(" ", "")) == pytest.approx(size, rel=5e-3, abs=1)
+    assert parse_size(format_bytes(size).replace(" ", "")) == pytest.approx(size, rel=5e-3, abs=1)
 
 
 @given(st.floats(min_value=1.0, max_value=1e15, allow_nan=False))
 def test_formatted_rates_parse_back_within_a_percent(rate: float) -> None:
     assert parse_rate(format_rate(rate)) == pytest.approx(rate, rel=1e-2)
     assert parse_rate(format_rate(rate, bits=True)) == pytest.approx(rate, rel=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("25TFLOPS", 25e12), ("25 TFLOP/s", 25e12), ("900gflops", 900e9), ("1e3", None), (7, 7.0)],
+)
+def test_parse_flops(text: str | float, expected: float | None) -> None:
+    if expected is None:
+        with pytest.raises(ValueError, match="as FLOP/s"):
+            parse_flops(text)
+    else:
+        assert parse_flops(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("300us", 300e-6), ("300µs", 300e-6), ("0.3ms", 3e-4), ("2s", 2.0), ("5ns", 5e-9), (1.5, 1.5)],
+)
+def test_parse_duration(text: str | float, expected: float) -> None:
+    assert parse_duration(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("value", ["3 parsecs", "-1ms", float("nan"), -1, True])
+def test_parse_duration_refuses_what_is_not_a_duration(value: object) -> None:
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(value)  # type: ignore[arg-type]
+
+
+def test_format_seconds() -> None:
+    assert [format_seconds(s) for s in (12e-6, 0.0123, 42.0)] == ["12 us", "12.3 ms", "42.0 s"]
