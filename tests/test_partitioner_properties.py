@@ -60,7 +60,7 @@ def meshes(
 
 
 @st.composite
-def models(draw: st.DrawFn, max_layers: int = 6) -> ModelSpec:
+def models(draw: st.DrawFn, max_layers: int = 6, tensor_parallel: bool = False) -> ModelSpec:
     layers = draw(st.lists(st.integers(0, 300), min_size=1, max_size=max_layers))
     return ModelSpec(
         name="random",
@@ -78,16 +78,16 @@ def models(draw: st.DrawFn, max_layers: int = 6) -> ModelSpec:
         activation_bytes=2,
         dtype="float16",
         context_length=draw(st.integers(16, 2048)),
+        supports_tensor_parallel=tensor_parallel,
     )
 
 
 @st.composite
-def options(draw: st.DrawFn, tensor_parallel: bool = False) -> PlanOptions:
+def options(draw: st.DrawFn) -> PlanOptions:
     return PlanOptions(
         reserve_bytes=draw(st.sampled_from([0, 32 * MiB])),
         concurrency=draw(st.integers(1, 3)),
         exclude=frozenset(draw(st.lists(st.sampled_from(NODE_IDS), max_size=1))),
-        allow_tensor_parallel=tensor_parallel,
         prefill_chunk=draw(st.sampled_from([16, 512])),
     )
 
@@ -101,8 +101,8 @@ def cases(
 ) -> tuple[nx.DiGraph, ModelSpec, PlanOptions]:
     """A model, options, and a mesh whose budgets are scaled to the model's size (above the
     fixed per-stage overhead), so one-stage, multi-stage and refused cases all occur often."""
-    model = draw(models(max_layers=max_layers))
-    opts = draw(options(tensor_parallel=tensor_parallel))
+    model = draw(models(max_layers=max_layers, tensor_parallel=tensor_parallel))
+    opts = draw(options())
     cost = CostModel(model, opts)
     fixed = cost.memory(0, 0, first=False, last=False).total + opts.reserve_bytes
     mesh = draw(meshes(counts, scale=cost.whole_model_memory() - fixed, base=fixed))
@@ -266,6 +266,7 @@ def test_tensor_parallel_plans_are_valid(case: tuple[nx.DiGraph, ModelSpec, Plan
     graph, model, opts = case
     for u, v in graph.edges:
         graph.edges[u, v]["latency_s"] = 5e-6  # every link fast enough for a group
+        graph.edges[u, v]["trusted"] = True
     try:
         plan = plan_model(graph, model, opts)
     except InsufficientMemory:
