@@ -29,7 +29,7 @@ from meshd.api.plan_cli import (
     render_plan_table,
     run_plan,
 )
-from partitioner import Plan, PlanOptions, plan_model
+from partitioner import LAYOUTS, Plan, PlanOptions, plan_model
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "meshes"
@@ -110,7 +110,12 @@ def test_both_strategies_side_by_side(tmp_path: Path, model_dir: Path) -> None:
     code, out, _ = run("--mesh", str(mesh), "--model", str(model_dir), "--strategy", "both")
     assert code == EXIT_OK
     assert "strategy speed" in out and "strategy memory" in out
-    assert "comparison:" in out and "as fast as memory per token" in out
+    assert "comparison (single-request decode, predicted):" in out
+    assert "as fast as memory per token" in out
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines() if line[:1].isalpha()}
+    assert rows["solo"] == "solo" and rows["pipeline"] == "pipeline"
+    assert rows["tensor"] == "-" and "tensor: architecture" not in out  # llama can shard
+    assert "no two nodes are joined by links marked trusted" in out
 
 
 def test_json_output_is_a_plan(tmp_path: Path, model_dir: Path) -> None:
@@ -125,7 +130,10 @@ def test_json_output_is_a_plan(tmp_path: Path, model_dir: Path) -> None:
     code, out, _ = run(
         "--mesh", str(mesh), "--model", str(model_dir), "--json", "--strategy", "both"
     )
-    assert set(json.loads(out)) == {"speed", "memory"}
+    outcomes = json.loads(out)
+    assert set(outcomes) == {"speed", "memory"} | {f"layout:{k}" for k in LAYOUTS}
+    assert outcomes["layout:tensor"]["error"] == "parallelism_unavailable"
+    assert Plan.from_dict(outcomes["layout:pipeline"]).layout == "pipeline"
 
 
 def test_refusal_exits_1_and_explains(tmp_path: Path, model_dir: Path) -> None:
@@ -190,8 +198,10 @@ def test_example_cases_show_what_they_promise() -> None:
     assert {"pi", "old-laptop"} <= {entry.node for entry in plan_model(weak, model).left_out}
     tb5 = load_mesh_json(EXAMPLES / "tb5-pair-ethernet.json")
     big = load_model_spec_json(EXAMPLES / "model-llama-3.1-70b-8bit.json")
-    grouped = plan_model(tb5, big, PlanOptions(allow_tensor_parallel=True))
-    assert grouped.stages[0].nodes == ("max-a", "max-b")
+    grouped = plan_model(tb5, big)
+    assert grouped.stages[0].nodes == ("max-a", "max-b") and grouped.layout == "tensor"
+    piped = plan_model(tb5, big, PlanOptions(parallelism="pipeline"))
+    assert grouped.prediction.tokens_per_s > piped.prediction.tokens_per_s
 
 
 def test_run_plan_in_a_fresh_process(tmp_path: Path, model_dir: Path) -> None:
