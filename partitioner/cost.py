@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 from partitioner.model import ModelSpec
@@ -106,8 +106,10 @@ class Unit:
     member_bandwidth: tuple[float, ...] = ()
     expert_counts: tuple[int, ...] = ()
     collective_overhead_s: float = 0.0
+    degree: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "degree", len(self.nodes))  # read in every inner loop
         if not self.member_usable:
             if len(self.nodes) != 1:
                 raise ValueError("a group unit needs its members' usable memory and speeds")
@@ -119,10 +121,6 @@ class Unit:
     def leader(self) -> str:
         """The member that receives and sends the stage's activations."""
         return self.nodes[0]
-
-    @property
-    def degree(self) -> int:
-        return len(self.nodes)
 
     @property
     def total_bandwidth(self) -> float:
@@ -186,6 +184,7 @@ class CostModel:
         self._prefix_flops = _prefix([2 * p for p in model.layer_active_params])
         self._prefix_kv_split = _prefix([0 if whole[i] else cache[i] for i in layers])
         self._prefix_kv_whole = _prefix([cache[i] if whole[i] else 0 for i in layers])
+        self._prefix_kv = _prefix(cache)
         self.kv_layer_bytes = tuple(cache)
         chunk = min(options.prefill_chunk, max(self.context_length, 1))
         self.activation_bytes = (
@@ -195,7 +194,10 @@ class CostModel:
         )
         self.logits_bytes = chunk * model.vocab_size * model.activation_bytes
         self.head_flops = 2 * model.vocab_size * model.hidden_size
+        self._head_matrix_bytes = model.head_matrix_bytes
         self.hidden_bytes = model.hidden_state_bytes
+        self._embedding_bytes = model.embedding_bytes
+        self._head_bytes = model.head_bytes
         self._tied_head_bytes = model.head_bytes + (
             model.embedding_bytes if model.tie_word_embeddings else 0
         )
@@ -278,21 +280,43 @@ class CostModel:
         """memory(...).total of a one-node unit without building the breakdown (the planner's
         inner loops call this hundreds of thousands of times); for a group, the largest
         member's need."""
-        if unit.degree > 1:
-            return max(
-                self.memory(start, end, first=first, last=last, unit=unit, member=m).total
-                for m in range(unit.degree)
-            )
-        prefix = self._prefix_bytes
-        weights = prefix[end] - prefix[start]
+        if unit.degree == 1:
+            weights = self._prefix_bytes[end] - self._prefix_bytes[start]
+            activations = self.activation_bytes
+            if first:
+                weights += self._embedding_bytes
+            if last:
+                weights += self._tied_head_bytes if not first else self._head_bytes
+                activations += self.logits_bytes
+            base = weights + self._prefix_kv[end] - self._prefix_kv[start] + activations
+            return base + base * OVERHEAD_PERCENT // 100 + OVERHEAD_FIXED_BYTES
+        return max(
+            self._member_need(unit, m, start, end, first=first, last=last)
+            for m in range(unit.degree)
+        )
+
+    def _member_need(
+        self, unit: Unit, member: int, start: int, end: int, *, first: bool, last: bool
+    ) -> int:
+        """memory(..., unit=unit, member=member).total without the breakdown object."""
+        degree = unit.degree
+        total = self._prefix_bytes[end] - self._prefix_bytes[start]
+        experts = self._prefix_expert[end] - self._prefix_expert[start]
+        replicated = self._prefix_replicated[end] - self._prefix_replicated[start]
+        weights = replicated + -(-(total - experts - replicated) // degree)
+        if experts:
+            if unit.expert_counts and self.num_experts:
+                weights += -(-experts * unit.expert_counts[member] // self.num_experts)
+            else:
+                weights += -(-experts // degree)
         activations = self.activation_bytes
         if first:
-            weights += self.model.embedding_bytes
+            weights += self._embedding_bytes
         if last:
-            weights += self._tied_head_bytes if not first else self.model.head_bytes
+            weights += self._tied_head_bytes if not first else self._head_bytes
             activations += self.logits_bytes
-        kv = self._prefix_kv_split[end] - self._prefix_kv_split[start]
-        kv += self._prefix_kv_whole[end] - self._prefix_kv_whole[start]
+        split = self._prefix_kv_split[end] - self._prefix_kv_split[start]
+        kv = -(-split // degree) + self._prefix_kv_whole[end] - self._prefix_kv_whole[start]
         base = weights + kv + activations
         return base + base * OVERHEAD_PERCENT // 100 + OVERHEAD_FIXED_BYTES
 
@@ -300,11 +324,10 @@ class CostModel:
         """Largest share of a member's usable memory the stage uses; inf when it does not fit."""
         if unit.degree == 1:
             need = self.need(unit, start, end, first=first, last=last)
-            usable = unit.usable_bytes
-            return need / usable if need <= usable else math.inf
+            return need / unit.usable_bytes if need <= unit.usable_bytes else math.inf
         worst = 0.0
         for m, usable in enumerate(unit.member_usable):
-            need = self.memory(start, end, first=first, last=last, unit=unit, member=m).total
+            need = self._member_need(unit, m, start, end, first=first, last=last)
             if need > usable:
                 return math.inf
             worst = max(worst, need / usable)
@@ -313,10 +336,10 @@ class CostModel:
     def fits(self, unit: Unit, start: int, end: int, *, first: bool, last: bool) -> bool:
         if unit.degree == 1:
             return self.need(unit, start, end, first=first, last=last) <= unit.usable_bytes
-        return all(
-            self.memory(start, end, first=first, last=last, unit=unit, member=m).total <= usable
-            for m, usable in enumerate(unit.member_usable)
-        )
+        for m, usable in enumerate(unit.member_usable):
+            if self._member_need(unit, m, start, end, first=first, last=last) > usable:
+                return False
+        return True
 
     def max_end(self, unit: Unit, start: int, *, first: bool, last: bool, limit: int) -> int:
         """Largest end <= limit with [start, end) fitting on unit; `start` if not even one layer."""
@@ -360,9 +383,11 @@ class CostModel:
         degree = unit.degree
         if degree == 1:
             if last:
-                read += self.model.head_matrix_bytes
+                read += self._head_matrix_bytes
                 flops += self.head_flops
-            return max(read / unit.mem_bandwidth, tokens * flops / unit.flops)
+            memory_s = read / unit.mem_bandwidth
+            compute_s = tokens * flops / unit.flops
+            return memory_s if memory_s > compute_s else compute_s
         seconds = max(
             self._member_s(unit, m, start, end, read, flops, last=last, tokens=tokens)
             for m in range(degree)

@@ -23,20 +23,43 @@ def place_experts(
 ) -> Unit:
     """The unit with its experts placed for layers [start, end) (see module docstring)."""
     experts = cost.num_experts
-    expert_bytes = cost.expert_bytes(start, end)
-    if unit.degree == 1 or not experts or not expert_bytes:
+    if unit.degree == 1 or not experts or not cost.expert_bytes(start, end):
         return unit
-    caps = []
-    empty = unit.with_experts((0,) * unit.degree)
-    for member, usable in enumerate(unit.member_usable):
-        need = cost.memory(start, end, first=first, last=last, unit=empty, member=member).total
-        free = usable - need
-        caps.append(max(0, min(experts, free * experts // expert_bytes)))
+    caps = [
+        _most_experts(cost, unit, member, start, end, first=first, last=last)
+        for member in range(unit.degree)
+    ]
     counts = capped_proportional(experts, list(unit.member_bandwidth), caps)
     if counts is None:
         return unit
     placed = unit.with_experts(counts)
     return placed if cost.fits(placed, start, end, first=first, last=last) else unit
+
+
+def _most_experts(
+    cost: CostModel, unit: Unit, member: int, start: int, end: int, *, first: bool, last: bool
+) -> int:
+    """The most experts this member can hold besides its share of the rest (binary search:
+    memory grows with the count)."""
+    usable = unit.member_usable[member]
+
+    def fits(count: int) -> bool:
+        counts = [0] * unit.degree
+        counts[member] = count
+        trial = unit.with_experts(counts)
+        need = cost.memory(start, end, first=first, last=last, unit=trial, member=member)
+        return need.total <= usable
+
+    low, high = 0, cost.num_experts
+    if not fits(0):
+        return 0
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def expert_ranges(unit: Unit) -> list[tuple[str, int, int]]:

@@ -205,7 +205,10 @@ class _SearchState:
     def _fill(self, index: int, start: int, end: int) -> float:
         """Share of the unit's usable memory the stage uses; inf when it does not fit."""
         unit = self.units[index]
-        return self.cost.fill(unit, start, end, first=index == 0, last=index == self.last)
+        if unit.degree > 1:
+            return self.cost.fill(unit, start, end, first=index == 0, last=index == self.last)
+        need = self.cost.need(unit, start, end, first=index == 0, last=index == self.last)
+        return need / unit.usable_bytes if need <= unit.usable_bytes else math.inf
 
     def try_move(self, k: int, delta: int) -> bool:
         """Move boundary k by delta if that fits and is faster (or as fast and more even)."""

@@ -8,15 +8,18 @@ the same nodes as pipeline stages, alone or not at all. A group is offered only 
 - every pair of members is joined by links marked trusted in both directions: the collectives
   travel in clear, so only point-to-point links (Thunderbolt, a direct cable) or links the user
   marked trusted may carry them (partitioner.mesh).
-Groups are formed greedily inside each connected set of trusted links: members ordered by speed
-then id, each joining the first group it has trusted links to every member of, for every
-allowed degree. A group's routed experts are split in proportion to its members' usable memory
-(an even split for equal members); partitioner.experts refines the placement in the final plan.
+Groups are formed inside each connected set of trusted links, for every allowed degree: every
+set of mutually linked nodes when there are at most ALL_GROUPS_LIMIT candidates (small meshes:
+a 2 + 1 mesh must be able to pair the two slower nodes), else greedily: members ordered by
+speed then id, each joining the first group it has trusted links to every member of. A group's
+routed experts are split in proportion to its members' usable memory (an even split for equal
+members); partitioner.experts refines the placement in the final plan.
 """
 
 from __future__ import annotations
 
 import math
+from itertools import combinations
 
 import networkx as nx
 
@@ -27,6 +30,7 @@ from partitioner.split import largest_remainder
 
 TP_MAX_DEGREE = 8
 MAX_GROUPS = 64
+ALL_GROUPS_LIMIT = 28
 
 
 def usable_bytes(view: MeshView, node: str, reserve_bytes: int) -> int:
@@ -69,7 +73,7 @@ def tensor_parallel_units(
             continue
         members = sorted(component, key=lambda n: (cost.per_layer_decode_s(by_node[n]), n))
         for degree in degrees:
-            for group in _greedy_cliques(trusted, members, degree):
+            for group in _cliques(trusted, members, degree):
                 groups.append(group_unit(view, [by_node[n] for n in group], model.num_experts))
                 if len(groups) >= MAX_GROUPS:
                     return groups
@@ -88,6 +92,19 @@ def trusted_link_graph(view: MeshView, nodes: list[str]) -> nx.Graph:
         if back is not None and link.trusted and back.trusted:
             graph.add_edge(src, dst)
     return graph
+
+
+def _cliques(graph: nx.Graph, members: list[str], degree: int) -> list[tuple[str, ...]]:
+    """Groups of `degree` mutually linked members (module docstring), faster members first."""
+    if degree > len(members):
+        return []
+    if math.comb(len(members), degree) > ALL_GROUPS_LIMIT:
+        return _greedy_cliques(graph, members, degree)
+    return [
+        tuple(sorted(combo))
+        for combo in combinations(members, degree)
+        if all(graph.has_edge(a, b) for a, b in combinations(combo, 2))
+    ]
 
 
 def _greedy_cliques(graph: nx.Graph, members: list[str], degree: int) -> list[tuple[str, ...]]:
