@@ -15,7 +15,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from partitioner import InsufficientMemory, ModelSpec, Plan, PlanOptions, plan_model
+from partitioner import (
+    PARALLELISMS,
+    InsufficientMemory,
+    ModelSpec,
+    ParallelismUnavailable,
+    Plan,
+    PlanOptions,
+    plan_alternatives,
+    plan_model,
+)
 from partitioner.cost import CostModel
 from partitioner.layout import Evaluator, Layout
 from partitioner.mesh import MeshView
@@ -296,3 +305,34 @@ def test_larger_meshes_give_valid_deterministic_plans(
         return
     assert_valid(plan, graph, model, opts)
     assert plan_model(other, model, opts) == plan
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases((3, 2, 4), tensor_parallel=True))
+def test_forced_layouts_are_of_their_kind_or_refused(
+    case: tuple[nx.DiGraph, ModelSpec, PlanOptions],
+) -> None:
+    """Every forced kind gives a valid plan of that kind, or a refusal that says why; `auto`
+    is never predicted slower than the one-node plan it could have made."""
+    graph, model, opts = case
+    for u, v in graph.edges:
+        graph.edges[u, v]["trusted"] = True
+    outcomes: dict[str, Plan] = {}
+    for kind in PARALLELISMS:
+        forced = PlanOptions.from_dict({**opts.to_dict(), "parallelism": kind})
+        try:
+            plan = plan_model(graph, model, forced)
+        except InsufficientMemory:
+            assert not brute_force_fits(graph, model, forced)
+            continue
+        except ParallelismUnavailable as refusal:
+            assert kind != "auto" and refusal.reason
+            continue
+        assert_valid(plan, graph, model, forced)
+        assert kind == "auto" or plan.layout == kind
+        assert Plan.from_dict(json.loads(json.dumps(plan.to_dict(), allow_nan=False))) == plan
+        outcomes[kind] = plan
+    solo = plan_alternatives(graph, model, opts)["solo"]
+    if isinstance(solo, Plan) and "auto" in outcomes:
+        auto = outcomes["auto"].prediction.time_per_token_s
+        assert auto <= solo.prediction.time_per_token_s * (1 + 1e-9)
