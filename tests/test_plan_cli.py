@@ -224,3 +224,52 @@ def test_run_plan_in_a_fresh_process(tmp_path: Path, model_dir: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["num_layers"] == 4
+
+
+def test_config_only_moe_directory_plans_with_its_experts_placed() -> None:
+    models, meshes = ROOT / "examples" / "models", ROOT / "examples" / "meshes"
+    argv = ["--mesh", str(meshes / "m3-ultra-x4-tb5-rdma.json"), "--context", "8192"]
+    code, out, err = run(*argv, "--model", str(models / "qwen3-235b-a22b-instruct-2507-8bit"))
+    assert (code, err) == (EXIT_OK, "")
+    assert "layout tensor" in out and "[TP]" in out
+    assert "experts of stage 0 (each of its 94 MoE layers): studio-1" in out and "(32)" in out
+    code, out, err = run(
+        *argv,
+        "--model",
+        str(models / "qwen3-next-80b-a3b-instruct-8bit"),
+        "--parallelism",
+        "tensor",
+    )
+    assert code == EXIT_REFUSED and out == ""
+    assert "architecture qwen3_next has no shard(group) in mlx-lm" in err
+    code, out, _ = run(
+        *argv, "--model", str(models / "deepseek-v3-8bit"), "--parallelism", "hybrid", "--json"
+    )
+    assert code == EXIT_OK and Plan.from_dict(json.loads(out)).layout == "hybrid"
+
+
+def test_mesh_file_trusted_links_and_collective_overhead(tmp_path: Path) -> None:
+    mesh = {
+        "nodes": [
+            {
+                "id": "a",
+                "memory_budget": "1GB",
+                "flops": "1TFLOPS",
+                "mem_bandwidth": "100GB/s",
+                "collective_overhead": "40us",
+            },
+            {"id": "b", "memory_budget": "1GB", "flops": "1TFLOPS", "mem_bandwidth": "100GB/s"},
+        ],
+        "links": [
+            {"src": "a", "dst": "b", "latency": "5us", "bandwidth": "75Gbit/s", "trusted": True}
+        ],
+    }
+    path = tmp_path / "mesh.json"
+    path.write_text(json.dumps(mesh))
+    graph = load_mesh_json(path)
+    assert graph.edges["a", "b"]["trusted"] and graph.edges["b", "a"]["trusted"]
+    assert graph.nodes["a"]["collective_overhead_s"] == pytest.approx(40e-6)
+    mesh["links"][0]["trusted"] = "yes"
+    path.write_text(json.dumps(mesh))
+    with pytest.raises(PlanInputError, match="trusted must be true or false"):
+        load_mesh_json(path)
