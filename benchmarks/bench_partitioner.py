@@ -4,9 +4,12 @@ Goal from the issue: under 100 ms at 64 nodes and under 2 s at 1000 nodes. Each 
 Mac-like machines (8-192 GiB, 68-819 GB/s); meshes up to 16 nodes are fully linked, larger ones
 link every node to its 8 ring neighbours plus 4 random peers (a full 1000-node mesh would be a
 million measured links, which no daemon measures). The models are Llama 3.1 70B at 8 bits
-(80 layers, ~73 GB, fits on the largest machines alone) and Llama 3.1 405B at 4 bits (126
-layers, ~226 GB, needs several machines), the latter also with 4 concurrent sequences.
-Planning time includes reading and quantizing the graph and hashing.
+(80 layers, ~73 GB, fits on the largest machines alone), Llama 3.1 405B at 4 bits (126
+layers, ~226 GB, needs several machines), the latter also with 4 concurrent sequences, and a
+Qwen3-235B-A22B-shaped MoE at 8 bits (94 layers, ~250 GB held, ~23 GB read per token) that can
+shard: the fastest kind of link (0.1 ms, 40 Gbit/s) is marked trusted, so tensor-parallel
+groups and hybrid layouts are searched too. Planning time includes reading and quantizing the
+graph and hashing.
 
 Run: .venv/bin/python benchmarks/bench_partitioner.py [--repeat N]
 """
@@ -65,6 +68,33 @@ def llama_405b_4bit() -> ModelSpec:
     )
 
 
+def qwen3_moe_8bit() -> ModelSpec:
+    """Sizes of examples/models/qwen3-235b-a22b-instruct-2507-8bit (meshd.models.info)."""
+    layer, active, experts = 2_643_247_616, 236_765_696, 2_566_914_048
+    base = ModelSpec.uniform(
+        "Qwen3-235B-A22B-8bit",
+        94,
+        layer,
+        hidden_size=4096,
+        bytes_per_param=1.0625,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        vocab_size=151936,
+        context_length=8192,
+    ).to_dict()
+    return ModelSpec.from_dict(
+        {
+            **base,
+            "layer_active_bytes": active,
+            "layer_active_params": int(active / 1.0625),
+            "layer_expert_bytes": experts,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "supports_tensor_parallel": True,
+        }
+    )
+
+
 def synthetic_mesh(size: int, seed: int = 7) -> nx.DiGraph:
     rng = random.Random(seed * 100_003 + size)
     graph = nx.DiGraph()
@@ -86,8 +116,9 @@ def synthetic_mesh(size: int, seed: int = 7) -> nx.DiGraph:
         for dst in peers:
             if dst != src:
                 latency, bandwidth = rng.choice(LINKS)
-                graph.add_edge(src, dst, latency_s=latency, bandwidth=bandwidth)
-                graph.add_edge(dst, src, latency_s=latency, bandwidth=bandwidth)
+                trusted = latency == LINKS[0][0]
+                for u, v in ((src, dst), (dst, src)):
+                    graph.add_edge(u, v, latency_s=latency, bandwidth=bandwidth, trusted=trusted)
     return graph
 
 
@@ -100,7 +131,7 @@ def time_plan(
         plan = plan_model(mesh, model, options)
         times.append(time.perf_counter() - start)
         per_token_ms = plan.prediction.decode_s_per_token * 1e3
-        summary = f"{len(plan.stages):>3} stages  {per_token_ms:8.1f} ms/token"
+        summary = f"{len(plan.stages):>3} stages  {per_token_ms:8.1f} ms/token  {plan.layout}"
     return statistics.median(times), summary
 
 
@@ -114,6 +145,7 @@ def main() -> None:
         (llama_405b_4bit(), "memory", 1),
         (llama_405b_4bit(), "speed", 1),
         (llama_405b_4bit(), "speed", 4),
+        (qwen3_moe_8bit(), "speed", 1),
     )
     print(f"median of {args.repeat} runs; 405B needs at least two nodes of any mesh here")
     header = f"{'nodes':>6} {'links':>7}  {'model':<20} {'strategy':<8} {'conc':>4}"

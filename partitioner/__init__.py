@@ -3,21 +3,37 @@
 Every node runs `plan_model` on the same inputs and gets the same Plan and plan id, so the mesh
 can agree on a partition without a master. See partitioner.cost for the cost model,
 partitioner.quantize for how noisy measurements are bucketed, partitioner.strategies for the
-`memory` baseline and the `speed` search.
+`memory` baseline and the `speed` search, partitioner.planner for how the kind of layout
+(one node, pipeline, tensor parallel, hybrid) is chosen.
 """
 
 from partitioner.cost import CostModel, MemoryBreakdown
-from partitioner.errors import InsufficientMemory, MeshError, describe_refusal
+from partitioner.errors import (
+    InsufficientMemory,
+    MeshError,
+    ParallelismUnavailable,
+    describe_refusal,
+)
 from partitioner.model import ModelSpec, ModelSpecError
-from partitioner.options import STRATEGIES, PlanOptions, PlanOptionsError
-from partitioner.plan import Hop, LeftOut, NodeMemory, Plan, Prediction, Stage
-from partitioner.planner import ALGORITHM_VERSION, plan_model, plan_summary
+from partitioner.options import PARALLELISMS, STRATEGIES, PlanOptions, PlanOptionsError
+from partitioner.plan import ExpertShard, Hop, LeftOut, NodeMemory, Plan, Prediction, Stage
+from partitioner.planner import (
+    ALGORITHM_VERSION,
+    LAYOUTS,
+    layout_kind,
+    plan_alternatives,
+    plan_model,
+    plan_summary,
+)
 from partitioner.quantize import bucket_index, bucket_value, quantize, sticky_bucket_index
 
 __all__ = [
     "ALGORITHM_VERSION",
+    "LAYOUTS",
+    "PARALLELISMS",
     "STRATEGIES",
     "CostModel",
+    "ExpertShard",
     "Hop",
     "InsufficientMemory",
     "LeftOut",
@@ -26,6 +42,7 @@ __all__ = [
     "ModelSpec",
     "ModelSpecError",
     "NodeMemory",
+    "ParallelismUnavailable",
     "Plan",
     "PlanOptions",
     "PlanOptionsError",
@@ -34,6 +51,8 @@ __all__ = [
     "bucket_index",
     "bucket_value",
     "describe_refusal",
+    "layout_kind",
+    "plan_alternatives",
     "plan_model",
     "plan_summary",
     "quantize",

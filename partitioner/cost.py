@@ -1,13 +1,15 @@
-"""The cost model: predicted memory and time of a pipeline stage, a hop and a whole plan.
+"""The cost model: predicted memory and time of a stage, a hop and a whole plan.
 
 A plan is only as good as the model it optimises, so here it is in full.
 
 Memory of one node in a stage holding layers [a, b) (all sizes exact integers):
 - weights: the bytes of those layers as stored in the weight files (quantized sizes are the
-  real ones), + the embedding table on the first stage, + final norm and lm_head on the last
-  stage; with tied embeddings the last stage also holds the embedding table (once, when the
-  same node is first and last).
-- KV cache: kv_bytes_per_token_per_layer x (b - a) x context_length x concurrency, reserved
+  real ones; a mixture-of-experts layer holds every expert), + the embedding table on the first
+  stage, + final norm and lm_head on the last stage; with tied embeddings the last stage also
+  holds the embedding table (once, when the same node is first and last).
+- KV cache and state, per layer kind (partitioner.model): full attention reserves
+  kv bytes/token x context, sliding-window attention at most its window, linear attention a
+  constant recurrent state, MLA one compressed latent per token; times `concurrency`, reserved
   up front for the whole context (out-of-memory half way through a long chat is the failure
   users report most).
 - activations, a stated bound: prefill_chunk x (4 x hidden + 3 x intermediate) x
@@ -16,19 +18,31 @@ Memory of one node in a stage holding layers [a, b) (all sizes exact integers):
   activation_bytes (mlx-lm computes logits for every position of a chunk). Attention scores
   are not counted: MLX's fused scaled_dot_product_attention does not materialise them.
 - overhead: 5 % of the above + 64 MiB (allocator slack, buffers for messages in flight).
-A node's usable budget is its memory_budget minus PlanOptions.reserve_bytes. A tensor-parallel
-group member holds 1/g of each layer's weights and KV cache, and a full copy of the
-embedding / head and of the activations.
+A node's usable budget is its memory_budget minus PlanOptions.reserve_bytes.
 
-Decode time of a stage per token (one sequence): max(weight bytes read / memory bandwidth,
-FLOPs / compute), with FLOPs = 2 x logical weights of the layers (+ 2 x vocab x hidden for the
-head on the last stage, which also reads the head matrix). The KV cache read is not counted: it
-grows with the position in the context, and the prediction is for a short context (at position
-p each stage also reads p x kv_bytes_per_token_per_layer x its layers). Mixture-of-experts
-layers are counted with all experts (an upper bound). A tensor-parallel group of g nodes runs
-at the speed of its slowest member on 1/g of the work, plus two all-reduces per layer
-(ring: 2(g-1) x (latency + hidden bytes / (g x bandwidth)) over its slowest link) and one
-broadcast of the stage's input.
+A tensor-parallel group of g members (mlx-lm's `shard(group)`): each member holds 1/g of the
+attention and dense weights, all of the replicated parts (routers, norms, MLA down-projections),
+and its share of the routed experts: `Unit.expert_counts` experts of `num_experts`, by default
+in proportion to the members' usable memory (equal members: an even split, which is what
+mlx-lm's in-place expert sharding gives); the final plan re-places them by speed within
+memory (partitioner.experts). KV cache is split by heads, except MLA's latent, which every
+member keeps whole. Embedding, head and activations are held whole by every member.
+
+Decode time of a stage per token (one sequence): max(bytes read / memory bandwidth,
+FLOPs / compute). Bytes read are what a token touches: shared weights plus the active experts
+(`layer_active_bytes`: num_experts_per_tok of num_experts routed experts, plus shared experts),
++ the head matrix on the last stage; FLOPs = 2 x the active logical weights (+ 2 x vocab x
+hidden for the head). The KV cache read is not counted: it grows with the position in the
+context, and the prediction is for a short context (at position p each full-attention layer
+also reads p x its kv bytes per token). A tensor-parallel member reads its share: replicated
+parts whole, dense parts / g, active experts x its expert share (the expected value when the
+router spreads tokens evenly); the group runs at its slowest member, plus per layer two
+all-reduces of one token's hidden state (after attention and after the MLP / MoE), each
+costing one collective overhead (the slowest member's `collective_overhead_s`: the device
+synchronisation around a collective, DEFAULT_COLLECTIVE_OVERHEAD_S when not measured) plus a
+ring of 2(g-1) steps over the group's slowest link (latency + hidden bytes / (g x bandwidth)),
+and one broadcast of the stage's input. On decode these are latency-bound: 94 layers x 2
+all-reduces over TCP (~300 us a step) cost more than the weights they save reading.
 
 Hops: stage i sends one token's hidden state to stage i+1: latency + hidden x activation_bytes
 / bandwidth along its route (see partitioner.mesh). The last stage samples and sends the token
@@ -47,7 +61,8 @@ P x FLOPs / compute) + hops carrying P hidden states (the quadratic attention te
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 from partitioner.model import ModelSpec
@@ -59,15 +74,25 @@ OVERHEAD_FIXED_BYTES = 64 * MIB
 TOKEN_BYTES = 8
 HIDDEN_BUFFERS = 4
 INTERMEDIATE_BUFFERS = 3
+ALL_REDUCES_PER_LAYER = 2
+# Device synchronisation around one collective when a node does not report its own: MLX must
+# finish the queued kernels before an all_sum and resume after it. 60 us is what exo's published
+# 4 x M3 Ultra runs imply for MLX + JACCL (README, "Predictions against published figures").
+DEFAULT_COLLECTIVE_OVERHEAD_S = 60e-6
 
 
 @dataclass(frozen=True)
 class Unit:
     """What one pipeline stage runs on: one node, or a tensor-parallel group of nodes.
 
-    usable_bytes: the smallest usable budget among the members (each holds the same share).
-    flops / mem_bandwidth: those of the slowest member (a group waits for it).
+    usable_bytes: the node's usable budget; for a group the sum of its members'.
+    flops / mem_bandwidth: the node's; for a group those of its slowest member (for ranking).
     link_latency_s / link_bandwidth: the group's worst internal link (unused for one node).
+    member_usable / member_flops / member_bandwidth: per member, in `nodes` order (filled in
+        for one node).
+    expert_counts: routed experts each member holds (they sum to the model's num_experts;
+        empty for one node, which holds them all).
+    collective_overhead_s: the slowest member's cost of one collective (groups only).
     """
 
     nodes: tuple[str, ...]
@@ -76,6 +101,21 @@ class Unit:
     mem_bandwidth: float
     link_latency_s: float = 0.0
     link_bandwidth: float = math.inf
+    member_usable: tuple[int, ...] = ()
+    member_flops: tuple[float, ...] = ()
+    member_bandwidth: tuple[float, ...] = ()
+    expert_counts: tuple[int, ...] = ()
+    collective_overhead_s: float = 0.0
+    degree: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "degree", len(self.nodes))  # read in every inner loop
+        if not self.member_usable:
+            if len(self.nodes) != 1:
+                raise ValueError("a group unit needs its members' usable memory and speeds")
+            object.__setattr__(self, "member_usable", (self.usable_bytes,))
+            object.__setattr__(self, "member_flops", (self.flops,))
+            object.__setattr__(self, "member_bandwidth", (self.mem_bandwidth,))
 
     @property
     def leader(self) -> str:
@@ -83,8 +123,28 @@ class Unit:
         return self.nodes[0]
 
     @property
-    def degree(self) -> int:
-        return len(self.nodes)
+    def total_bandwidth(self) -> float:
+        return sum(self.member_bandwidth)
+
+    @property
+    def total_flops(self) -> float:
+        return sum(self.member_flops)
+
+    def with_experts(self, counts: Sequence[int]) -> Unit:
+        """The same group with another expert placement."""
+        return Unit(
+            self.nodes,
+            self.usable_bytes,
+            self.flops,
+            self.mem_bandwidth,
+            self.link_latency_s,
+            self.link_bandwidth,
+            self.member_usable,
+            self.member_flops,
+            self.member_bandwidth,
+            tuple(counts),
+            self.collective_overhead_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -110,11 +170,22 @@ class CostModel:
         self.context_length = options.context_length or model.context_length
         self.concurrency = options.concurrency
         self.prompt_len = options.prompt_len
-        self._prefix_bytes = (0, *accumulate(model.layer_bytes))
-        self._prefix_flops = (0, *accumulate(2 * p for p in model.layer_params))
-        self.kv_bytes_per_layer = (
-            model.kv_bytes_per_token_per_layer * self.context_length * self.concurrency
-        )
+        self.num_experts = model.num_experts
+        layers = range(model.num_layers)
+        shared = [model.layer_bytes[i] - model.layer_expert_bytes[i] for i in layers]
+        active_experts = [max(0, model.layer_active_bytes[i] - shared[i]) for i in layers]
+        cache = [model.layer_cache_bytes(i, self.context_length) * self.concurrency for i in layers]
+        whole = [model.layer_kv_kinds[i] == "mla" for i in layers]
+        self._prefix_bytes = _prefix(model.layer_bytes)
+        self._prefix_expert = _prefix(model.layer_expert_bytes)
+        self._prefix_replicated = _prefix(model.layer_replicated_bytes)
+        self._prefix_active = _prefix(model.layer_active_bytes)
+        self._prefix_active_expert = _prefix(active_experts)
+        self._prefix_flops = _prefix([2 * p for p in model.layer_active_params])
+        self._prefix_kv_split = _prefix([0 if whole[i] else cache[i] for i in layers])
+        self._prefix_kv_whole = _prefix([cache[i] if whole[i] else 0 for i in layers])
+        self._prefix_kv = _prefix(cache)
+        self.kv_layer_bytes = tuple(cache)
         chunk = min(options.prefill_chunk, max(self.context_length, 1))
         self.activation_bytes = (
             chunk
@@ -123,7 +194,10 @@ class CostModel:
         )
         self.logits_bytes = chunk * model.vocab_size * model.activation_bytes
         self.head_flops = 2 * model.vocab_size * model.hidden_size
+        self._head_matrix_bytes = model.head_matrix_bytes
         self.hidden_bytes = model.hidden_state_bytes
+        self._embedding_bytes = model.embedding_bytes
+        self._head_bytes = model.head_bytes
         self._tied_head_bytes = model.head_bytes + (
             model.embedding_bytes if model.tie_word_embeddings else 0
         )
@@ -133,45 +207,139 @@ class CostModel:
     def layer_bytes(self, start: int, end: int) -> int:
         return self._prefix_bytes[end] - self._prefix_bytes[start]
 
+    def active_bytes(self, start: int, end: int) -> int:
+        """Bytes one decode token reads in layers [start, end) on one node."""
+        return self._prefix_active[end] - self._prefix_active[start]
+
+    def expert_bytes(self, start: int, end: int) -> int:
+        """Bytes of the routed experts of layers [start, end)."""
+        return self._prefix_expert[end] - self._prefix_expert[start]
+
+    def kv_bytes(self, start: int, end: int) -> int:
+        """KV cache and state of layers [start, end) for all sequences, on one node."""
+        split = self._prefix_kv_split[end] - self._prefix_kv_split[start]
+        return split + self._prefix_kv_whole[end] - self._prefix_kv_whole[start]
+
     def stage_flops(self, start: int, end: int) -> int:
-        """FLOPs per token of layers [start, end) (2 x their logical weights)."""
+        """FLOPs per token of layers [start, end) (2 x their active logical weights)."""
         return self._prefix_flops[end] - self._prefix_flops[start]
 
     def memory(
-        self, start: int, end: int, *, first: bool, last: bool, degree: int = 1
+        self,
+        start: int,
+        end: int,
+        *,
+        first: bool,
+        last: bool,
+        degree: int = 1,
+        unit: Unit | None = None,
+        member: int = 0,
     ) -> MemoryBreakdown:
-        """Peak memory of one member of a stage holding layers [start, end)."""
-        layers = end - start
-        weights = _ceil_div(self.layer_bytes(start, end), degree)
+        """Peak memory of one member of a stage holding layers [start, end).
+
+        A group member's share comes from `unit` (its expert_counts), or, for a model without
+        experts, from `degree` alone.
+        """
+        if unit is not None:
+            degree = unit.degree
+        weights = self._member_weights(start, end, degree, unit, member)
         if first:
             weights += self.model.embedding_bytes
         if last:
             weights += self.model.head_bytes
             if self.model.tie_word_embeddings and not first:
                 weights += self.model.embedding_bytes
-        kv_cache = _ceil_div(self.kv_bytes_per_layer * layers, degree)
+        kv_cache = self._member_kv(start, end, degree)
         activations = self.activation_bytes + (self.logits_bytes if last else 0)
         base = weights + kv_cache + activations
         overhead = base * OVERHEAD_PERCENT // 100 + OVERHEAD_FIXED_BYTES
         return MemoryBreakdown(weights, kv_cache, activations, overhead)
 
+    def _member_weights(
+        self, start: int, end: int, degree: int, unit: Unit | None, member: int
+    ) -> int:
+        total = self._prefix_bytes[end] - self._prefix_bytes[start]
+        if degree == 1:
+            return total
+        experts = self._prefix_expert[end] - self._prefix_expert[start]
+        replicated = self._prefix_replicated[end] - self._prefix_replicated[start]
+        dense = -(-(total - experts - replicated) // degree)
+        if experts == 0:
+            return replicated + dense
+        if unit is None or not unit.expert_counts or not self.num_experts:
+            return replicated + dense + -(-experts // degree)
+        share = -(-experts * unit.expert_counts[member] // self.num_experts)
+        return replicated + dense + share
+
+    def _member_kv(self, start: int, end: int, degree: int) -> int:
+        split = self._prefix_kv_split[end] - self._prefix_kv_split[start]
+        whole = self._prefix_kv_whole[end] - self._prefix_kv_whole[start]
+        return -(-split // degree) + whole
+
     def need(self, unit: Unit, start: int, end: int, *, first: bool, last: bool) -> int:
-        """memory(...).total for one member of `unit`, without building the breakdown (the
-        planner's inner loops call this hundreds of thousands of times)."""
-        degree = len(unit.nodes)
-        prefix = self._prefix_bytes
-        weights = -(-(prefix[end] - prefix[start]) // degree)
+        """memory(...).total of a one-node unit without building the breakdown (the planner's
+        inner loops call this hundreds of thousands of times); for a group, the largest
+        member's need."""
+        if unit.degree == 1:
+            weights = self._prefix_bytes[end] - self._prefix_bytes[start]
+            activations = self.activation_bytes
+            if first:
+                weights += self._embedding_bytes
+            if last:
+                weights += self._tied_head_bytes if not first else self._head_bytes
+                activations += self.logits_bytes
+            base = weights + self._prefix_kv[end] - self._prefix_kv[start] + activations
+            return base + base * OVERHEAD_PERCENT // 100 + OVERHEAD_FIXED_BYTES
+        return max(
+            self._member_need(unit, m, start, end, first=first, last=last)
+            for m in range(unit.degree)
+        )
+
+    def _member_need(
+        self, unit: Unit, member: int, start: int, end: int, *, first: bool, last: bool
+    ) -> int:
+        """memory(..., unit=unit, member=member).total without the breakdown object."""
+        degree = unit.degree
+        total = self._prefix_bytes[end] - self._prefix_bytes[start]
+        experts = self._prefix_expert[end] - self._prefix_expert[start]
+        replicated = self._prefix_replicated[end] - self._prefix_replicated[start]
+        weights = replicated + -(-(total - experts - replicated) // degree)
+        if experts:
+            if unit.expert_counts and self.num_experts:
+                weights += -(-experts * unit.expert_counts[member] // self.num_experts)
+            else:
+                weights += -(-experts // degree)
         activations = self.activation_bytes
         if first:
-            weights += self.model.embedding_bytes
+            weights += self._embedding_bytes
         if last:
-            weights += self._tied_head_bytes if not first else self.model.head_bytes
+            weights += self._tied_head_bytes if not first else self._head_bytes
             activations += self.logits_bytes
-        base = weights + -(-(self.kv_bytes_per_layer * (end - start)) // degree) + activations
+        split = self._prefix_kv_split[end] - self._prefix_kv_split[start]
+        kv = -(-split // degree) + self._prefix_kv_whole[end] - self._prefix_kv_whole[start]
+        base = weights + kv + activations
         return base + base * OVERHEAD_PERCENT // 100 + OVERHEAD_FIXED_BYTES
 
+    def fill(self, unit: Unit, start: int, end: int, *, first: bool, last: bool) -> float:
+        """Largest share of a member's usable memory the stage uses; inf when it does not fit."""
+        if unit.degree == 1:
+            need = self.need(unit, start, end, first=first, last=last)
+            return need / unit.usable_bytes if need <= unit.usable_bytes else math.inf
+        worst = 0.0
+        for m, usable in enumerate(unit.member_usable):
+            need = self._member_need(unit, m, start, end, first=first, last=last)
+            if need > usable:
+                return math.inf
+            worst = max(worst, need / usable)
+        return worst
+
     def fits(self, unit: Unit, start: int, end: int, *, first: bool, last: bool) -> bool:
-        return self.need(unit, start, end, first=first, last=last) <= unit.usable_bytes
+        if unit.degree == 1:
+            return self.need(unit, start, end, first=first, last=last) <= unit.usable_bytes
+        for m, usable in enumerate(unit.member_usable):
+            if self._member_need(unit, m, start, end, first=first, last=last) > usable:
+                return False
+        return True
 
     def max_end(self, unit: Unit, start: int, *, first: bool, last: bool, limit: int) -> int:
         """Largest end <= limit with [start, end) fitting on unit; `start` if not even one layer."""
@@ -210,25 +378,67 @@ class CostModel:
         return self._stage_s(unit, start, end, last=last, tokens=self.prompt_len)
 
     def _stage_s(self, unit: Unit, start: int, end: int, *, last: bool, tokens: int) -> float:
+        read = self._prefix_active[end] - self._prefix_active[start]
+        flops = self._prefix_flops[end] - self._prefix_flops[start]
         degree = unit.degree
-        read = (self._prefix_bytes[end] - self._prefix_bytes[start]) / degree
-        flops = (self._prefix_flops[end] - self._prefix_flops[start]) / degree
+        if degree == 1:
+            if last:
+                read += self._head_matrix_bytes
+                flops += self.head_flops
+            memory_s = read / unit.mem_bandwidth
+            compute_s = tokens * flops / unit.flops
+            return memory_s if memory_s > compute_s else compute_s
+        seconds = max(
+            self._member_s(unit, m, start, end, read, flops, last=last, tokens=tokens)
+            for m in range(degree)
+        )
+        return seconds + self._collectives_s(unit, end - start, tokens)
+
+    def _member_s(
+        self,
+        unit: Unit,
+        member: int,
+        start: int,
+        end: int,
+        read: int,
+        flops: int,
+        *,
+        last: bool,
+        tokens: int,
+    ) -> float:
+        replicated = self._prefix_replicated[end] - self._prefix_replicated[start]
+        experts = self._prefix_active_expert[end] - self._prefix_active_expert[start]
+        dense = max(0, read - experts - replicated)
+        if unit.expert_counts and self.num_experts:
+            expert_share = experts * unit.expert_counts[member] / self.num_experts
+        else:
+            expert_share = experts / unit.degree
+        member_read = replicated + dense / unit.degree + expert_share
+        member_flops = flops * member_read / read if read else flops / unit.degree
         if last:
-            read += self.model.head_matrix_bytes
-            flops += self.head_flops
-        seconds = max(read / unit.mem_bandwidth, tokens * flops / unit.flops)
-        if degree > 1:
-            payload = tokens * self.hidden_bytes
-            all_reduce = (
-                2 * (degree - 1) * (unit.link_latency_s + payload / (degree * unit.link_bandwidth))
-            )
-            broadcast = unit.link_latency_s + payload / unit.link_bandwidth
-            seconds += 2 * (end - start) * all_reduce + broadcast
-        return seconds
+            member_read += self.model.head_matrix_bytes
+            member_flops += self.head_flops
+        return max(
+            member_read / unit.member_bandwidth[member],
+            tokens * member_flops / unit.member_flops[member],
+        )
+
+    def _collectives_s(self, unit: Unit, layers: int, tokens: int) -> float:
+        """Two all-reduces per layer and one broadcast of the stage's input (module docs)."""
+        degree = unit.degree
+        payload = tokens * self.hidden_bytes
+        step = unit.link_latency_s + payload / (degree * unit.link_bandwidth)
+        all_reduce = unit.collective_overhead_s + 2 * (degree - 1) * step
+        broadcast = unit.collective_overhead_s + unit.link_latency_s + payload / unit.link_bandwidth
+        return ALL_REDUCES_PER_LAYER * layers * all_reduce + broadcast
 
     def per_layer_decode_s(self, unit: Unit) -> float:
         """Average decode seconds per layer on this unit: its speed rank in the planner."""
         return self.stage_decode_s(unit, 0, self.num_layers, last=False) / self.num_layers
+
+
+def _prefix(values: Sequence[int]) -> tuple[int, ...]:
+    return (0, *accumulate(values))
 
 
 def _ceil_div(numerator: int, denominator: int) -> int:

@@ -81,3 +81,31 @@ def describe_refusal(error: InsufficientMemory) -> str:
         "or use a more strongly quantized model"
     )
     return "\n".join(lines)
+
+
+class ParallelismUnavailable(ValueError):
+    """A forced kind of layout (PlanOptions.parallelism) cannot run on this mesh and model.
+
+    kind: the layout asked for ("pipeline", "tensor" or "hybrid"); reason: one sentence on why
+    (no trusted links, an architecture that cannot shard, heads that no group size divides, no
+    group or pipeline that fits in memory, ...).
+    """
+
+    def __init__(self, kind: str, model_name: str, reason: str) -> None:
+        self.kind = kind
+        self.model_name = model_name
+        self.reason = reason
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        return f"no {self.kind} layout of {self.model_name} can run on this mesh: {self.reason}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "error": "parallelism_unavailable",
+            "parallelism": self.kind,
+            "model": self.model_name,
+            "reason": self.reason,
+            "message": self.message,
+        }

@@ -2,8 +2,13 @@
 
 Input contract (networkx.DiGraph):
 - node key: node id (str); attributes `memory_budget` (int bytes the daemon may use for a
-  model), `flops` (FLOP/s at the dtype in use), `mem_bandwidth` (bytes/s), optional `name`.
+  model), `flops` (FLOP/s at the dtype in use), `mem_bandwidth` (bytes/s), optional `name`,
+  optional `collective_overhead_s` (seconds the node adds to each collective of a
+  tensor-parallel group: device synchronisation; partitioner.cost has the default).
 - edge u->v: `latency_s` (one-way seconds) and `bandwidth` (bytes/s); links may be asymmetric.
+  Optional `trusted` (bool, default False): the link is point-to-point (a Thunderbolt bridge,
+  a direct cable) or the user marked it trusted. Tensor-parallel collectives travel in clear
+  (MLX's ring backend is plain TCP), so groups form only over links trusted in both directions.
 
 What the view does with it, and why:
 - Numbers are bucketed (see `partitioner.quantize`) so that noise does not change the plan.
@@ -42,10 +47,18 @@ class NodeProfile:
     memory_budget: int
     flops_bucket: int
     mem_bandwidth_bucket: int
+    collective_overhead_bucket: int | None = None
 
     @property
     def flops(self) -> float:
         return bucket_value(self.flops_bucket)
+
+    @property
+    def collective_overhead_s(self) -> float | None:
+        """The node's own cost of one collective, None when it does not report one."""
+        if self.collective_overhead_bucket is None:
+            return None
+        return bucket_value(self.collective_overhead_bucket)
 
     @property
     def mem_bandwidth(self) -> float:
@@ -58,6 +71,7 @@ class LinkProfile:
 
     latency_bucket: int
     bandwidth_bucket: int
+    trusted: bool = False
     latency_s: float = field(init=False, compare=False)
     bandwidth: float = field(init=False, compare=False)
 
@@ -126,11 +140,17 @@ class MeshView:
         """Exactly the quantized inputs the planner reads, as ints in sorted order (for hashing)."""
         return {
             "nodes": [
-                [n.node_id, n.memory_budget, n.flops_bucket, n.mem_bandwidth_bucket]
+                [
+                    n.node_id,
+                    n.memory_budget,
+                    n.flops_bucket,
+                    n.mem_bandwidth_bucket,
+                    n.collective_overhead_bucket,
+                ]
                 for n in self.nodes.values()
             ],
             "links": [
-                [src, dst, link.latency_bucket, link.bandwidth_bucket]
+                [src, dst, link.latency_bucket, link.bandwidth_bucket, int(link.trusted)]
                 for (src, dst), link in self.links.items()
             ],
         }
@@ -237,7 +257,19 @@ def _node_profile(node_id: str, data: dict[str, Any]) -> NodeProfile:
         mem_bandwidth_bucket=_positive_bucket(
             node_id, "mem_bandwidth", data.get("mem_bandwidth"), "bytes/s"
         ),
+        collective_overhead_bucket=_overhead_bucket(node_id, data.get("collective_overhead_s")),
     )
+
+
+def _overhead_bucket(node_id: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if not _is_finite_number(value) or value < 0:
+        raise MeshError(
+            f"node {node_id!r}: collective_overhead_s must be a number of seconds >= 0, "
+            f"got {value!r}"
+        )
+    return latency_bucket_index(float(value))
 
 
 def _positive_bucket(node_id: str, attribute: str, value: Any, unit: str) -> int:
@@ -262,7 +294,12 @@ def _link_profile(key: tuple[str, str], data: dict[str, Any]) -> LinkProfile | N
         )
     if not math.isfinite(bandwidth) or bandwidth <= 0:
         return None
-    return LinkProfile(latency_bucket_index(float(latency)), bucket_index(float(bandwidth)))
+    trusted = data.get("trusted", False)
+    if not isinstance(trusted, bool):
+        raise MeshError(f"link {key[0]!r}->{key[1]!r}: trusted must be true or false")
+    return LinkProfile(
+        latency_bucket_index(float(latency)), bucket_index(float(bandwidth)), trusted
+    )
 
 
 def _is_finite_number(value: Any) -> bool:

@@ -1,4 +1,4 @@
-"""Options that change a plan: strategy, per-node reserve, excluded nodes, context and load."""
+"""Options that change a plan: strategy, layout kind, reserve, exclusions, context and load."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 STRATEGIES = ("speed", "memory")
+PARALLELISMS = ("auto", "pipeline", "tensor", "hybrid")
 
 
 class PlanOptionsError(ValueError):
@@ -24,7 +25,13 @@ class PlanOptions:
     context_length: tokens of KV cache to reserve per sequence; None = the model's default.
     concurrency: sequences decoded at the same time (KV cache is reserved for each).
     prompt_len: prompt length used for the predicted time to first token.
-    allow_tensor_parallel: let nodes joined by fast links form tensor-parallel groups.
+    parallelism: the kind of layout. "auto" (default) compares one node alone, a pipeline,
+        one tensor-parallel group and hybrids (pipeline stages that are tensor-parallel groups)
+        and takes the fastest predicted; "pipeline" forces two or more stages of one node each,
+        "tensor" one stage that is a tensor-parallel group, "hybrid" two or more stages of which
+        at least one is a group. A forced kind that cannot run is refused with the reason
+        (partitioner.errors.ParallelismUnavailable). Tensor-parallel groups form only over
+        links marked trusted (partitioner.mesh) and for architectures that can shard.
     prefill_chunk: tokens processed per prefill step (bounds activation memory; mlx-lm: 2048).
     """
 
@@ -34,7 +41,7 @@ class PlanOptions:
     context_length: int | None = None
     concurrency: int = 1
     prompt_len: int = 512
-    allow_tensor_parallel: bool = False
+    parallelism: str = "auto"
     prefill_chunk: int = 2048
 
     def __post_init__(self) -> None:
@@ -42,6 +49,15 @@ class PlanOptions:
         if self.strategy not in STRATEGIES:
             raise PlanOptionsError(
                 f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}"
+            )
+        if self.parallelism not in PARALLELISMS:
+            raise PlanOptionsError(
+                f"unknown parallelism {self.parallelism!r}; choose one of {', '.join(PARALLELISMS)}"
+            )
+        if self.strategy == "memory" and self.parallelism in ("tensor", "hybrid"):
+            raise PlanOptionsError(
+                "strategy memory is the proportional pipeline baseline; tensor and hybrid "
+                "layouts are planned by strategy speed"
             )
         _require_int("reserve_bytes", self.reserve_bytes, minimum=0)
         _require_int("concurrency", self.concurrency, minimum=1)
@@ -59,13 +75,17 @@ class PlanOptions:
             "context_length": self.context_length,
             "concurrency": self.concurrency,
             "prompt_len": self.prompt_len,
-            "allow_tensor_parallel": self.allow_tensor_parallel,
+            "parallelism": self.parallelism,
             "prefill_chunk": self.prefill_chunk,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PlanOptions:
-        return cls(**{**data, "exclude": frozenset(data.get("exclude", ()))})
+        """From `to_dict()` output. The key `allow_tensor_parallel` of earlier versions is
+        accepted and dropped: tensor parallelism is now chosen by `parallelism` and trusted
+        links."""
+        values = {k: v for k, v in data.items() if k != "allow_tensor_parallel"}
+        return cls(**{**values, "exclude": frozenset(values.get("exclude", ()))})
 
 
 def _as_id_set(value: Iterable[str]) -> frozenset[str]:

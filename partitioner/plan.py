@@ -7,14 +7,35 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class ExpertShard:
+    """The routed experts one member of a tensor-parallel stage holds: [expert_start,
+    expert_end) of every MoE layer of the stage."""
+
+    node: str
+    expert_start: int
+    expert_end: int
+
+    @property
+    def count(self) -> int:
+        return self.expert_end - self.expert_start
+
+
+@dataclass(frozen=True)
 class Stage:
-    """One pipeline stage: a node (or a tensor-parallel group) holding layers [start, end)."""
+    """One pipeline stage: a node (or a tensor-parallel group) holding layers [start, end).
+
+    experts: for a tensor-parallel stage with MoE layers, which member holds which routed
+    experts of each of `moe_layers` (the stage's MoE layers); empty otherwise (a single node
+    holds all of them).
+    """
 
     nodes: tuple[str, ...]
     layer_start: int
     layer_end: int
     has_embedding: bool
     has_head: bool
+    experts: tuple[ExpertShard, ...] = ()
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def layers(self) -> range:
@@ -96,6 +117,8 @@ class Plan:
 
     plan_id: sha256 hex of the algorithm version and the quantized inputs that matter (the
     same on every machine, for any order of the input nodes); `short_id` for display.
+    layout: "solo" (one node), "pipeline" (stages of one node), "tensor" (one tensor-parallel
+    group) or "hybrid" (several stages, at least one a group).
     """
 
     plan_id: str
@@ -110,6 +133,7 @@ class Plan:
     hops: tuple[Hop, ...]
     prediction: Prediction
     left_out: tuple[LeftOut, ...]
+    layout: str = ""
 
     @property
     def short_id(self) -> str:
@@ -145,13 +169,12 @@ class Plan:
             plan_id=data["plan_id"],
             algorithm_version=data["algorithm_version"],
             strategy=data["strategy"],
+            layout=data.get("layout", ""),
             model_name=data["model_name"],
             num_layers=data["num_layers"],
             context_length=data["context_length"],
             concurrency=data["concurrency"],
-            stages=tuple(
-                Stage(**{**item, "nodes": tuple(item["nodes"])}) for item in data["stages"]
-            ),
+            stages=tuple(_stage_from_dict(item) for item in data["stages"]),
             memory=tuple(NodeMemory(**item) for item in data["memory"]),
             hops=tuple(Hop(**{**item, "path": tuple(item["path"])}) for item in data["hops"]),
             prediction=Prediction(
@@ -163,6 +186,17 @@ class Plan:
             ),
             left_out=tuple(LeftOut(**item) for item in data["left_out"]),
         )
+
+
+def _stage_from_dict(item: dict[str, Any]) -> Stage:
+    return Stage(
+        **{
+            **item,
+            "nodes": tuple(item["nodes"]),
+            "experts": tuple(ExpertShard(**shard) for shard in item.get("experts", ())),
+            "moe_layers": tuple(item.get("moe_layers", ())),
+        }
+    )
 
 
 def _to_jsonable(value: Any) -> Any:

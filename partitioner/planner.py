@@ -4,6 +4,16 @@ Pure and deterministic: the same graph content in any insertion order gives the 
 plan id on every machine. The id hashes ALGORITHM_VERSION and exactly the quantized inputs the
 planner reads (partitioner.mesh.MeshView.canonical, the ModelSpec, the options), as canonical
 JSON of integers and strings; human labels (node names) do not enter it.
+
+Choosing the kind of layout (PlanOptions.parallelism): the search runs over single nodes and,
+where the model can shard and trusted links join nodes, tensor-parallel groups
+(partitioner.stage_units), restricted to the sets of units the kind allows:
+- solo: one node holds everything; pipeline: two or more one-node stages;
+- tensor: one stage that is a group; hybrid: two or more stages, at least one a group.
+"auto" allows every set, so it takes the fastest predicted layout of any kind; one node alone
+is always among the candidates, so a split is chosen only when it is predicted faster than the
+fastest node that holds the model (ties go to fewer nodes). `plan_alternatives` plans each kind
+separately for side-by-side comparisons.
 """
 
 from __future__ import annotations
@@ -16,45 +26,101 @@ from typing import Any
 import networkx as nx
 
 from partitioner.cost import TOKEN_BYTES, CostModel, Unit
-from partitioner.errors import InsufficientMemory
+from partitioner.errors import InsufficientMemory, ParallelismUnavailable
+from partitioner.experts import expert_ranges, place_experts
 from partitioner.fit import find_fitting_layout
 from partitioner.humanize import format_bytes
 from partitioner.layout import Evaluator, Layout
 from partitioner.mesh import MeshView
 from partitioner.model import ModelSpec
 from partitioner.options import PlanOptions
-from partitioner.plan import Hop, LeftOut, NodeMemory, Plan, Prediction, Stage
+from partitioner.plan import ExpertShard, Hop, LeftOut, NodeMemory, Plan, Prediction, Stage
 from partitioner.split import largest_remainder
-from partitioner.stage_units import single_units, tensor_parallel_units, usable_bytes
-from partitioner.strategies import SpeedSearch, memory_layout
+from partitioner.stage_units import (
+    single_units,
+    tensor_parallel_degrees,
+    tensor_parallel_units,
+    trusted_link_graph,
+    usable_bytes,
+)
+from partitioner.strategies import Accept, SpeedSearch, memory_layout
 
-ALGORITHM_VERSION = "meshd-partitioner/2"
+ALGORITHM_VERSION = "meshd-partitioner/3"
+LAYOUTS = ("solo", "pipeline", "tensor", "hybrid")
+
+
+def layout_kind(units: Sequence[Unit]) -> str:
+    """Which of LAYOUTS a sequence of stage units is."""
+    grouped = any(unit.degree > 1 for unit in units)
+    if len(units) == 1:
+        return "tensor" if grouped else "solo"
+    return "hybrid" if grouped else "pipeline"
+
+
+_ACCEPTS: dict[str, Accept] = {
+    "auto": lambda unit_set: True,
+    "solo": lambda unit_set: layout_kind(list(unit_set)) == "solo",
+    "pipeline": lambda unit_set: layout_kind(list(unit_set)) == "pipeline",
+    "tensor": lambda unit_set: layout_kind(list(unit_set)) == "tensor",
+    "hybrid": lambda unit_set: layout_kind(list(unit_set)) == "hybrid",
+}
 
 
 def plan_model(mesh: nx.DiGraph, model: ModelSpec, options: PlanOptions | None = None) -> Plan:
-    """Plan which node holds which layers of `model`; raises InsufficientMemory if none fits."""
+    """Plan which node holds which layers of `model`.
+
+    Raises InsufficientMemory when no layout fits the mesh's memory, ParallelismUnavailable
+    when a forced kind of layout cannot run (the message says why).
+    """
     options = options or PlanOptions()
+    return _plan(mesh, model, options, options.parallelism)
+
+
+def plan_alternatives(
+    mesh: nx.DiGraph, model: ModelSpec, options: PlanOptions | None = None
+) -> dict[str, Plan | InsufficientMemory | ParallelismUnavailable]:
+    """The fastest plan of each kind in LAYOUTS, or why that kind cannot run (speed strategy)."""
+    options = options or PlanOptions()
+    outcomes: dict[str, Plan | InsufficientMemory | ParallelismUnavailable] = {}
+    for kind in LAYOUTS:
+        try:
+            outcomes[kind] = _plan(mesh, model, options, kind)
+        except (InsufficientMemory, ParallelismUnavailable) as refusal:
+            outcomes[kind] = refusal
+    return outcomes
+
+
+def _plan(mesh: nx.DiGraph, model: ModelSpec, options: PlanOptions, kind: str) -> Plan:
     if not isinstance(model, ModelSpec):
         raise TypeError(f"model must be a ModelSpec, got {type(model).__name__}")
     view = MeshView.from_graph(mesh, options.exclude, model.hidden_state_bytes)
     cost = CostModel(model, options)
     singles = single_units(view, options.reserve_bytes)
-    units = list(singles)
-    if options.allow_tensor_parallel:
-        units += tensor_parallel_units(view, model, cost, singles)
+    groups: list[Unit] = []
+    if kind in ("auto", "tensor", "hybrid") and options.strategy == "speed":
+        groups = tensor_parallel_units(view, model, cost, singles)
     evaluator = Evaluator(cost, view)
-    layout = _choose_layout(options.strategy, evaluator, singles, units)
+    layout = _choose_layout(options.strategy, kind, evaluator, singles, singles + groups)
     if layout is None:
-        raise _refusal(cost, view, singles)
+        refusal = _refusal(cost, view, singles)
+        if kind == "auto" or (
+            kind in ("solo", "pipeline") and find_fitting_layout(cost, singles) is None
+        ):
+            raise refusal
+        raise ParallelismUnavailable(
+            kind, model.name, _unavailable_reason(kind, cost, view, singles, groups)
+        )
     excluded = sorted(str(node) for node in mesh.nodes if str(node) in options.exclude)
-    return _build_plan(layout, evaluator, options, plan_id(view, model, options), excluded)
+    identifier = plan_id(view, model, options, kind)
+    return _build_plan(layout, evaluator, options, identifier, excluded)
 
 
-def plan_id(view: MeshView, model: ModelSpec, options: PlanOptions) -> str:
+def plan_id(view: MeshView, model: ModelSpec, options: PlanOptions, kind: str | None = None) -> str:
     """sha256 hex over the algorithm version and the canonical quantized inputs."""
     settings = options.to_dict()
     settings.pop("exclude")
     settings["context_length"] = options.context_length or model.context_length
+    settings["parallelism"] = kind or options.parallelism
     payload = {
         "algorithm": ALGORITHM_VERSION,
         "mesh": view.canonical(),
@@ -66,7 +132,7 @@ def plan_id(view: MeshView, model: ModelSpec, options: PlanOptions) -> str:
 
 
 def _choose_layout(
-    strategy: str, evaluator: Evaluator, singles: list[Unit], units: list[Unit]
+    strategy: str, kind: str, evaluator: Evaluator, singles: list[Unit], units: list[Unit]
 ) -> Layout | None:
     """The strategy's layout within one strongly connected part of the mesh.
 
@@ -80,30 +146,76 @@ def _choose_layout(
         members = set(part)
         part_singles = [u for u in singles if u.leader in members]
         part_units = [u for u in units if members.issuperset(u.nodes)]
-        layout = _layout_in_part(strategy, evaluator, part_singles, part_units)
+        layout = _layout_in_part(strategy, kind, evaluator, part_singles, part_units)
         if layout is None:
             continue
         if strategy == "memory":
             return layout
-        key = (evaluator.score(layout).time_per_token_s, layout.tie_key())
+        key = (evaluator.score(layout).time_per_token_s, _simplicity(layout), layout.tie_key())
         if best_key is None or key < best_key:
             best, best_key = layout, key
     return best
 
 
+def _simplicity(layout: Layout) -> tuple[int, int]:
+    """Tie-breaker between equally fast layouts: fewer nodes, then fewer stages."""
+    return sum(unit.degree for unit in layout.units), len(layout.units)
+
+
 def _layout_in_part(
-    strategy: str, evaluator: Evaluator, singles: list[Unit], units: list[Unit]
+    strategy: str, kind: str, evaluator: Evaluator, singles: list[Unit], units: list[Unit]
 ) -> Layout | None:
     cost = evaluator.cost
-    baseline = memory_layout(cost, singles)
+    accept = _ACCEPTS[kind]
     if strategy == "memory":
-        return baseline or find_fitting_layout(cost, singles)
+        layout = memory_layout(cost, singles) or find_fitting_layout(cost, singles)
+        return layout if layout is not None and accept(frozenset(layout.units)) else None
+    baseline = memory_layout(cost, singles)
     fitting = None if baseline is not None else find_fitting_layout(cost, units)
     extras = [layout for layout in (baseline, fitting) if layout is not None]
-    return SpeedSearch(evaluator, units).run(extras)
+    return SpeedSearch(evaluator, units, accept).run(extras)
 
 
 # ---- refusal --------------------------------------------------------------------------------
+
+
+def _unavailable_reason(
+    kind: str, cost: CostModel, view: MeshView, singles: Sequence[Unit], groups: Sequence[Unit]
+) -> str:
+    """Why a forced kind of layout has no plan (the memory as a whole would fit)."""
+    model = cost.model
+    if kind in ("solo", "pipeline"):
+        if kind == "pipeline" and len(singles) < 2:
+            return "a pipeline needs at least two nodes with usable memory"
+        return f"no {kind} layout fits in the nodes' memory (see `--parallelism auto`)"
+    if not model.supports_tensor_parallel:
+        return (
+            f"architecture {model.architecture or 'of this model'} has no shard(group) in "
+            "mlx-lm, so its layers cannot be split over a group"
+        )
+    if not tensor_parallel_degrees(model):
+        return (
+            f"no group size from 2 to 8 divides both the attention heads "
+            f"({model.num_attention_heads}) and the KV heads ({model.num_key_value_heads})"
+        )
+    if not groups:
+        trusted = trusted_link_graph(view, [unit.leader for unit in singles])
+        if trusted.number_of_edges() == 0:
+            return (
+                "no two nodes are joined by links marked trusted in both directions "
+                "(tensor-parallel traffic is unencrypted; mark point-to-point links trusted)"
+            )
+        return "the nodes joined by trusted links form no group of an allowed size"
+    if kind == "tensor":
+        largest = max(groups, key=lambda unit: (unit.usable_bytes, unit.nodes))
+        need = cost.need(largest, 0, cost.num_layers, first=True, last=True)
+        member = min(largest.member_usable)
+        return (
+            f"no tensor-parallel group holds the whole model: group {'+'.join(largest.nodes)} "
+            f"needs up to {format_bytes(need)} per member, its smallest member has "
+            f"{format_bytes(member)}"
+        )
+    return "no layout of two or more stages with a tensor-parallel group fits in memory"
 
 
 def _refusal(cost: CostModel, view: MeshView, singles: Sequence[Unit]) -> InsufficientMemory:
@@ -176,26 +288,62 @@ def _build_plan(
     excluded: list[str],
 ) -> Plan:
     cost = evaluator.cost
+    layout = _placed(layout, evaluator)
     last = len(layout.units) - 1
-    stages = tuple(
-        Stage(unit.nodes, start, end, has_embedding=i == 0, has_head=i == last)
-        for i, (unit, (start, end)) in enumerate(zip(layout.units, layout.ranges(), strict=True))
-    )
+    moe = set(cost.model.moe_layers)
+    stages = []
+    for i, (unit, (start, end)) in enumerate(zip(layout.units, layout.ranges(), strict=True)):
+        stage_moe = tuple(layer for layer in range(start, end) if layer in moe)
+        experts: tuple[ExpertShard, ...] = ()
+        if unit.degree > 1 and stage_moe and unit.expert_counts:
+            experts = tuple(ExpertShard(*entry) for entry in expert_ranges(unit))
+        stages.append(
+            Stage(
+                unit.nodes,
+                start,
+                end,
+                has_embedding=i == 0,
+                has_head=i == last,
+                experts=experts,
+                moe_layers=stage_moe if experts else (),
+            )
+        )
     hops = _hops(layout, evaluator)
     return Plan(
         plan_id=identifier,
         algorithm_version=ALGORITHM_VERSION,
         strategy=options.strategy,
+        layout=layout_kind(layout.units),
         model_name=cost.model.name,
         num_layers=cost.num_layers,
         context_length=cost.context_length,
         concurrency=cost.concurrency,
-        stages=stages,
+        stages=tuple(stages),
         memory=_node_memory(layout, evaluator, options),
         hops=hops,
         prediction=_prediction(layout, evaluator, hops),
         left_out=_left_out(layout, evaluator, options, excluded),
     )
+
+
+def _placed(layout: Layout, evaluator: Evaluator) -> Layout:
+    """The layout with each group's experts placed by speed within memory (partitioner.experts),
+    kept only when that is predicted at least as fast as the search's memory-proportional
+    placement."""
+    if all(unit.degree == 1 for unit in layout.units):
+        return layout
+    last = len(layout.units) - 1
+    placed = Layout(
+        tuple(
+            place_experts(evaluator.cost, unit, start, end, first=i == 0, last=i == last)
+            for i, (unit, (start, end)) in enumerate(
+                zip(layout.units, layout.ranges(), strict=True)
+            )
+        ),
+        layout.bounds,
+    )
+    before = evaluator.score(layout).time_per_token_s
+    return placed if evaluator.score(placed).time_per_token_s <= before else layout
 
 
 def _node_memory(
@@ -205,8 +353,10 @@ def _node_memory(
     last = len(layout.units) - 1
     entries = []
     for index, (unit, (start, end)) in enumerate(zip(layout.units, layout.ranges(), strict=True)):
-        use = cost.memory(start, end, first=index == 0, last=index == last, degree=unit.degree)
-        for node in unit.nodes:
+        for member, node in enumerate(unit.nodes):
+            use = cost.memory(
+                start, end, first=index == 0, last=index == last, unit=unit, member=member
+            )
             entries.append(
                 NodeMemory(
                     node=node,
@@ -300,6 +450,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
     return {
         "plan_id": plan.short_id,
         "strategy": plan.strategy,
+        "layout": plan.layout,
         "stages": [f"{'+'.join(s.nodes)}:{s.layer_start}-{s.layer_end}" for s in plan.stages],
         "ms_per_token": round(plan.prediction.decode_s_per_token * 1e3, 3),
     }

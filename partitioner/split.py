@@ -205,6 +205,8 @@ class _SearchState:
     def _fill(self, index: int, start: int, end: int) -> float:
         """Share of the unit's usable memory the stage uses; inf when it does not fit."""
         unit = self.units[index]
+        if unit.degree > 1:
+            return self.cost.fill(unit, start, end, first=index == 0, last=index == self.last)
         need = self.cost.need(unit, start, end, first=index == 0, last=index == self.last)
         return need / unit.usable_bytes if need <= unit.usable_bytes else math.inf
 

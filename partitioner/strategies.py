@@ -36,7 +36,7 @@ All choices break ties on node ids, so every machine picks the same plan.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import combinations, islice, permutations
 
 from partitioner.cost import CostModel, Unit
@@ -60,6 +60,7 @@ PERMUTE_LIMIT = 4
 NEIGHBOURHOOD_STARTS = 3
 
 Ranked = tuple[float, Layout]
+Accept = Callable[[frozenset[Unit]], bool]
 
 
 def memory_layout(cost: CostModel, units: Sequence[Unit]) -> Layout | None:
@@ -101,8 +102,13 @@ def _fits(cost: CostModel, layout: Layout) -> bool:
 class SpeedSearch:
     """The speed strategy's search (see module docstring); one instance per planning call."""
 
-    def __init__(self, evaluator: Evaluator, units: Sequence[Unit]) -> None:
+    def __init__(
+        self, evaluator: Evaluator, units: Sequence[Unit], accept: Accept | None = None
+    ) -> None:
+        """`accept` restricts the layouts to sets of units it accepts (a forced kind of
+        layout: partitioner.planner); None accepts every set."""
         self.evaluator = evaluator
+        self.accept = accept or (lambda unit_set: True)
         self.cost = evaluator.cost
         self.rate = {unit: self.cost.per_layer_decode_s(unit) for unit in units}
         self.cap = {
@@ -115,8 +121,9 @@ class SpeedSearch:
         self._min_latency = min((link.latency_s for link in links), default=0.0)
 
     def run(self, extra_layouts: Sequence[Layout]) -> Layout | None:
+        extra_layouts = [x for x in extra_layouts if self.accept(frozenset(x.units))]
         best: Ranked | None = None
-        for unit_set in self._seed_sets(extra_layouts):
+        for unit_set in filter(self.accept, self._seed_sets(extra_layouts)):
             if best is None or self.lower_bound(unit_set) < best[0]:
                 best = _better(best, self.evaluate(unit_set))
         for layout in extra_layouts:
@@ -133,15 +140,23 @@ class SpeedSearch:
             return self._all_sets()
         total = self.cost.num_layers
         seeds: list[frozenset[Unit]] = []
-        alone = next(
-            (u for u in self.ranked if self.cost.fits(u, 0, total, first=True, last=True)), None
-        )
-        if alone is not None:
-            seeds.append(frozenset([alone]))
+        for kind in (1, 2):  # the fastest single node and the fastest group that hold it all
+            alone = next(
+                (
+                    u
+                    for u in self.ranked
+                    if min(u.degree, 2) == kind
+                    and self.cost.fits(u, 0, total, first=True, last=True)
+                ),
+                None,
+            )
+            if alone is not None:
+                seeds.append(frozenset([alone]))
         by_size = sorted(self.ranked, key=lambda u: (-self.cap[u], self.rate[u], u.nodes))
         seeds.extend(self._covering_prefixes(self.ranked, EXTRA_UNITS))
         seeds.extend(self._covering_prefixes(by_size, 0))
         seeds.extend(self._neighbourhoods())
+        seeds.extend(self._group_seeds())
         seeds.extend(
             frozenset(layout.units) for layout in extra_layouts if len(layout.units) <= EXACT_LIMIT
         )
@@ -187,11 +202,28 @@ class SpeedSearch:
                 seeds.append(frozenset(chosen))
         return seeds
 
-    def _covering_prefixes(self, ordered: list[Unit], extra: int) -> list[frozenset[Unit]]:
+    def _group_seeds(self) -> list[frozenset[Unit]]:
+        """Hybrids: each of the fastest groups, completed by the fastest units whose nodes are
+        free until they can hold the model together."""
+        seeds = []
+        groups = [unit for unit in self.ranked if unit.degree > 1][:NEIGHBOURHOOD_STARTS]
+        for group in groups:
+            rest = [
+                u for u in self.ranked if u is not group and set(group.nodes).isdisjoint(u.nodes)
+            ]
+            seeds.extend(
+                frozenset({group} | prefix)
+                for prefix in self._covering_prefixes(rest, 0, covered=self.cap[group])
+            )
+        return seeds
+
+    def _covering_prefixes(
+        self, ordered: list[Unit], extra: int, covered: int = 0
+    ) -> list[frozenset[Unit]]:
         """Take disjoint units in order until their capacity covers the model, then `extra`."""
         chosen: list[Unit] = []
         used: set[str] = set()
-        covered, found = 0, []
+        found: list[frozenset[Unit]] = []
         for unit in ordered:
             if not used.isdisjoint(unit.nodes) or self.cap[unit] == 0:
                 continue
@@ -209,19 +241,19 @@ class SpeedSearch:
     def lower_bound(self, unit_set: frozenset[Unit]) -> float:
         """No layout of these units is faster than this (sets that cannot win are skipped).
 
-        Every layer is read and computed by some unit, at best the fastest of the set (a
-        tensor-parallel group counts as its members together), the head by one member; a
-        ring of S > 1 stages has S hops of at least the smallest latency in the mesh; and under
-        concurrency the slowest stage takes at least as long as all units sharing the work
-        in proportion to their speed.
+        Every layer's active weights are read and computed by some unit, at best the fastest of
+        the set (a tensor-parallel group counts as its members together), the head by one
+        member; a ring of S > 1 stages has S hops of at least the smallest latency in the mesh;
+        and under concurrency the slowest stage takes at least as long as all units sharing
+        the work in proportion to their speed.
         """
         cost = self.cost
-        read = cost.layer_bytes(0, cost.num_layers)
+        read = cost.active_bytes(0, cost.num_layers)
         flops = cost.stage_flops(0, cost.num_layers)
-        bandwidth = max(unit.mem_bandwidth * unit.degree for unit in unit_set)
-        compute = max(unit.flops * unit.degree for unit in unit_set)
-        head_bandwidth = max(unit.mem_bandwidth for unit in unit_set)
-        head_compute = max(unit.flops for unit in unit_set)
+        bandwidth = max(unit.total_bandwidth for unit in unit_set)
+        compute = max(unit.total_flops for unit in unit_set)
+        head_bandwidth = max(max(unit.member_bandwidth) for unit in unit_set)
+        head_compute = max(max(unit.member_flops) for unit in unit_set)
         stages = max(
             read / bandwidth + cost.model.head_matrix_bytes / head_bandwidth,
             flops / compute + cost.head_flops / head_compute,
@@ -229,8 +261,8 @@ class SpeedSearch:
         count = len(unit_set)
         hops = count * self._min_latency if count > 1 else 0.0
         slowest_stage = max(  # stages in parallel, perfectly balanced
-            read / sum(unit.mem_bandwidth * unit.degree for unit in unit_set),
-            flops / sum(unit.flops * unit.degree for unit in unit_set),
+            read / sum(unit.total_bandwidth for unit in unit_set),
+            flops / sum(unit.total_flops for unit in unit_set),
         )
         return max(stages + hops, cost.concurrency * slowest_stage)
 
@@ -242,7 +274,7 @@ class SpeedSearch:
 
     def _evaluate(self, unit_set: frozenset[Unit]) -> Ranked | None:
         units = sorted(unit_set, key=lambda u: u.nodes)
-        if len(units) > self.cost.num_layers:
+        if len(units) > self.cost.num_layers or not self.accept(unit_set):
             return None
         cycle = best_cycle(
             len(units),
@@ -305,7 +337,7 @@ class SpeedSearch:
         for _ in range(LOCAL_SEARCH_ROUNDS):
             current = frozenset(best[1].units)
             improved = best
-            for neighbour in self._neighbours(current):
+            for neighbour in filter(self.accept, self._neighbours(current)):
                 if self.lower_bound(neighbour) < improved[0]:
                     improved = _better(improved, self.evaluate(neighbour))
             if improved is best:

@@ -15,6 +15,7 @@ from partitioner import (
     MeshError,
     ModelSpec,
     ModelSpecError,
+    ParallelismUnavailable,
     Plan,
     PlanOptions,
     PlanOptionsError,
@@ -33,7 +34,7 @@ GiB = 2**30
 GB = 10**9
 
 NodeSpec = tuple[int, float, float]  # memory budget, FLOP/s, memory bandwidth
-LinkSpec = tuple[float, float]  # latency s, bandwidth bytes/s
+LinkSpec = tuple[float, ...]  # latency s, bandwidth bytes/s, optionally trusted (1.0)
 
 
 def make_mesh(
@@ -56,7 +57,8 @@ def make_mesh(
                 continue
             spec = links.get((src, dst), default_link)
             if spec is not None:
-                graph.add_edge(src, dst, latency_s=spec[0], bandwidth=spec[1])
+                trusted = len(spec) > 2 and bool(spec[2])
+                graph.add_edge(src, dst, latency_s=spec[0], bandwidth=spec[1], trusted=trusted)
     return graph
 
 
@@ -321,13 +323,13 @@ def test_two_stage_prediction_counts_forward_hop_and_token_hop() -> None:
 
 def test_tensor_parallel_group_on_a_thunderbolt_pair() -> None:
     nodes = {"tb-a": (GiB, *FAST), "tb-b": (GiB, *FAST), "eth": (GiB, *SLOW)}
-    tb5 = (5e-6, 9e9)
+    tb5 = (5e-6, 9e9, 1.0)
     links = {("tb-a", "tb-b"): tb5, ("tb-b", "tb-a"): tb5}
     mesh = make_mesh(nodes, links, default_link=(1e-3, 1.25e9))
-    model = tiny_model([150 * MiB] * 8)
-    plain = plan_model(mesh, model)
-    grouped = plan_model(mesh, model, PlanOptions(allow_tensor_parallel=True))
-    assert any(stage.tensor_parallel for stage in grouped.stages)
+    model = tiny_model([150 * MiB] * 8, supports_tensor_parallel=True)
+    plain = plan_model(mesh, model, PlanOptions(parallelism="pipeline"))
+    grouped = plan_model(mesh, model)
+    assert grouped.layout == "tensor"
     assert grouped.stages[0].nodes == ("tb-a", "tb-b")
     assert grouped.node_layers("tb-b") == range(0, 8)
     assert grouped.prediction.decode_s_per_token < plain.prediction.decode_s_per_token
@@ -336,11 +338,18 @@ def test_tensor_parallel_group_on_a_thunderbolt_pair() -> None:
 
 
 def test_no_tensor_parallel_group_when_heads_do_not_divide() -> None:
-    tb5 = (5e-6, 9e9)
+    tb5 = (5e-6, 9e9, 1.0)
     mesh = make_mesh({"x": (GiB, *FAST), "y": (GiB, *FAST)}, default_link=tb5)
-    model = tiny_model([150 * MiB] * 8, num_attention_heads=3, num_key_value_heads=3)
-    plan = plan_model(mesh, model, PlanOptions(allow_tensor_parallel=True))
+    model = tiny_model(
+        [150 * MiB] * 8,
+        num_attention_heads=11,
+        num_key_value_heads=11,
+        supports_tensor_parallel=True,
+    )
+    plan = plan_model(mesh, model)
     assert not any(stage.tensor_parallel for stage in plan.stages)
+    with pytest.raises(ParallelismUnavailable, match="divides both the attention heads"):
+        plan_model(mesh, model, PlanOptions(parallelism="tensor"))
 
 
 # ---- determinism, quantization, ids ---------------------------------------------------------
@@ -422,8 +431,7 @@ def test_dead_link_counts_as_no_link() -> None:
 def test_model_spec_round_trip_and_shorthand() -> None:
     model = tiny_model([MiB, 2 * MiB])
     assert ModelSpec.from_dict(json.loads(json.dumps(model.to_dict()))) == model
-    data = model.to_dict()
-    del data["layer_params"]
+    data = {k: v for k, v in model.to_dict().items() if not k.startswith("layer_")}
     data |= {"layer_bytes": 3 * MiB, "num_layers": 5, "quant_bits": 4}
     short = ModelSpec.from_dict(data)
     assert short.layer_bytes == (3 * MiB,) * 5

@@ -15,7 +15,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from partitioner import InsufficientMemory, ModelSpec, Plan, PlanOptions, plan_model
+from partitioner import (
+    PARALLELISMS,
+    InsufficientMemory,
+    ModelSpec,
+    ParallelismUnavailable,
+    Plan,
+    PlanOptions,
+    plan_alternatives,
+    plan_model,
+)
 from partitioner.cost import CostModel
 from partitioner.layout import Evaluator, Layout
 from partitioner.mesh import MeshView
@@ -60,7 +69,7 @@ def meshes(
 
 
 @st.composite
-def models(draw: st.DrawFn, max_layers: int = 6) -> ModelSpec:
+def models(draw: st.DrawFn, max_layers: int = 6, tensor_parallel: bool = False) -> ModelSpec:
     layers = draw(st.lists(st.integers(0, 300), min_size=1, max_size=max_layers))
     return ModelSpec(
         name="random",
@@ -78,16 +87,16 @@ def models(draw: st.DrawFn, max_layers: int = 6) -> ModelSpec:
         activation_bytes=2,
         dtype="float16",
         context_length=draw(st.integers(16, 2048)),
+        supports_tensor_parallel=tensor_parallel,
     )
 
 
 @st.composite
-def options(draw: st.DrawFn, tensor_parallel: bool = False) -> PlanOptions:
+def options(draw: st.DrawFn) -> PlanOptions:
     return PlanOptions(
         reserve_bytes=draw(st.sampled_from([0, 32 * MiB])),
         concurrency=draw(st.integers(1, 3)),
         exclude=frozenset(draw(st.lists(st.sampled_from(NODE_IDS), max_size=1))),
-        allow_tensor_parallel=tensor_parallel,
         prefill_chunk=draw(st.sampled_from([16, 512])),
     )
 
@@ -101,8 +110,8 @@ def cases(
 ) -> tuple[nx.DiGraph, ModelSpec, PlanOptions]:
     """A model, options, and a mesh whose budgets are scaled to the model's size (above the
     fixed per-stage overhead), so one-stage, multi-stage and refused cases all occur often."""
-    model = draw(models(max_layers=max_layers))
-    opts = draw(options(tensor_parallel=tensor_parallel))
+    model = draw(models(max_layers=max_layers, tensor_parallel=tensor_parallel))
+    opts = draw(options())
     cost = CostModel(model, opts)
     fixed = cost.memory(0, 0, first=False, last=False).total + opts.reserve_bytes
     mesh = draw(meshes(counts, scale=cost.whole_model_memory() - fixed, base=fixed))
@@ -266,6 +275,7 @@ def test_tensor_parallel_plans_are_valid(case: tuple[nx.DiGraph, ModelSpec, Plan
     graph, model, opts = case
     for u, v in graph.edges:
         graph.edges[u, v]["latency_s"] = 5e-6  # every link fast enough for a group
+        graph.edges[u, v]["trusted"] = True
     try:
         plan = plan_model(graph, model, opts)
     except InsufficientMemory:
@@ -295,3 +305,34 @@ def test_larger_meshes_give_valid_deterministic_plans(
         return
     assert_valid(plan, graph, model, opts)
     assert plan_model(other, model, opts) == plan
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases((3, 2, 4), tensor_parallel=True))
+def test_forced_layouts_are_of_their_kind_or_refused(
+    case: tuple[nx.DiGraph, ModelSpec, PlanOptions],
+) -> None:
+    """Every forced kind gives a valid plan of that kind, or a refusal that says why; `auto`
+    is never predicted slower than the one-node plan it could have made."""
+    graph, model, opts = case
+    for u, v in graph.edges:
+        graph.edges[u, v]["trusted"] = True
+    outcomes: dict[str, Plan] = {}
+    for kind in PARALLELISMS:
+        forced = PlanOptions.from_dict({**opts.to_dict(), "parallelism": kind})
+        try:
+            plan = plan_model(graph, model, forced)
+        except InsufficientMemory:
+            assert not brute_force_fits(graph, model, forced)
+            continue
+        except ParallelismUnavailable as refusal:
+            assert kind != "auto" and refusal.reason
+            continue
+        assert_valid(plan, graph, model, forced)
+        assert kind == "auto" or plan.layout == kind
+        assert Plan.from_dict(json.loads(json.dumps(plan.to_dict(), allow_nan=False))) == plan
+        outcomes[kind] = plan
+    solo = plan_alternatives(graph, model, opts)["solo"]
+    if isinstance(solo, Plan) and "auto" in outcomes:
+        auto = outcomes["auto"].prediction.time_per_token_s
+        assert auto <= solo.prediction.time_per_token_s * (1 + 1e-9)

@@ -26,7 +26,7 @@ from meshd.api.plan_cli import (
     render_plan_table,
     run_plan,
 )
-from partitioner import Plan, PlanOptions, plan_model
+from partitioner import LAYOUTS, Plan, PlanOptions, plan_model
 from tests.support.random_model import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +107,12 @@ def test_both_strategies_side_by_side(tmp_path: Path, model_dir: Path) -> None:
     code, out, _ = run("--mesh", str(mesh), "--model", str(model_dir), "--strategy", "both")
     assert code == EXIT_OK
     assert "strategy speed" in out and "strategy memory" in out
-    assert "comparison:" in out and "as fast as memory per token" in out
+    assert "comparison (single-request decode, predicted):" in out
+    assert "as fast as memory per token" in out
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines() if line[:1].isalpha()}
+    assert rows["solo"] == "solo" and rows["pipeline"] == "pipeline"
+    assert rows["tensor"] == "-" and "tensor: architecture" not in out  # llama can shard
+    assert "no two nodes are joined by links marked trusted" in out
 
 
 def test_json_output_is_a_plan(tmp_path: Path, model_dir: Path) -> None:
@@ -122,7 +127,10 @@ def test_json_output_is_a_plan(tmp_path: Path, model_dir: Path) -> None:
     code, out, _ = run(
         "--mesh", str(mesh), "--model", str(model_dir), "--json", "--strategy", "both"
     )
-    assert set(json.loads(out)) == {"speed", "memory"}
+    outcomes = json.loads(out)
+    assert set(outcomes) == {"speed", "memory"} | {f"layout:{k}" for k in LAYOUTS}
+    assert outcomes["layout:tensor"]["error"] == "parallelism_unavailable"
+    assert Plan.from_dict(outcomes["layout:pipeline"]).layout == "pipeline"
 
 
 def test_refusal_exits_1_and_explains(tmp_path: Path, model_dir: Path) -> None:
@@ -186,8 +194,10 @@ def test_example_cases_show_what_they_promise() -> None:
     assert {"pi", "old-laptop"} <= {entry.node for entry in plan_model(weak, model).left_out}
     tb5 = load_mesh_json(EXAMPLES / "tb5-pair-ethernet.json")
     big = load_model_spec_json(EXAMPLES / "model-llama-3.1-70b-8bit.json")
-    grouped = plan_model(tb5, big, PlanOptions(allow_tensor_parallel=True))
-    assert grouped.stages[0].nodes == ("max-a", "max-b")
+    grouped = plan_model(tb5, big)
+    assert grouped.stages[0].nodes == ("max-a", "max-b") and grouped.layout == "tensor"
+    piped = plan_model(tb5, big, PlanOptions(parallelism="pipeline"))
+    assert grouped.prediction.tokens_per_s > piped.prediction.tokens_per_s
 
 
 def test_run_plan_in_a_fresh_process(tmp_path: Path, model_dir: Path) -> None:
@@ -210,3 +220,52 @@ def test_run_plan_in_a_fresh_process(tmp_path: Path, model_dir: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["num_layers"] == 4
+
+
+def test_config_only_moe_directory_plans_with_its_experts_placed() -> None:
+    models, meshes = ROOT / "examples" / "models", ROOT / "examples" / "meshes"
+    argv = ["--mesh", str(meshes / "m3-ultra-x4-tb5-rdma.json"), "--context", "8192"]
+    code, out, err = run(*argv, "--model", str(models / "qwen3-235b-a22b-instruct-2507-8bit"))
+    assert (code, err) == (EXIT_OK, "")
+    assert "layout tensor" in out and "[TP]" in out
+    assert "experts of stage 0 (each of its 94 MoE layers): studio-1" in out and "(32)" in out
+    code, out, err = run(
+        *argv,
+        "--model",
+        str(models / "qwen3-next-80b-a3b-instruct-8bit"),
+        "--parallelism",
+        "tensor",
+    )
+    assert code == EXIT_REFUSED and out == ""
+    assert "architecture qwen3_next has no shard(group) in mlx-lm" in err
+    code, out, _ = run(
+        *argv, "--model", str(models / "deepseek-v3-8bit"), "--parallelism", "hybrid", "--json"
+    )
+    assert code == EXIT_OK and Plan.from_dict(json.loads(out)).layout == "hybrid"
+
+
+def test_mesh_file_trusted_links_and_collective_overhead(tmp_path: Path) -> None:
+    mesh = {
+        "nodes": [
+            {
+                "id": "a",
+                "memory_budget": "1GB",
+                "flops": "1TFLOPS",
+                "mem_bandwidth": "100GB/s",
+                "collective_overhead": "40us",
+            },
+            {"id": "b", "memory_budget": "1GB", "flops": "1TFLOPS", "mem_bandwidth": "100GB/s"},
+        ],
+        "links": [
+            {"src": "a", "dst": "b", "latency": "5us", "bandwidth": "75Gbit/s", "trusted": True}
+        ],
+    }
+    path = tmp_path / "mesh.json"
+    path.write_text(json.dumps(mesh))
+    graph = load_mesh_json(path)
+    assert graph.edges["a", "b"]["trusted"] and graph.edges["b", "a"]["trusted"]
+    assert graph.nodes["a"]["collective_overhead_s"] == pytest.approx(40e-6)
+    mesh["links"][0]["trusted"] = "yes"
+    path.write_text(json.dumps(mesh))
+    with pytest.raises(PlanInputError, match="trusted must be true or false"):
+        load_mesh_json(path)

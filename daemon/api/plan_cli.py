@@ -1,19 +1,24 @@
 """`meshd plan`: show which node would hold which layers, and how fast it would run.
 
 The mesh comes from the running daemon (its live view) or from a JSON file (`--mesh`), so a
-cluster can be planned before it exists. The model comes from a model directory (`--model`,
-true sizes from the safetensors headers) or from a ModelSpec JSON file (`--model-spec`).
+cluster can be planned before it exists. The model comes from a model directory (`--model`:
+true sizes from the safetensors headers, or, for a directory with only config.json, from
+mlx-lm's own model class and the config's quantization, see meshd.models.info) or from a
+ModelSpec JSON file (`--model-spec`). `--parallelism` forces the kind of layout;
+`--strategy both` shows the fastest layout of every kind (one node, pipeline, tensor
+parallel, hybrid) side by side with the memory-proportional baseline.
 
-Mesh file format (human units accepted everywhere a size or rate is expected):
+Mesh file format (human units accepted everywhere a size, rate or time is expected):
 
     {
       "description": "optional text",
       "nodes": [
         {"id": "studio-a", "name": "Mac Studio A", "memory_budget": "180GiB",
-         "flops": "25TFLOPS", "mem_bandwidth": "800GB/s"}
+         "flops": "25TFLOPS", "mem_bandwidth": "800GB/s", "collective_overhead": "60us"}
       ],
       "links": [
-        {"src": "studio-a", "dst": "studio-b", "latency_ms": 0.3, "bandwidth": "10Gbit/s"}
+        {"src": "studio-a", "dst": "studio-b", "latency": "5us", "bandwidth": "75Gbit/s",
+         "trusted": true}
       ],
       "default_link": {"latency_ms": 1.0, "bandwidth": "1Gbit/s"}
     }
@@ -24,9 +29,14 @@ Mesh file format (human units accepted everywhere a size or rate is expected):
 - flops: FLOP/s as a number, or "25TFLOPS" / "25 TFLOP/s";
 - latency: "latency_ms" (number), "latency_s" (number) or "latency": "300us" / "0.3ms";
   (all read by partitioner.humanize, as flags and the config file are);
+- collective_overhead (optional, per node): what the node adds to each collective of a
+  tensor-parallel group ("60us"; partitioner.cost has the default);
+- trusted (optional, per link, default false): the link is point-to-point or trusted, so
+  tensor-parallel traffic (unencrypted) may cross it;
 - a link is used in both directions unless it says "both_ways": false (then add the reverse
   link separately, e.g. for asymmetric links); "default_link" fills every pair not listed.
-Exit codes: 0 plan printed, 1 the model does not fit (refusal printed), 2 bad input.
+Exit codes: 0 plan printed, 1 the model does not fit or the forced layout cannot run (the
+reason printed), 2 bad input.
 """
 
 from __future__ import annotations
@@ -43,14 +53,17 @@ import networkx as nx
 
 from meshd.models.info import ModelInfoError, read_model_spec
 from partitioner import (
+    PARALLELISMS,
     InsufficientMemory,
     MeshError,
     ModelSpec,
     ModelSpecError,
+    ParallelismUnavailable,
     Plan,
     PlanOptions,
     PlanOptionsError,
     describe_refusal,
+    plan_alternatives,
     plan_model,
 )
 from partitioner.humanize import (
@@ -66,7 +79,7 @@ LIVE_TIMEOUT_S = 5.0
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
 
 T = TypeVar("T")
-_NODE_KEYS = {"id", "name", "memory_budget", "flops", "mem_bandwidth"}
+_NODE_KEYS = {"id", "name", "memory_budget", "flops", "mem_bandwidth", "collective_overhead"}
 _LINK_KEYS = {
     "src",
     "dst",
@@ -76,6 +89,7 @@ _LINK_KEYS = {
     "bandwidth",
     "bandwidth_mbps",
     "both_ways",
+    "trusted",
 }
 
 
@@ -141,15 +155,20 @@ def _node_entry(entry: Any, where: str) -> tuple[str, dict[str, Any]]:
     missing = sorted({"memory_budget", "flops", "mem_bandwidth"} - set(entry))
     if missing:
         raise PlanInputError(f"{where} ({entry['id']}): missing {missing}")
-    return str(entry["id"]), {
+    attributes = {
         "name": str(entry.get("name", entry["id"])),
         "memory_budget": _quantity(parse_size, entry["memory_budget"], f"{where}: memory_budget"),
         "flops": _quantity(parse_flops, entry["flops"], f"{where}: flops"),
         "mem_bandwidth": _quantity(parse_rate, entry["mem_bandwidth"], f"{where}: mem_bandwidth"),
     }
+    if "collective_overhead" in entry:
+        attributes["collective_overhead_s"] = _quantity(
+            parse_duration, entry["collective_overhead"], f"{where}: collective_overhead"
+        )
+    return str(entry["id"]), attributes
 
 
-def _link_attributes(entry: dict[str, Any], where: str) -> dict[str, float]:
+def _link_attributes(entry: dict[str, Any], where: str) -> dict[str, Any]:
     unknown = sorted(set(entry) - _LINK_KEYS)
     if unknown:
         raise PlanInputError(f"{where}: unknown key(s) {unknown}; use {sorted(_LINK_KEYS)}")
@@ -160,7 +179,10 @@ def _link_attributes(entry: dict[str, Any], where: str) -> dict[str, float]:
         bandwidth = _quantity(parse_rate, entry["bandwidth"], f"{where}: bandwidth")
     else:
         raise PlanInputError(f"{where}: give bandwidth (e.g. '10Gbit/s') or bandwidth_mbps")
-    return {"latency_s": parse_latency_s(entry, where), "bandwidth": bandwidth}
+    trusted = entry.get("trusted", False)
+    if not isinstance(trusted, bool):
+        raise PlanInputError(f"{where}: trusted must be true or false, got {trusted!r}")
+    return {"latency_s": parse_latency_s(entry, where), "bandwidth": bandwidth, "trusted": trusted}
 
 
 def _add_link(graph: nx.DiGraph, entry: Any, where: str) -> None:
@@ -220,7 +242,12 @@ def load_model_spec_json(path: Path | str) -> ModelSpec:
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Add `meshd plan` flags to `parser` (the caller adds --api for the live view)."""
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", type=Path, metavar="DIR", help="model directory")
+    source.add_argument(
+        "--model",
+        type=Path,
+        metavar="DIR",
+        help="model directory (weights, or config.json alone: sized from mlx-lm's model class)",
+    )
     source.add_argument("--model-spec", type=Path, metavar="FILE.json", help="a ModelSpec as JSON")
     parser.add_argument(
         "--mesh",
@@ -232,7 +259,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategy",
         choices=("speed", "memory", "both"),
         default="speed",
-        help="speed (default), memory (the baseline), or both side by side",
+        help="speed (default), memory (the proportional baseline), or both: every kind of "
+        "layout and the baseline side by side",
+    )
+    parser.add_argument(
+        "--parallelism",
+        choices=PARALLELISMS,
+        default="auto",
+        help="kind of layout: auto (default, the fastest predicted), pipeline, tensor "
+        "(one tensor-parallel group) or hybrid (pipeline stages of groups)",
     )
     parser.add_argument("--context", type=int, metavar="N", help="tokens of KV cache to reserve")
     parser.add_argument(
@@ -251,12 +286,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompt-len", type=int, default=512, metavar="N", help="prompt length for the TTFT"
     )
-    parser.add_argument(
-        "--tensor-parallel",
-        action="store_true",
-        help="allow tensor-parallel groups of nodes on fast links",
-    )
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
+Outcome = Plan | InsufficientMemory | ParallelismUnavailable
 
 
 def run_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -270,19 +303,48 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
     except (PlanInputError, ModelInfoError, ModelSpecError, PlanOptionsError, MeshError) as error:
         print(f"meshd plan: {error}", file=err)
         return EXIT_BAD_INPUT
-    strategies = ("speed", "memory") if args.strategy == "both" else (args.strategy,)
     try:
-        plans = {s: plan_model(mesh, model, replace(options, strategy=s)) for s in strategies}
-    except InsufficientMemory as refusal:
+        if args.strategy == "both":
+            outcomes = _both(mesh, model, options)
+        else:
+            outcomes = {args.strategy: plan_model(mesh, model, options)}
+    except (InsufficientMemory, ParallelismUnavailable) as refusal:
         if args.json:
             print(json.dumps(refusal.to_dict(), indent=2), file=out)
-        print(describe_refusal(refusal), file=err)
+        print(_describe(refusal), file=err)
         return EXIT_REFUSED
     except MeshError as error:
         print(f"meshd plan: {error}", file=err)
         return EXIT_BAD_INPUT
-    _print_plans(plans, mesh, args.json, out)
+    _print_outcomes(outcomes, mesh, args.json, out)
     return EXIT_OK
+
+
+def _both(mesh: nx.DiGraph, model: ModelSpec, options: PlanOptions) -> dict[str, Outcome]:
+    """The speed plan, the memory baseline and the fastest plan of every kind of layout."""
+    outcomes: dict[str, Outcome] = {}
+    for name, chosen in (
+        ("speed", options),
+        ("memory", replace(options, strategy="memory", parallelism="auto")),
+    ):
+        try:
+            outcomes[name] = plan_model(mesh, model, chosen)
+        except (InsufficientMemory, ParallelismUnavailable) as refusal:
+            outcomes[name] = refusal
+    alternatives = plan_alternatives(mesh, model, replace(options, strategy="speed"))
+    outcomes.update({f"layout:{kind}": outcome for kind, outcome in alternatives.items()})
+    if not any(isinstance(outcome, Plan) for outcome in outcomes.values()):
+        raise outcomes["speed"]  # type: ignore[misc]
+    return outcomes
+
+
+def _describe(refusal: InsufficientMemory | ParallelismUnavailable) -> str:
+    if isinstance(refusal, InsufficientMemory):
+        return describe_refusal(refusal)
+    return (
+        f"{refusal.message}\noptions: `--parallelism auto` picks the fastest layout that can "
+        "run; mark point-to-point links trusted for tensor parallelism"
+    )
 
 
 def _live_mesh(args: argparse.Namespace) -> nx.DiGraph:
@@ -314,29 +376,33 @@ def _load_model(args: argparse.Namespace) -> ModelSpec:
 
 
 def _options(args: argparse.Namespace) -> PlanOptions:
+    strategy = "speed" if args.strategy == "both" else args.strategy
     return PlanOptions(
-        strategy="speed",
+        strategy=strategy,
         reserve_bytes=_quantity(parse_size, args.reserve, "--reserve"),
         exclude=frozenset(args.exclude),
         context_length=args.context,
         concurrency=args.concurrency,
         prompt_len=args.prompt_len,
-        allow_tensor_parallel=args.tensor_parallel,
+        parallelism=args.parallelism,
     )
 
 
-def _print_plans(plans: dict[str, Plan], mesh: nx.DiGraph, as_json: bool, out: TextIO) -> None:
+def _print_outcomes(
+    outcomes: dict[str, Outcome], mesh: nx.DiGraph, as_json: bool, out: TextIO
+) -> None:
     if as_json:
         payload: Any = (
-            {name: plan.to_dict() for name, plan in plans.items()}
-            if len(plans) > 1
-            else next(iter(plans.values())).to_dict()
+            {name: outcome.to_dict() for name, outcome in outcomes.items()}
+            if len(outcomes) > 1
+            else next(iter(outcomes.values())).to_dict()
         )
         print(json.dumps(payload, indent=2), file=out)
         return
-    blocks = [render_plan_table(plan, mesh) for plan in plans.values()]
-    if len(plans) > 1:
-        blocks.append(render_comparison(list(plans.values())))
+    plans = [outcome for name, outcome in outcomes.items() if name in ("speed", "memory")]
+    blocks = [render_plan_table(plan, mesh) for plan in plans if isinstance(plan, Plan)]
+    if len(outcomes) > 1:
+        blocks.append(render_comparison(outcomes))
     print("\n\n".join(blocks), file=out)
 
 
@@ -344,7 +410,8 @@ def _print_plans(plans: dict[str, Plan], mesh: nx.DiGraph, as_json: bool, out: T
 
 
 def render_plan_table(plan: Plan, mesh: nx.DiGraph) -> str:
-    """A readable table: stage, node, layers, memory used/usable, ms per token, and totals."""
+    """A readable table: stage, node, layers, memory used/usable, ms per token, and totals;
+    then the layout, the predicted speed, relayed hops, expert placement, nodes left out."""
     names = {str(node): str(data.get("name") or node) for node, data in mesh.nodes(data=True)}
     rows = [("stage", "node", "layers", "memory used / usable", "ms/token")]
     memory = {entry.node: entry for entry in plan.memory}
@@ -369,42 +436,83 @@ def render_plan_table(plan: Plan, mesh: nx.DiGraph) -> str:
     usable = sum(entry.usable_bytes for entry in plan.memory)
     total_ms = f"{plan.prediction.decode_s_per_token * 1e3:.2f}"
     rows.append(("total", "", f"{plan.num_layers} layers", _usage(used, usable), total_ms))
-    lines = [_plan_header(plan), *_format_rows(rows), _speed_line(plan)]
+    lines = [_plan_header(plan), *_format_rows(rows), _layout_line(plan), _speed_line(plan)]
     lines.extend(_route_lines(plan, names))
+    lines.extend(_expert_lines(plan, names))
     lines.extend(
         f"left out: {_node_label(entry.node, names)}: {entry.reason}" for entry in plan.left_out
     )
     return "\n".join(lines)
 
 
-def render_comparison(plans: list[Plan]) -> str:
-    """Side-by-side predicted speed of several plans of the same model and mesh."""
-    rows = [("strategy", "stages", "ms/token", "tokens/s", "TTFT", "plan id")]
-    for plan in plans:
+def render_comparison(outcomes: dict[str, Outcome] | list[Plan]) -> str:
+    """Side by side: each plan's layout and predicted speed, or why it cannot run."""
+    if isinstance(outcomes, list):
+        outcomes = {plan.strategy: plan for plan in outcomes}
+    rows = [("plan", "layout", "stages", "nodes", "ms/token", "tokens/s", "TTFT", "plan id")]
+    reasons = []
+    for name, outcome in outcomes.items():
+        label = name.removeprefix("layout:")
+        if not isinstance(outcome, Plan):
+            rows.append((label, "-", "-", "-", "-", "-", "-", "cannot run"))
+            reasons.append(f"  {label}: {_short_reason(outcome)}")
+            continue
+        prediction = outcome.prediction
         rows.append(
             (
-                plan.strategy,
-                str(len(plan.stages)),
-                f"{plan.prediction.decode_s_per_token * 1e3:.2f}",
-                f"{plan.prediction.tokens_per_s:.1f}",
-                format_seconds(plan.prediction.ttft_s),
-                plan.short_id,
+                label,
+                outcome.layout,
+                str(len(outcome.stages)),
+                str(len(outcome.nodes)),
+                f"{prediction.decode_s_per_token * 1e3:.2f}",
+                f"{prediction.tokens_per_s:.1f}",
+                format_seconds(prediction.ttft_s),
+                outcome.short_id,
             )
         )
-    lines = ["comparison:", *_format_rows(rows)]
-    by_name = {plan.strategy: plan for plan in plans}
-    if "speed" in by_name and "memory" in by_name:
-        ratio = (
-            by_name["memory"].prediction.decode_s_per_token
-            / by_name["speed"].prediction.decode_s_per_token
-        )
+    lines = ["comparison (single-request decode, predicted):", *_format_rows(rows)]
+    if reasons:
+        lines.append("cannot run:")
+        lines.extend(reasons)
+    speed, memory = outcomes.get("speed"), outcomes.get("memory")
+    if isinstance(speed, Plan) and isinstance(memory, Plan):
+        ratio = memory.prediction.decode_s_per_token / speed.prediction.decode_s_per_token
         lines.append(f"speed is predicted {ratio:.2f}x as fast as memory per token")
     return "\n".join(lines)
 
 
+def _short_reason(refusal: InsufficientMemory | ParallelismUnavailable) -> str:
+    return refusal.reason if isinstance(refusal, ParallelismUnavailable) else refusal.message
+
+
+def _layout_line(plan: Plan) -> str:
+    groups = sum(1 for stage in plan.stages if stage.tensor_parallel)
+    return (
+        f"layout: {plan.layout} ({len(plan.stages)} stage(s), {len(plan.nodes)} node(s), "
+        f"{groups} tensor-parallel group(s)); fits: every node within its usable memory"
+    )
+
+
+def _expert_lines(plan: Plan, names: dict[str, str]) -> list[str]:
+    lines = []
+    for index, stage in enumerate(plan.stages):
+        if not stage.experts:
+            continue
+        shares = ", ".join(
+            f"{_node_label(shard.node, names)} {shard.expert_start}-{shard.expert_end - 1}"
+            f" ({shard.count})"
+            for shard in stage.experts
+        )
+        lines.append(
+            f"experts of stage {index} (each of its {len(stage.moe_layers)} MoE layers): {shares}"
+        )
+    return lines
+
+
 def _plan_header(plan: Plan) -> str:
     return (
-        f"plan {plan.short_id}  strategy {plan.strategy}  model {plan.model_name}  "
+        f"plan {plan.short_id}  strategy {plan.strategy}  layout {plan.layout}  "
+        f"model {plan.model_name}  "
         f"context {plan.context_length} x {plan.concurrency} sequence(s)"
     )
 
