@@ -24,6 +24,7 @@ from typing import Any
 
 DEFAULT_PEER_PORT = 52300
 DEFAULT_MESH_NAME = "home"
+DEFAULT_HTTP = "127.0.0.1:52380"
 
 
 class ConfigError(ValueError):
@@ -49,6 +50,7 @@ class Config:
     peer_host: str = "0.0.0.0"
     peer_port: int = DEFAULT_PEER_PORT
     api: str = ""  # "" means unix:<state_dir>/api.sock
+    http: str = DEFAULT_HTTP  # "off" disables the HTTP APIs and the dashboard
     interfaces: list[str] = field(default_factory=list)
     skip_interfaces: list[str] = field(default_factory=list)
     mdns: bool = True
@@ -78,6 +80,8 @@ FIELD_HELP: dict[str, str] = {
     "peer_host": "address the peer (mutual TLS) server binds to",
     "peer_port": "port of the peer server (0 picks a free one)",
     "api": "local client API address: unix:/path or 127.0.0.1:PORT (default: socket in state dir)",
+    "http": "HOST:PORT of the HTTP APIs (OpenAI, Anthropic, Ollama) and the dashboard, or off; "
+    "any address but loopback needs an API key (`meshd api-key create`); port 0 picks one",
     "interfaces": "interface names or IPv4 addresses to announce and browse on (default: all "
     "non-loopback, non-container interfaces)",
     "skip_interfaces": "interface names or addresses never to announce on",
@@ -119,6 +123,10 @@ def _coerce(name: str, value: Any) -> Any:
             if not 0 <= port <= 65535:
                 raise ValueError(f"{port} is not a TCP port")
             return port
+        if name == "http":
+            from meshd.http.address import parse_http_setting
+
+            return parse_http_setting(str(value))
         if name == "mdns":
             if isinstance(value, bool):
                 return value

@@ -22,6 +22,7 @@ from meshd.agreement.protocol import AgreementConfig
 from meshd.agreement.service import PlanAgreement, model_selection
 from meshd.api.local_service import start_api_server
 from meshd.config import Config
+from meshd.http.server import start_http_server
 from meshd.inference.dataplane import DataPlane, mtls_channel_factory
 from meshd.inference.serving import Inference
 from meshd.mesh import security
@@ -45,6 +46,7 @@ class NodeInfo:
     node_id: str
     peer_port: int
     api_address: str
+    http_url: str = ""
 
 
 def resolve_secret(config: Config) -> security.MeshSecret:
@@ -93,6 +95,8 @@ class Node:
             link_probe_interval_s=config.link_probe_interval_s,
         )
         self.peer_port = 0
+        self.http_url = ""
+        self._plan_changed = trio.Event()
         self._channel_credentials = security.channel_credentials(self.credentials)
         self._remeasure_lock = trio.Lock()
         self.agreement = PlanAgreement(
@@ -104,6 +108,7 @@ class Node:
                 startup_grace_s=config.startup_grace_s,
             ),
         )
+        self.agreement.listeners.append(self._on_plan_change)
 
     # ------------------------------------------------------------ channels and servers
 
@@ -214,6 +219,7 @@ class Node:
             agreement=self.agreement.view(),
             memory=self.runtime_memory(),
             generated_at=time.time(),
+            http_url=self.http_url,
         )
 
     def runtime_memory(self) -> pb.RuntimeMemory:
@@ -260,7 +266,20 @@ class Node:
         )
 
     async def wait_changed(self) -> None:
-        await self.membership.wait_changed()
+        """Until membership, a profile, a link or the committed plan changes."""
+        plan_changed = self._plan_changed
+        async with trio.open_nursery() as nursery:
+
+            async def first(wait) -> None:
+                await wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(first, self.membership.wait_changed)
+            nursery.start_soon(first, plan_changed.wait)
+
+    def _on_plan_change(self, change: object) -> None:
+        self._plan_changed.set()
+        self._plan_changed = trio.Event()
 
     @property
     def store_root(self) -> Path:
@@ -388,7 +407,12 @@ class Node:
             api_server = await self.bridge.run(
                 start_api_server, self, self.bridge, self.config.api_address
             )
+            http_server = None
             try:
+                http_server = await self.bridge.run(
+                    start_http_server, self, self.bridge, self.config.http, self.config.state_dir
+                )
+                self.http_url = http_server.url if http_server else ""
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.membership.run)
                     nursery.start_soon(self._measure_profile_task)
@@ -402,17 +426,25 @@ class Node:
                         await nursery.start(self._discovery_task)
                     nursery.start_soon(self._housekeeping)
                     self.events.add(
-                        "node %s up: mesh %r, peers on port %d, API on %s",
+                        "node %s up: mesh %r, peers on port %d, API on %s, dashboard %s",
                         self.identity.node_id,
                         self.secret.mesh_name,
                         self.peer_port,
                         self.config.api_address,
+                        f"{self.http_url}/" if self.http_url else "off",
                     )
                     task_status.started(
-                        NodeInfo(self.identity.node_id, self.peer_port, self.config.api_address)
+                        NodeInfo(
+                            self.identity.node_id,
+                            self.peer_port,
+                            self.config.api_address,
+                            self.http_url,
+                        )
                     )
             finally:
                 with trio.CancelScope(shield=True):
+                    if http_server is not None:
+                        await self.bridge.run(http_server.stop)
                     await self.bridge.run(_stop_servers, peer_server, api_server)
                     await self.bridge.run(self.inference.plane.close)
                     _remove_socket(self.config.api_address)

@@ -9,7 +9,8 @@ SYSTEM_PACKAGES=()
 if [ "$(uname -s)" = "Linux" ]; then
   # OpenBLAS: ~60x faster float32 matmuls than the reference BLAS of the mlx[cpu] wheel.
   # iproute2: network namespaces for the multi-node tests.
-  SYSTEM_PACKAGES=(libopenblas0-pthread iproute2)
+  # chromium, chromium-driver: the dashboard's browser tests (Selenium drives Debian's build).
+  SYSTEM_PACKAGES=(libopenblas0-pthread iproute2 chromium chromium-driver)
 fi
 missing=()
 # ${a[@]+"${a[@]}"}: an empty array under `set -u` on macOS's bash 3.2.

@@ -39,6 +39,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--join", dest="join_token", metavar="TOKEN", help=FIELD_HELP["join_token"])
     parser.add_argument("--peer-host", help=FIELD_HELP["peer_host"])
     parser.add_argument("--peer-port", type=int, help=FIELD_HELP["peer_port"])
+    parser.add_argument("--http", metavar="HOST:PORT", help=FIELD_HELP["http"])
     parser.add_argument(
         "--interface",
         dest="interfaces",
@@ -134,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--context-length", type=int)
     load.add_argument("--concurrency", type=int)
 
+    from meshd.http.keys_cli import register as register_api_key
+
+    register_api_key(sub)
+
     demo = sub.add_parser("demo", help="start a small local mesh on loopback, show it, stop it")
     demo.add_argument("--nodes", type=int, default=3, help="number of local daemons (default 3)")
     demo.add_argument("--keep-state", type=Path, help="keep the daemons' state here")
@@ -203,6 +208,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         for exc in _leaves(group):
             print(f"meshd: {exc}", file=sys.stderr)
         exit_code = 3
+    except* ConfigError as group:  # e.g. the HTTP address is taken or needs an API key
+        for exc in _leaves(group):
+            print(f"meshd: {exc}", file=sys.stderr)
+        exit_code = 2
     except* KeyboardInterrupt:
         pass
     return exit_code
@@ -441,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshd.mesh.security import InvalidJoinToken
 
     try:
-        return COMMANDS[args.command](args)
+        return COMMANDS[args.command](args) if args.command in COMMANDS else args.handler(args)
     except (ConfigError, DaemonUnreachable, InvalidJoinToken, GenerationFailed) as exc:
         print(f"meshd: {exc}", file=sys.stderr)
         return 2
