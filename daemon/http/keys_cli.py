@@ -18,14 +18,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `api-key` with its three subcommands; `args.handler(args)` runs the chosen one."""
     from meshd.config import FIELD_HELP
 
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--state-dir", type=Path, help=FIELD_HELP["state_dir"])
     parser = subparsers.add_parser("api-key", help="keys for the HTTP APIs on non-loopback hosts")
-    parser.add_argument("--state-dir", type=Path, help=FIELD_HELP["state_dir"])
     actions = parser.add_subparsers(dest="action", required=True)
-    create = actions.add_parser("create", help="make a key (printed once; only its hash is kept)")
+    create = actions.add_parser(
+        "create", parents=[common], help="make a key (printed once; only its hash is kept)"
+    )
     create.add_argument("name", help="what uses the key, e.g. open-webui or laptop")
-    listing = actions.add_parser("list", help="the keys (names, ids, creation times)")
+    listing = actions.add_parser("list", parents=[common], help="the keys (names, ids, created)")
     listing.add_argument("--json", action="store_true")
-    revoke = actions.add_parser("revoke", help="delete a key: it stops working at once")
+    revoke = actions.add_parser(
+        "revoke", parents=[common], help="delete a key: it stops working at once"
+    )
     revoke.add_argument("key", help="the key's name or id")
     parser.set_defaults(handler=run)
 
