@@ -74,6 +74,8 @@ function ensureGraph() {
         "text-background-padding": 2 } },
     ],
   });
+  new ResizeObserver(() => { state.graph.resize(); state.graph.fit(undefined, 24); })
+    .observe($("graph"));
   return state.graph;
 }
 
