@@ -281,3 +281,5 @@ def test_a_stage_killed_mid_stream_ends_the_stream_cleanly(mesh) -> None:
         assert answer.json()["error"]["type"] == "server_error"
         time.sleep(0.3)
     assert statuses[-1] == 200, f"the survivors never answered: {statuses}"
+    ending = "an error frame" if last != "[DONE]" else "[DONE]"
+    print(f"stream ended with {ending} {ended_after:.2f} s after the kill; then {statuses}")

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from meshd.runtime.bridge import AsyncioThread
@@ -129,6 +130,7 @@ class MeshBackend:
         self._node = node
         self._bridge = bridge
         self._samples: deque[tuple[float, int]] = deque()
+        self._model_files: dict[tuple[str, str], tuple[Mapping[str, Any], str]] = {}
 
     @property
     def _inference(self) -> Any:
@@ -237,13 +239,23 @@ class MeshBackend:
         if selection is None or not selection.name:
             return None
         spec = json.loads(selection.spec_json or "{}")
-        config: Mapping[str, Any] = {}
-        template = ""
-        plan_id = self._inference.snapshot.active
-        if plan_id:
+        # The config and template come from a loaded plan: the active one, else one still
+        # draining (the active one may be loading), else what this backend saw last.
+        key = (selection.name, selection.digest)
+        snapshot = self._inference.snapshot
+        for plan_id in [snapshot.active, *sorted(snapshot.serving)]:
             with contextlib.suppress(DataPlaneError):
-                config = self._inference.plane.model_config(plan_id)
-                template = self._inference.plane.tokenizer(plan_id).chat_template or ""
+                self._model_files[key] = (
+                    self._inference.plane.model_config(plan_id),
+                    self._inference.plane.tokenizer(plan_id).chat_template or "",
+                )
+                break
+        if key not in self._model_files:  # nothing loaded yet: this node's copy, if it has one
+            path = await self._in_trio(lambda: _model_dir_or_none(self._node, selection))
+            files = await asyncio.to_thread(_read_model_files, path)
+            if files[0]:
+                self._model_files[key] = files
+        config, template = self._model_files.get(key, ({}, ""))
         layer_bytes = spec.get("layer_bytes", [])
         size = sum(layer_bytes) + spec.get("embedding_bytes", 0) + spec.get("head_bytes", 0)
         embedding = spec.get("vocab_size", 0) * spec.get("hidden_size", 0)
@@ -299,3 +311,23 @@ class MeshBackend:
             return fn()
 
         return await self._bridge.run_in_trio(call)
+
+
+def _model_dir_or_none(node: Any, selection: pb.ModelSelection) -> Path | None:
+    try:
+        return node.model_dir_for_selection(selection)
+    except Exception:  # not in this node's store: it runs a fetched part
+        return None
+
+
+def _read_model_files(path: Path | None) -> tuple[dict[str, Any], str]:
+    """config.json and the chat template of a model directory ({} and "" when unreadable)."""
+    config: dict[str, Any] = {}
+    template: Any = ""
+    if path is None:
+        return config, ""
+    with contextlib.suppress(OSError, ValueError):
+        config = json.loads((path / "config.json").read_text())
+    with contextlib.suppress(OSError, ValueError):
+        template = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
+    return config, template if isinstance(template, str) else ""
