@@ -34,6 +34,7 @@ from partitioner.humanize import parse_size
 DEFAULT_PEER_PORT = 52300
 DEFAULT_MESH_NAME = "home"
 ENV_PREFIX = "MESHD_"
+DEFAULT_HTTP = "127.0.0.1:52380"
 
 
 class ConfigError(ValueError):
@@ -61,6 +62,12 @@ def _optional_text(value: Any) -> str | None:
 
 def _path(value: Any) -> Path:
     return Path(str(value)).expanduser()
+
+
+def _http_address(value: Any) -> str:
+    from meshd.http.address import parse_http_setting  # the HTTP package owns its address rules
+
+    return parse_http_setting(str(value))
 
 
 def _port(value: Any) -> int:
@@ -172,6 +179,13 @@ class Config:
         "",
         "local client API address: unix:/path or 127.0.0.1:PORT (default: socket in state dir)",
         metavar="ADDRESS",
+    )
+    http: str = setting(
+        DEFAULT_HTTP,
+        "HOST:PORT of the HTTP APIs (OpenAI, Anthropic, Ollama) and the dashboard, or off; any "
+        "address but loopback needs an API key (`meshd api-key create`); port 0 picks one",
+        read=_http_address,
+        metavar="HOST:PORT",
     )
     interfaces: list[str] = setting(
         list,

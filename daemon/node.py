@@ -22,6 +22,7 @@ from meshd.agreement.messages import AgreementConfig
 from meshd.agreement.service import PlanAgreement, model_selection
 from meshd.api.local_service import start_api_server
 from meshd.config import Config
+from meshd.http.server import start_http_server
 from meshd.inference.dataplane import DataPlane
 from meshd.inference.serving import Inference
 from meshd.mesh import channels, security
@@ -49,6 +50,7 @@ class NodeInfo:
     node_id: str
     peer_port: int
     api_address: str
+    http_url: str = ""
 
 
 def resolve_secret(config: Config) -> security.MeshSecret:
@@ -97,6 +99,7 @@ class Node:
             link_probe_interval_s=config.link_probe_interval_s,
         )
         self.peer_port = 0
+        self.http_url = ""
         self._channel_credentials = security.channel_credentials(self.credentials)
         self._remeasure_lock = trio.Lock()
         self.agreement = PlanAgreement(
@@ -190,6 +193,7 @@ class Node:
             agreement=self.agreement.status_message(),
             memory=self.runtime_memory(),
             generated_at=time.time(),
+            http_url=self.http_url,
         )
 
     def runtime_memory(self) -> pb.RuntimeMemory:
@@ -384,7 +388,12 @@ class Node:
             api_server = await self.bridge.run(
                 start_api_server, self, self.bridge, self.config.api_address
             )
+            http_server = None
             try:
+                http_server = await self.bridge.run(
+                    start_http_server, self, self.bridge, self.config.http, self.config.state_dir
+                )
+                self.http_url = http_server.url if http_server else ""
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.membership.run)
                     nursery.start_soon(self._measure_profile_task)
@@ -398,18 +407,26 @@ class Node:
                         await nursery.start(self._discovery_task)
                     nursery.start_soon(self._housekeeping)
                     self.events.add(
-                        "node %s up: mesh %r, peers on port %d, API on %s",
+                        "node %s up: mesh %r, peers on port %d, API on %s, dashboard %s",
                         self.identity.node_id,
                         self.secret.mesh_name,
                         self.peer_port,
                         self.config.api_address,
+                        f"{self.http_url}/" if self.http_url else "off",
                     )
                     task_status.started(
-                        NodeInfo(self.identity.node_id, self.peer_port, self.config.api_address)
+                        NodeInfo(
+                            self.identity.node_id,
+                            self.peer_port,
+                            self.config.api_address,
+                            self.http_url,
+                        )
                     )
                     notify_ready(self.config.api_address)  # systemd Type=notify; no-op elsewhere
             finally:
                 with trio.CancelScope(shield=True):
+                    if http_server is not None:
+                        await self.bridge.run(http_server.stop)
                     await self.bridge.run(_stop_servers, peer_server, api_server)
                     await self.bridge.run(self.inference.plane.close)
                     _remove_socket(self.config.api_address)

@@ -14,10 +14,12 @@ if [ "$(uname -s)" = "Linux" ]; then
   # Its tests: systemd (systemd-analyze verify of the units; no running systemd needed),
   # Xvfb, a tray host (trayer), a D-Bus session bus, xdotool to click,
   # desktop-file-validate for the autostart entry.
+  # chromium, chromium-driver: the dashboard's browser tests (Selenium drives Debian's build).
   SYSTEM_PACKAGES=(
     libopenblas0-pthread iproute2
     gir1.2-gtk-3.0 libgirepository1.0-dev libcairo2-dev pkg-config gcc xclip
     systemd xvfb trayer dbus-daemon xdotool desktop-file-utils
+    chromium chromium-driver
   )
 fi
 missing=()

@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--context-length", type=int)
     load.add_argument("--concurrency", type=int)
 
+    from meshd.http.keys_cli import register as register_api_key
+
+    register_api_key(sub)
+
     demo = sub.add_parser("demo", help="start a small local mesh on loopback, show it, stop it")
     demo.add_argument("--nodes", type=int, default=3, help="number of local daemons (default 3)")
     demo.add_argument("--keep-state", type=Path, help="keep the daemons' state here")
@@ -167,6 +171,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         for exc in _leaves(group):
             print(f"meshd: {exc}", file=sys.stderr)
         exit_code = 3
+    except* ConfigError as group:  # e.g. the HTTP address is taken or needs an API key
+        for exc in _leaves(group):
+            print(f"meshd: {exc}", file=sys.stderr)
+        exit_code = 2
     except* KeyboardInterrupt:
         pass
     return exit_code

@@ -45,6 +45,8 @@ class DaemonProcess:
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "meshd.api.cli", "run", "--state-dir", str(self.state_dir)]
+        if "--http" not in self.args:
+            cmd += ["--http", "127.0.0.1:0"]  # several daemons on one machine: a port each
         cmd += self.args
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]

@@ -110,7 +110,8 @@ def status_text(status: pb.MeshStatus) -> str:
     head = (
         f"mesh {status.mesh_name!r} (fingerprint {status.mesh_fingerprint}), "
         f"this node {status.node_id}, {alive} node(s) alive\n"
-        f"BLAS: {status.blas or 'unknown'}"
+        f"BLAS: {status.blas or 'unknown'}\n"
+        f"dashboard and HTTP APIs: {status.http_url + '/' if status.http_url else 'off'}"
     )
     recent = "\n".join("  " + line for line in status.events[-8:])
     plan = agreement_text(status.agreement)

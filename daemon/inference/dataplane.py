@@ -635,6 +635,7 @@ class DataPlane:
         self._retired: set[asyncio.Future[None]] = set()  # links being closed (address moved)
         self._closed = False
         self.frames_received = 0
+        self.tokens_delivered = 0  # tokens this node's clients received (live tokens/s)
         self.frames_sent = 0
         self._handlers: dict[str, Callable[[str, dp.Frame], None]] = {
             "start": self._on_start,
@@ -762,11 +763,26 @@ class DataPlane:
             raise DataPlaneError(f"plan {plan_id} is not installed (or still loading) here")
         return plan.tokenizer
 
-    def encode_chat(self, plan_id: str, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """Prompt token ids for chat ``messages`` with the model's chat template."""
+    def model_config(self, plan_id: str) -> Mapping[str, Any]:
+        """The config.json of an installed plan's model (architecture, sizes)."""
+        plan = self._plans.get(plan_id)
+        if plan is None or plan.config is None:
+            raise DataPlaneError(f"plan {plan_id} is not installed (or still loading) here")
+        return plan.config
+
+    def encode_chat(
+        self,
+        plan_id: str,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """Prompt token ids for chat ``messages`` (and ``tools``) with the model's template."""
         tokenizer = self.tokenizer(plan_id)
         ids = tokenizer.apply_chat_template(
-            [dict(message) for message in messages], add_generation_prompt=True, tokenize=True
+            [dict(message) for message in messages],
+            tools=[dict(tool) for tool in tools] if tools else None,
+            add_generation_prompt=True,
+            tokenize=True,
         )
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
@@ -960,6 +976,7 @@ class DataPlane:
             if item.failure.kind == _FAILURE.FAILURE_NOT_LOADED and origin.generated == 0:
                 final = replace(final, stage_loading=True)
             return [final]
+        self.tokens_delivered += 1
         return origin.on_token(item.token, arrived_at)
 
     def _end_everywhere(self, plan: _InstalledPlan | None, request_id: str, reason: str) -> None:

@@ -27,6 +27,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -49,7 +50,7 @@ log = logging.getLogger("meshd.inference")
 INSTALL_WAIT_S = 120.0
 STAGE_LOADING_RETRY_S = 0.25
 PLAN_PICK_ATTEMPTS = 3
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class RequestError(Exception):
@@ -66,6 +67,7 @@ class Routed:
 
     plan_id: str
     model: str
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -270,11 +272,12 @@ class Inference:
         self,
         *,
         prompt: str | None,
-        messages: Sequence[Mapping[str, str]] | None,
+        messages: Sequence[Mapping[str, Any]] | None,
         sampling: pb.Sampling,
         model: str,
         plan_id: str,
         chat_template: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> AsyncIterator[Routed | TokenEvent | FinalEvent]:
         """Validate, pick the plan, tokenize and stream events (asyncio thread).
 
@@ -291,14 +294,14 @@ class Inference:
             snapshot, chosen = self._pick_plan(model, plan_id)
             try:
                 await self._wait_installed(chosen)
-                tokens = self._encode(chosen, prompt, messages, chat_template)
+                tokens = self._encode(chosen, prompt, messages, chat_template, tools)
                 break
             except DataPlaneError as exc:
                 # The plan was replaced and released between picking and tokenizing: pick the
                 # new active plan, unless the client asked for this one.
                 if plan_id or attempt == PLAN_PICK_ATTEMPTS - 1:
                     raise RequestError("UNAVAILABLE", f"{exc}; retry") from exc
-        yield Routed(chosen, snapshot.model)
+        yield Routed(chosen, snapshot.model, len(tokens))
         loading_deadline = time.monotonic() + INSTALL_WAIT_S
         while True:
             request_id = secrets.token_hex(8)
@@ -344,11 +347,18 @@ class Inference:
         self,
         plan_id: str,
         prompt: str | None,
-        messages: Sequence[Mapping[str, str]] | None,
+        messages: Sequence[Mapping[str, Any]] | None,
         chat_template: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
+        if tools and not self.plane.tokenizer(plan_id).has_tool_calling:
+            raise RequestError(
+                "INVALID_ARGUMENT",
+                f"the chat template of {self.snapshot.model} does not support tools; "
+                "send the request without tools",
+            )
         if messages is not None:
-            return self.plane.encode_chat(plan_id, messages)
+            return self.plane.encode_chat(plan_id, messages, tools)
         if chat_template:
             return self.plane.encode_chat(plan_id, [{"role": "user", "content": prompt or ""}])
         return list(self.plane.tokenizer(plan_id).encode(prompt or ""))
@@ -411,7 +421,7 @@ def sampling_params(sampling: pb.Sampling) -> SamplingParams:
         raise RequestError("INVALID_ARGUMENT", str(exc)) from exc
 
 
-def check_messages(messages: Sequence[Mapping[str, str]]) -> None:
+def check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     if not messages:
         raise RequestError("INVALID_ARGUMENT", "a chat needs at least one message")
     for i, message in enumerate(messages):
@@ -421,7 +431,7 @@ def check_messages(messages: Sequence[Mapping[str, str]]) -> None:
                 "INVALID_ARGUMENT",
                 f"message {i} has role {role!r}; use one of {', '.join(ROLES)}",
             )
-        if not message.get("content", "").strip():
+        if not (message.get("content") or "").strip() and not message.get("tool_calls"):
             raise RequestError("INVALID_ARGUMENT", f"message {i} ({role}) has no content")
     if messages[-1]["role"] == "assistant":
         raise RequestError(

@@ -1,0 +1,333 @@
+"""The one adapter between the HTTP APIs and the daemon: requests, models, status.
+
+Every HTTP API (OpenAI, Anthropic, Ollama, the dashboard) calls the node only through
+`MeshBackend`, so that a change of the node's request path touches this module alone. A
+request goes through exactly the path of the gRPC `Chat`/`Generate` (`node.inference.generate`:
+validation, plan choice, sampling, limits); this module only turns its events into
+`Started`, `Piece` and `Finished`, and its three kinds of failure (a `RequestError` with a
+gRPC code, a `ValueError`, a final event with `finish_reason == "error"`) into one
+`BackendError` whose `kind` each API maps onto its HTTP status and error shape.
+
+Everything here runs on the daemon's asyncio thread (where the HTTP server, grpc.aio and the
+data plane live); questions for the trio side go through the bridge, like the gRPC API's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from meshd.runtime.bridge import AsyncioThread
+from meshd.wire import pb
+
+ErrorKind = Literal["bad_request", "not_found", "unavailable", "queue_full", "internal"]
+
+# gRPC status names of the request path -> what went wrong, for HTTP.
+KIND_OF_CODE: dict[str, ErrorKind] = {
+    "INVALID_ARGUMENT": "bad_request",
+    "OUT_OF_RANGE": "bad_request",
+    "NOT_FOUND": "not_found",
+    "FAILED_PRECONDITION": "unavailable",
+    "UNAVAILABLE": "unavailable",
+    "ABORTED": "unavailable",
+    "DEADLINE_EXCEEDED": "unavailable",
+    "RESOURCE_EXHAUSTED": "queue_full",
+}
+WATCH_KEEPALIVE_S = 5.0
+ACTIVITY_WINDOW_S = 3.0
+DEFAULT_TAG = ":latest"  # Ollama clients name models NAME:TAG
+
+
+class BackendError(Exception):
+    """A request the mesh refused or could not finish; `kind` decides the HTTP status."""
+
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Started:
+    """The plan and model serving the request, and the prompt's length in tokens."""
+
+    plan_id: str
+    model: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Generated text, in order; concatenated, the pieces are the whole answer."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # eos, stop (a stop string), length, cancelled
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    decode_tokens_per_s: float
+    total_s: float
+    seed: int
+
+
+Event = Started | Piece | Finished
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How the model writes tool calls: between two markers, parsed by mlx-lm's parser."""
+
+    start: str
+    end: str
+    parse: Any  # mlx-lm's parse_tool_call(text, tools) -> {"name", "arguments"}
+
+
+@dataclass(frozen=True)
+class Activity:
+    """This node's requests now: as origin (its clients) and as a stage, and tokens/s."""
+
+    requests: int
+    stage_requests: int
+    tokens_per_s: float
+    tokens_total: int
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """The mesh's model as the model-listing endpoints describe it."""
+
+    name: str
+    architecture: str
+    layers: int
+    size_bytes: int
+    parameters: int
+    dtype: str
+    config: Mapping[str, Any]
+    chat_template: str
+    modified_at: float
+
+
+def canonical_model(name: str) -> str:
+    """A client's model name as the mesh knows it ("x:latest" is "x"; "" means any)."""
+    name = name.strip()
+    return name.removesuffix(DEFAULT_TAG)
+
+
+class MeshBackend:
+    """What the HTTP APIs may ask of one node (see the module docstring)."""
+
+    def __init__(self, node: Any, bridge: AsyncioThread) -> None:
+        self._node = node
+        self._bridge = bridge
+        self._samples: deque[tuple[float, int]] = deque()
+        self._model_files: dict[tuple[str, str], tuple[Mapping[str, Any], str]] = {}
+
+    @property
+    def _inference(self) -> Any:
+        return self._node.inference
+
+    # ---------------------------------------------------------------- requests
+
+    async def generate(
+        self,
+        *,
+        sampling: pb.Sampling,
+        model: str,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        prompt: str | None = None,
+        chat_template: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> AsyncIterator[Event]:
+        """Run one request on the mesh: Started, Pieces, then Finished; or BackendError.
+
+        Closing the iterator early (the client went away) cancels the request everywhere.
+        """
+        from meshd.inference.dataplane import DataPlaneError, FinalEvent
+        from meshd.inference.serving import RequestError, Routed
+
+        events = self._inference.generate(
+            prompt=prompt,
+            messages=messages,
+            sampling=sampling,
+            model=canonical_model(model),
+            plan_id="",
+            chat_template=chat_template,
+            tools=tools or None,
+        )
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if isinstance(event, Routed):
+                        yield Started(event.plan_id, event.model, event.prompt_tokens)
+                    elif isinstance(event, FinalEvent):
+                        if event.text:
+                            yield Piece(event.text)
+                        if event.finish_reason == "error":
+                            raise BackendError("unavailable", event.error or "the request failed")
+                        usage = event.usage
+                        yield Finished(
+                            event.finish_reason,
+                            usage.prompt_tokens,
+                            usage.completion_tokens,
+                            usage.ttft_s,
+                            usage.decode_tokens_per_s,
+                            usage.total_s,
+                            usage.seed,
+                        )
+                        return
+                    elif event.text:
+                        yield Piece(event.text)
+        except RequestError as exc:
+            raise BackendError(KIND_OF_CODE.get(exc.code, "internal"), str(exc)) from exc
+        except DataPlaneError as exc:
+            raise BackendError("unavailable", str(exc)) from exc
+        except ValueError as exc:
+            raise BackendError("bad_request", str(exc)) from exc
+
+    def served_model(self) -> str:
+        """The model the mesh runs now ("" when none is selected)."""
+        return self._inference.snapshot.model
+
+    def check_model(self, model: str) -> str:
+        """The served model's name if `model` names it (or is empty); else not_found."""
+        served = self.served_model()
+        wanted = canonical_model(model)
+        if not served:
+            raise BackendError(
+                "unavailable", "no model is selected in this mesh; load one with `meshd load`"
+            )
+        if wanted and wanted != served:
+            raise BackendError(
+                "not_found",
+                f"model {model!r} is not loaded in this mesh (it runs {served!r}); "
+                "select it first with `meshd load`",
+            )
+        return served
+
+    def tool_format(self) -> ToolFormat | None:
+        """The served model's tool-call markers and parser, or None (no tools, or loading)."""
+        from meshd.inference.dataplane import DataPlaneError
+
+        plan_id = self._inference.snapshot.active
+        if not plan_id:
+            return None
+        try:
+            tokenizer = self._inference.plane.tokenizer(plan_id)
+        except DataPlaneError:
+            return None
+        if not tokenizer.has_tool_calling:
+            return None
+        return ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
+
+    async def model_card(self) -> ModelCard | None:
+        """The served model's description (the mesh's selection and the loaded plan), or None."""
+        from meshd.inference.dataplane import DataPlaneError
+
+        selection: pb.ModelSelection | None = await self._in_trio(
+            lambda: self._node.agreement.selection
+        )
+        if selection is None or not selection.name:
+            return None
+        spec = json.loads(selection.spec_json or "{}")
+        # The config and template come from a loaded plan: the active one, else one still
+        # draining (the active one may be loading), else what this backend saw last.
+        key = (selection.name, selection.digest)
+        snapshot = self._inference.snapshot
+        for plan_id in [snapshot.active, *sorted(snapshot.serving)]:
+            with contextlib.suppress(DataPlaneError):
+                self._model_files[key] = (
+                    self._inference.plane.model_config(plan_id),
+                    self._inference.plane.tokenizer(plan_id).chat_template or "",
+                )
+                break
+        if key not in self._model_files:  # nothing loaded yet: this node's copy, if it has one
+            path = await self._in_trio(lambda: _model_dir_or_none(self._node, selection))
+            files = await asyncio.to_thread(_read_model_files, path)
+            if files[0]:
+                self._model_files[key] = files
+        config, template = self._model_files.get(key, ({}, ""))
+        layer_bytes = spec.get("layer_bytes", [])
+        size = sum(layer_bytes) + spec.get("embedding_bytes", 0) + spec.get("head_bytes", 0)
+        embedding = spec.get("vocab_size", 0) * spec.get("hidden_size", 0)
+        tied = spec.get("tie_word_embeddings", True)
+        return ModelCard(
+            name=selection.name,
+            architecture=str(config.get("model_type", "")),
+            layers=len(layer_bytes) or int(config.get("num_hidden_layers", 0)),
+            size_bytes=size,
+            parameters=sum(spec.get("layer_params", [])) + embedding * (1 if tied else 2),
+            dtype=str(spec.get("dtype", "")),
+            config=config,
+            chat_template=template if isinstance(template, str) else "",
+            modified_at=selection.set_at,
+        )
+
+    # ---------------------------------------------------------------- status
+
+    async def status(self) -> pb.MeshStatus:
+        return await self._in_trio(self._node.status)
+
+    async def watch(self, min_interval_s: float = 0.25) -> AsyncIterator[pb.MeshStatus]:
+        """A new status whenever the mesh changes (the source of gRPC WatchStatus), and
+        at least every WATCH_KEEPALIVE_S."""
+        while True:
+            yield await self.status()
+            await asyncio.sleep(min_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._bridge.run_in_trio(self._node.wait_changed), WATCH_KEEPALIVE_S
+                )
+
+    def activity(self) -> Activity:
+        """Requests in flight here and tokens/s delivered to this node's clients."""
+        plane = self._inference.plane
+        stats = plane.stats()
+        now = time.monotonic()
+        total = plane.tokens_delivered
+        self._samples.append((now, total))
+        while len(self._samples) > 2 and self._samples[1][0] < now - ACTIVITY_WINDOW_S:
+            self._samples.popleft()
+        first_at, first_total = self._samples[0]
+        rate = (total - first_total) / (now - first_at) if now - first_at > 0.2 else 0.0
+        return Activity(
+            requests=sum(p.origin_requests for p in stats.plans),
+            stage_requests=sum(p.open_requests for p in stats.plans),
+            tokens_per_s=rate,
+            tokens_total=total,
+        )
+
+    async def _in_trio(self, fn: Any) -> Any:
+        async def call() -> Any:
+            return fn()
+
+        return await self._bridge.run_in_trio(call)
+
+
+def _model_dir_or_none(node: Any, selection: pb.ModelSelection) -> Path | None:
+    try:
+        return node.model_dir_for_selection(selection)
+    except Exception:  # not in this node's store: it runs a fetched part
+        return None
+
+
+def _read_model_files(path: Path | None) -> tuple[dict[str, Any], str]:
+    """config.json and the chat template of a model directory ({} and "" when unreadable)."""
+    config: dict[str, Any] = {}
+    template: Any = ""
+    if path is None:
+        return config, ""
+    with contextlib.suppress(OSError, ValueError):
+        config = json.loads((path / "config.json").read_text())
+    with contextlib.suppress(OSError, ValueError):
+        template = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
+    return config, template if isinstance(template, str) else ""

@@ -1,0 +1,201 @@
+"""What the HTTP APIs share: reading bodies, building sampling, errors, streaming."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from meshd.http.backend import BackendError, Event, Finished, Piece
+from meshd.wire import pb
+
+STATUS_OF_KIND = {
+    "bad_request": 400,
+    "unauthorized": 401,
+    "forbidden": 403,
+    "not_found": 404,
+    "queue_full": 429,
+    "internal": 500,
+    "unavailable": 503,
+}
+MAX_BODY_BYTES = 8 * 1024 * 1024
+NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The request's JSON object; bad_request (naming what is wrong) otherwise."""
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise BackendError("bad_request", f"the request body is over {MAX_BODY_BYTES} bytes")
+    try:
+        data = json.loads(body or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BackendError("bad_request", f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise BackendError("bad_request", "the request body must be a JSON object")
+    return data
+
+
+def field(
+    body: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None
+) -> Any:
+    """`body[name]` if present and of one of `kinds` (None counts as absent)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    allowed = kinds if isinstance(kinds, tuple) else (kinds,)
+    if isinstance(value, bool) and bool not in allowed:
+        raise BackendError("bad_request", f"{name!r} must be {_kind_names(allowed)}, not a boolean")
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, allowed):
+        raise BackendError(
+            "bad_request", f"{name!r} must be {_kind_names(allowed)}, got {json.dumps(value)[:80]}"
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BackendError("bad_request", f"{name!r} must be a finite number")
+    return value
+
+
+def _kind_names(kinds: tuple[type, ...]) -> str:
+    names = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
+    names.update({list: "a list", dict: "an object"})
+    return " or ".join(names.get(kind, kind.__name__) for kind in kinds)
+
+
+def stop_strings(value: Any, name: str) -> list[str]:
+    """A stop setting: one string or a list of strings."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return list(value)
+    raise BackendError("bad_request", f"{name!r} must be a string or a list of strings")
+
+
+def sampling(
+    *,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    seed: int | None = None,
+    max_tokens: int | None = None,
+    stop: Sequence[str] = (),
+) -> pb.Sampling:
+    """The request path's sampling message; unset values take the daemon's defaults, and
+    the request path checks the ranges (one implementation for every API)."""
+    message = pb.Sampling(stop=list(stop))
+    values = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "repetition_penalty": repetition_penalty,
+        "seed": seed,
+        "max_tokens": max_tokens,
+    }
+    for name, value in values.items():
+        if value is None:
+            continue
+        try:
+            setattr(message, name, value)
+        except (TypeError, ValueError) as exc:
+            raise BackendError("bad_request", f"{name} {value!r} is out of range") from exc
+    return message
+
+
+def text_of_content(content: Any, where: str) -> str:
+    """Message content as text: a string, or a list of text parts (other parts refused)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("text", "input_text"):
+                texts.append(str(part.get("text", "")))
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BackendError(
+                    "bad_request",
+                    f"{where} has a content part of type {kind!r}; this mesh takes text only",
+                )
+        return "".join(texts)
+    raise BackendError("bad_request", f"{where} content must be a string or a list of parts")
+
+
+async def prime(events: AsyncIterator[Event]) -> tuple[list[Event], AsyncIterator[Event]]:
+    """Read events up to the first text or the end, so that a request refused or failing
+    before its first token is answered with a proper HTTP status, not a broken stream."""
+    head: list[Event] = []
+    try:
+        while True:
+            event = await events.__anext__()
+            head.append(event)
+            if isinstance(event, Piece | Finished):
+                break
+    except StopAsyncIteration:
+        pass
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            await events.aclose()  # type: ignore[attr-defined]
+        raise
+    return head, events
+
+
+async def replay(head: list[Event], rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    """The primed events, then the rest of the stream (closing it when done or abandoned)."""
+    async with contextlib.aclosing(rest):  # type: ignore[type-var]
+        for event in head:
+            yield event
+        if head and isinstance(head[-1], Finished):
+            return
+        async for event in rest:
+            yield event
+
+
+async def collect(events: AsyncIterator[Event]) -> tuple[list[Event], str, Finished]:
+    """A whole request: its events, its text and its final event (for non-streaming calls)."""
+    seen: list[Event] = []
+    finished = None
+    async with contextlib.aclosing(events):  # type: ignore[type-var]
+        async for event in events:
+            seen.append(event)
+            if isinstance(event, Finished):
+                finished = event
+    if finished is None:
+        raise BackendError("unavailable", "the request ended without a final event")
+    text = "".join(e.text for e in seen if isinstance(e, Piece))
+    return seen, text, finished
+
+
+def stream_response(
+    body: AsyncIterator[bytes], media_type: str, status_code: int = 200
+) -> StreamingResponse:
+    return StreamingResponse(
+        body, status_code=status_code, media_type=media_type, headers=NO_BUFFERING
+    )
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+ErrorShape = Callable[[int, str, str], Response]
+
+
+def json_error(status: int, kind: str, message: str) -> JSONResponse:
+    """Plain JSON error for the dashboard's own endpoints."""
+    return JSONResponse({"error": {"kind": kind, "message": message}}, status_code=status)

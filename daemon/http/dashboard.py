@@ -1,0 +1,112 @@
+"""The dashboard at `/`: the mesh as a picture, the plan, live requests, the log, a chat box.
+
+The page and its assets are files in `meshd/http/static` (vendored libraries with their
+licences; no CDN: it works offline). Its data: `/meshd/status` once, then `/meshd/stream`,
+server-sent events fed by the same source as the gRPC `WatchStatus` (a new status whenever
+the mesh changes) plus this node's activity (requests in flight, tokens/s) every second.
+The chat box talks to `/v1/chat/completions` like any OpenAI client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from sse_starlette.event import ServerSentEvent
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from meshd.http.backend import BackendError, MeshBackend
+from meshd.http.common import NO_BUFFERING, field, read_json, stream_response
+from meshd.http.keys import ApiKeyStore
+from meshd.wire import pb
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+KEY_COOKIE = "meshd_api_key"
+ACTIVITY_EVERY_S = 1.0
+
+
+def status_json(status: pb.MeshStatus) -> dict[str, Any]:
+    """The status as the page reads it: the proto's fields, and the plan as an object."""
+    from meshd.api.render import status_to_json
+
+    data = status_to_json(status)
+    plan_json = status.agreement.plan_json
+    data["plan"] = json.loads(plan_json) if plan_json else None
+    return data
+
+
+def _sse(event: str, data: Any) -> bytes:
+    return ServerSentEvent(data=json.dumps(data), event=event, sep="\n").encode()
+
+
+class Dashboard:
+    def __init__(
+        self, backend: MeshBackend, keys: ApiKeyStore | None, closing: asyncio.Event
+    ) -> None:
+        self.backend = backend
+        self.keys = keys
+        self.closing = closing
+
+    def routes(self) -> list[Route | Mount]:
+        return [
+            Route("/", self.index, methods=["GET", "HEAD"]),
+            Route("/meshd/status", self.status, methods=["GET"]),
+            Route("/meshd/stream", self.stream, methods=["GET"]),
+            Route("/meshd/session", self.session, methods=["POST"]),
+            Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+        ]
+
+    async def index(self, request: Request) -> Response:
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    async def status(self, request: Request) -> Response:
+        status = await self.backend.status()
+        return JSONResponse(
+            {"status": status_json(status), "activity": asdict(self.backend.activity())},
+            headers=NO_BUFFERING,
+        )
+
+    async def session(self, request: Request) -> Response:
+        """Remember a key in an HttpOnly cookie, so the page's EventSource can use it."""
+        if self.keys is None:
+            return JSONResponse({"key_required": False})
+        key = field(await read_json(request), "key", str, "")
+        if not key or self.keys.verify(key) is None:
+            raise BackendError("unauthorized", "the API key is not valid")
+        response = JSONResponse({"key_required": True, "ok": True})
+        response.set_cookie(KEY_COOKIE, key, httponly=True, samesite="strict", path="/")
+        return response
+
+    async def stream(self, request: Request) -> Response:
+        return stream_response(self._events(), "text/event-stream")
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        """`status` events on every change, `activity` events every second, until closing."""
+        watch = self.backend.watch()
+        next_status = asyncio.ensure_future(anext(watch))
+        closing = asyncio.ensure_future(self.closing.wait())
+        try:
+            while not self.closing.is_set():
+                done, _ = await asyncio.wait(
+                    {next_status, closing},
+                    timeout=ACTIVITY_EVERY_S,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if next_status in done:
+                    yield _sse("status", status_json(next_status.result()))
+                    next_status = asyncio.ensure_future(anext(watch))
+                yield _sse("activity", asdict(self.backend.activity()))
+        finally:
+            for task in (next_status, closing):
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            await watch.aclose()

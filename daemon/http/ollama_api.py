@@ -1,0 +1,246 @@
+"""Ollama-compatible endpoints: /api/chat, /api/generate, /api/tags, /api/show, /api/version.
+
+Ollama clients (the `ollama` package, Open WebUI, editor plugins) work unchanged with
+`host="http://HOST:PORT"`. Streaming is Ollama's: one JSON object per line, the last with
+`"done": true`, timings in nanoseconds and token counts. Model names may carry a tag
+(`smollm2-135m-instruct:latest`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from meshd.http.backend import BackendError, Event, Finished, MeshBackend, ModelCard, Piece
+from meshd.http.common import (
+    STATUS_OF_KIND,
+    collect,
+    field,
+    prime,
+    read_json,
+    replay,
+    sampling,
+    stop_strings,
+    stream_response,
+    text_of_content,
+)
+
+# The Ollama API version whose request and answer shapes these endpoints follow.
+OLLAMA_API_VERSION = "0.9.0"
+DONE_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+def error_response(status: int, kind: str, message: str) -> Response:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def _sampling(body: Mapping[str, Any]) -> Any:
+    options = field(body, "options", dict, {})
+    num_predict = field(options, "num_predict", int)
+    return sampling(
+        temperature=field(options, "temperature", float),
+        top_p=field(options, "top_p", float),
+        top_k=field(options, "top_k", int),
+        min_p=field(options, "min_p", float),
+        repetition_penalty=field(options, "repeat_penalty", float),
+        seed=field(options, "seed", int),
+        max_tokens=num_predict if num_predict is not None and num_predict > 0 else None,
+        stop=stop_strings(options.get("stop"), "options.stop"),
+    )
+
+
+def _final_fields(finished: Finished) -> dict[str, Any]:
+    decode_s = max(0.0, finished.total_s - finished.ttft_s)
+    return {
+        "done": True,
+        "done_reason": DONE_REASONS.get(finished.finish_reason, "stop"),
+        "total_duration": _ns(finished.total_s),
+        "load_duration": 0,
+        "prompt_eval_count": finished.prompt_tokens,
+        "prompt_eval_duration": _ns(finished.ttft_s),
+        "eval_count": finished.completion_tokens,
+        "eval_duration": _ns(decode_s),
+    }
+
+
+def _line(data: Mapping[str, Any]) -> bytes:
+    return json.dumps(data, ensure_ascii=False).encode() + b"\n"
+
+
+def _details(card: ModelCard) -> dict[str, Any]:
+    return {
+        "parent_model": "",
+        "format": "safetensors",
+        "family": card.architecture,
+        "families": [card.architecture],
+        "parameter_size": f"{card.parameters / 1e6:.0f}M" if card.parameters else "",
+        "quantization_level": card.dtype.upper(),
+    }
+
+
+class OllamaApi:
+    def __init__(self, backend: MeshBackend) -> None:
+        self.backend = backend
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/api/chat", self.chat, methods=["POST"]),
+            Route("/api/generate", self.generate, methods=["POST"]),
+            Route("/api/tags", self.tags, methods=["GET"]),
+            Route("/api/show", self.show, methods=["POST"]),
+            Route("/api/version", self.version, methods=["GET"]),
+        ]
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": OLLAMA_API_VERSION})
+
+    async def tags(self, request: Request) -> Response:
+        card = await self.backend.model_card()
+        models = []
+        if card is not None:
+            modified = datetime.fromtimestamp(card.modified_at or time.time(), UTC)
+            models.append(
+                {
+                    "name": card.name + ":latest",
+                    "model": card.name + ":latest",
+                    "modified_at": modified.isoformat().replace("+00:00", "Z"),
+                    "size": card.size_bytes,
+                    "digest": hashlib.sha256(
+                        json.dumps(dict(card.config), sort_keys=True).encode()
+                    ).hexdigest(),
+                    "details": _details(card),
+                }
+            )
+        return JSONResponse({"models": models})
+
+    async def show(self, request: Request) -> Response:
+        body = await read_json(request)
+        name = field(body, "model", str) or field(body, "name", str, "")
+        self.backend.check_model(name)
+        card = await self.backend.model_card()
+        if card is None:
+            raise BackendError("not_found", f"model {name!r} is not served")
+        arch = card.architecture
+        config = card.config
+        info = {
+            "general.architecture": arch,
+            "general.parameter_count": card.parameters,
+            f"{arch}.block_count": card.layers,
+            f"{arch}.context_length": config.get("max_position_embeddings", 0),
+            f"{arch}.embedding_length": config.get("hidden_size", 0),
+            f"{arch}.attention.head_count": config.get("num_attention_heads", 0),
+            f"{arch}.attention.head_count_kv": config.get("num_key_value_heads", 0),
+            f"{arch}.vocab_size": config.get("vocab_size", 0),
+        }
+        capabilities = ["completion"] + (["tools"] if self.backend.tool_format() else [])
+        return JSONResponse(
+            {
+                "modelfile": "",
+                "parameters": "",
+                "template": card.chat_template,
+                "details": _details(card),
+                "model_info": info,
+                "capabilities": capabilities,
+                "modified_at": _now(),
+            }
+        )
+
+    async def chat(self, request: Request) -> Response:
+        body = await read_json(request)
+        messages = field(body, "messages", list)
+        if not messages:
+            raise BackendError("bad_request", "messages: at least one message is required")
+        converted = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise BackendError("bad_request", f"messages[{i}] must be an object")
+            if message.get("images"):
+                raise BackendError("bad_request", "images are not supported by this mesh")
+            converted.append(
+                {
+                    "role": message.get("role"),
+                    "content": text_of_content(message.get("content"), f"messages[{i}]"),
+                }
+            )
+        if body.get("tools"):
+            raise BackendError("bad_request", "tools are served on /v1/chat/completions only")
+        model = self.backend.check_model(field(body, "model", str, ""))
+        events = self.backend.generate(sampling=_sampling(body), model=model, messages=converted)
+        return await self._answer(body, model, events, chat=True)
+
+    async def generate(self, request: Request) -> Response:
+        body = await read_json(request)
+        prompt = field(body, "prompt", str, "")
+        model = self.backend.check_model(field(body, "model", str, ""))
+        if not prompt.strip():  # Ollama clients load a model with an empty prompt
+            return JSONResponse(
+                {
+                    "model": body.get("model") or model,
+                    "created_at": _now(),
+                    "response": "",
+                    "done": True,
+                    "done_reason": "load",
+                }
+            )
+        if body.get("images"):
+            raise BackendError("bad_request", "images are not supported by this mesh")
+        raw = field(body, "raw", bool, False)
+        system = field(body, "system", str)
+        if raw:
+            events = self.backend.generate(
+                sampling=_sampling(body), model=model, prompt=prompt, chat_template=False
+            )
+        else:
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+            events = self.backend.generate(sampling=_sampling(body), model=model, messages=messages)
+        return await self._answer(body, model, events, chat=False)
+
+    async def _answer(
+        self, body: Mapping[str, Any], model: str, events: AsyncIterator[Event], *, chat: bool
+    ) -> Response:
+        name = body.get("model") or model + ":latest"
+
+        def piece(text: str) -> dict[str, Any]:
+            if chat:
+                return {
+                    "model": name,
+                    "created_at": _now(),
+                    "message": {"role": "assistant", "content": text},
+                    "done": False,
+                }
+            return {"model": name, "created_at": _now(), "response": text, "done": False}
+
+        if not field(body, "stream", bool, True):
+            _, text, finished = await collect(events)
+            return JSONResponse({**piece(text), **_final_fields(finished)})
+        head, rest = await prime(events)
+
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                async for event in replay(head, rest):
+                    if isinstance(event, Piece) and event.text:
+                        yield _line(piece(event.text))
+                    elif isinstance(event, Finished):
+                        yield _line({**piece(""), **_final_fields(event)})
+            except BackendError as exc:
+                yield _line({"error": str(exc), "status": STATUS_OF_KIND.get(exc.kind, 500)})
+
+        return stream_response(stream(), "application/x-ndjson")

@@ -1,0 +1,388 @@
+"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
+
+Requests are translated into the mesh's request path (see `meshd.http.backend`); answers
+and errors take OpenAI's shapes, so the `openai` SDK and the tools built on it work
+unchanged with `base_url="http://HOST:PORT/v1"`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from sse_starlette.event import ServerSentEvent
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from meshd.http.backend import BackendError, Event, Finished, MeshBackend, Piece, Started
+from meshd.http.common import (
+    STATUS_OF_KIND,
+    collect,
+    field,
+    now_s,
+    prime,
+    read_json,
+    replay,
+    sampling,
+    stop_strings,
+    stream_response,
+    text_of_content,
+)
+from meshd.http.tools import ToolCallSplitter, parse_call
+
+ROLE_ALIASES = {"developer": "system"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+ERROR_CODES = {404: "model_not_found", 503: "service_unavailable", 429: "rate_limit_exceeded"}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "server_error"),
+            "param": None,
+            "code": ERROR_CODES.get(status),
+        }
+    }
+
+
+def error_response(status: int, kind: str, message: str) -> Response:
+    return JSONResponse(error_body(status, message), status_code=status)
+
+
+def _sse(data: Mapping[str, Any] | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return ServerSentEvent(data=text, sep="\n").encode()
+
+
+# --------------------------------------------------------------------- request parsing
+
+
+def _options(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Sampling and stream settings shared by chat and text completions."""
+    n = field(body, "n", int, 1)
+    if n != 1:
+        raise BackendError("bad_request", f"n={n} is not supported: this mesh returns one choice")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if field(body, name, float, 0.0) != 0.0:
+            raise BackendError(
+                "bad_request", f"{name} is not supported; use repetition_penalty (e.g. 1.1)"
+            )
+    if body.get("logprobs") not in (None, False, 0):
+        raise BackendError("bad_request", "logprobs are not supported by this mesh")
+    if field(body, "best_of", int, 1) != 1:
+        raise BackendError("bad_request", "best_of is not supported")
+    max_tokens = field(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = field(body, "max_tokens", int)
+    stream_options = field(body, "stream_options", dict, {})
+    return {
+        "sampling": sampling(
+            temperature=field(body, "temperature", float),
+            top_p=field(body, "top_p", float),
+            top_k=field(body, "top_k", int),
+            min_p=field(body, "min_p", float),
+            repetition_penalty=field(body, "repetition_penalty", float),
+            seed=field(body, "seed", int),
+            max_tokens=max_tokens,
+            stop=stop_strings(body.get("stop"), "stop"),
+        ),
+        "stream": field(body, "stream", bool, False),
+        "include_usage": bool(stream_options.get("include_usage")),
+        "model": field(body, "model", str, ""),
+    }
+
+
+def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """OpenAI messages as the chat template takes them (text, tool calls, tool results)."""
+    messages = field(body, "messages", list)
+    if not messages:
+        raise BackendError("bad_request", "'messages' must be a non-empty list")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BackendError("bad_request", f"messages[{i}] must be an object")
+        role = message.get("role")
+        role = ROLE_ALIASES.get(role, role)
+        entry: dict[str, Any] = {
+            "role": role,
+            "content": text_of_content(message.get("content"), f"messages[{i}]"),
+        }
+        calls = message.get("tool_calls")
+        if calls:
+            entry["tool_calls"] = [_template_call(call, i) for call in calls]
+        if role == "tool" and message.get("tool_call_id"):
+            entry["tool_call_id"] = str(message["tool_call_id"])
+        if message.get("name"):
+            entry["name"] = str(message["name"])
+        out.append(entry)
+    return out
+
+
+def _template_call(call: Any, index: int) -> dict[str, Any]:
+    """An assistant's earlier tool call, with arguments as an object (what templates expect)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise BackendError("bad_request", f"messages[{index}] has a malformed tool call")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError as exc:
+            raise BackendError(
+                "bad_request", f"messages[{index}] tool call arguments are not JSON"
+            ) from exc
+    return {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+
+def chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The tools the model may call, or None (no tools, or tool_choice "none")."""
+    tools = field(body, "tools", list)
+    choice = body.get("tool_choice", "auto")
+    if not tools or choice == "none":
+        return None
+    if choice not in ("auto", None):
+        raise BackendError(
+            "bad_request", "tool_choice must be 'auto' or 'none': this mesh cannot force a call"
+        )
+    for i, tool in enumerate(tools):
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(tool.get("function"), dict)
+        ):
+            raise BackendError("bad_request", f"tools[{i}] must be {{'type': 'function', ...}}")
+    return tools
+
+
+# --------------------------------------------------------------------- answers
+
+
+def _usage(finished: Finished) -> dict[str, int]:
+    return {
+        "prompt_tokens": finished.prompt_tokens,
+        "completion_tokens": finished.completion_tokens,
+        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+    }
+
+
+def _fingerprint(events: list[Event]) -> str | None:
+    started = next((e for e in events if isinstance(e, Started)), None)
+    return f"fp_{started.plan_id[:12]}" if started else None
+
+
+class OpenAIApi:
+    def __init__(self, backend: MeshBackend) -> None:
+        self.backend = backend
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+        ]
+
+    async def models(self, request: Request) -> Response:
+        card = await self.backend.model_card()
+        data = [self._model_entry(card)] if card else []
+        return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        card = await self.backend.model_card()
+        if card is None or request.path_params["model"] not in (card.name, card.name + ":latest"):
+            raise BackendError("not_found", f"model {request.path_params['model']!r} is not served")
+        return JSONResponse(self._model_entry(card))
+
+    @staticmethod
+    def _model_entry(card: Any) -> dict[str, Any]:
+        created = int(card.modified_at) or now_s()
+        return {"id": card.name, "object": "model", "created": created, "owned_by": "meshd"}
+
+    # ------------------------------------------------------------ chat
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await read_json(request)
+        options = _options(body)
+        messages = chat_messages(body)
+        tools = chat_tools(body)
+        model = self.backend.check_model(options["model"])
+        fmt = self.backend.tool_format() if tools else None
+        events = self.backend.generate(
+            sampling=options["sampling"], model=model, messages=messages, tools=tools
+        )
+        ident = "chatcmpl-" + secrets.token_hex(12)
+        if not options["stream"]:
+            seen, text, finished = await collect(events)
+            content, calls = _split_calls(fmt, text, tools)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            reason = "tool_calls" if calls else FINISH.get(finished.finish_reason, "stop")
+            return JSONResponse(
+                {
+                    "id": ident,
+                    "object": "chat.completion",
+                    "created": now_s(),
+                    "model": model,
+                    "system_fingerprint": _fingerprint(seen),
+                    "choices": [
+                        {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+                    ],
+                    "usage": _usage(finished),
+                }
+            )
+        head, rest = await prime(events)
+        body_stream = self._chat_stream(
+            ident, model, head, rest, options["include_usage"], fmt, tools
+        )
+        return stream_response(body_stream, "text/event-stream")
+
+    async def _chat_stream(
+        self,
+        ident: str,
+        model: str,
+        head: list[Event],
+        rest: AsyncIterator[Event],
+        include_usage: bool,
+        fmt: Any,
+        tools: list[dict[str, Any]] | None,
+    ) -> AsyncIterator[bytes]:
+        created = now_s()
+        fingerprint = _fingerprint(head)
+        splitter = ToolCallSplitter(fmt)
+        calls = 0
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+            payload: dict[str, Any] = {
+                "id": ident,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "system_fingerprint": fingerprint,
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                ],
+            }
+            if include_usage:
+                payload["usage"] = None
+            return _sse(payload)
+
+        def deltas(parts: list[tuple[str, str]]) -> list[bytes]:
+            nonlocal calls
+            out = []
+            for kind, text in parts:
+                call = parse_call(fmt, text, tools) if kind == "call" else None
+                if call is None:
+                    out.append(chunk({"content": text}))
+                else:
+                    out.append(chunk({"tool_calls": [{"index": calls, **call}]}))
+                    calls += 1
+            return out
+
+        yield chunk({"role": "assistant", "content": ""})
+        try:
+            async for event in replay(head, rest):
+                if isinstance(event, Piece):
+                    for data in deltas(splitter.feed(event.text)):
+                        yield data
+                elif isinstance(event, Finished):
+                    for data in deltas(splitter.finish()):
+                        yield data
+                    reason = "tool_calls" if calls else FINISH.get(event.finish_reason, "stop")
+                    yield chunk({}, reason)
+                    if include_usage:
+                        yield _sse(
+                            {
+                                "id": ident,
+                                "object": "chat.completion.chunk",
+                                "created": created,
+                                "model": model,
+                                "system_fingerprint": fingerprint,
+                                "choices": [],
+                                "usage": _usage(event),
+                            }
+                        )
+        except BackendError as exc:
+            yield _sse(error_body(STATUS_OF_KIND.get(exc.kind, 500), str(exc)))
+            return
+        yield _sse("[DONE]")
+
+    # ------------------------------------------------------------ text completions
+
+    async def completions(self, request: Request) -> Response:
+        body = await read_json(request)
+        options = _options(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise BackendError("bad_request", "'prompt' must be a string (one prompt per request)")
+        if body.get("echo") or body.get("suffix"):
+            raise BackendError("bad_request", "echo and suffix are not supported by this mesh")
+        model = self.backend.check_model(options["model"])
+        events = self.backend.generate(
+            sampling=options["sampling"], model=model, prompt=prompt, chat_template=False
+        )
+        ident = "cmpl-" + secrets.token_hex(12)
+        created = now_s()
+
+        def payload(text: str, finish: str | None) -> dict[str, Any]:
+            return {
+                "id": ident,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
+            }
+
+        if not options["stream"]:
+            _, text, finished = await collect(events)
+            answer = payload(text, FINISH.get(finished.finish_reason, "stop"))
+            return JSONResponse({**answer, "usage": _usage(finished)})
+        head, rest = await prime(events)
+        include_usage = options["include_usage"]
+
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                async for event in replay(head, rest):
+                    if isinstance(event, Piece) and event.text:
+                        yield _sse(payload(event.text, None))
+                    elif isinstance(event, Finished):
+                        yield _sse(payload("", FINISH.get(event.finish_reason, "stop")))
+                        if include_usage:
+                            yield _sse({**payload("", None), "choices": [], "usage": _usage(event)})
+            except BackendError as exc:
+                yield _sse(error_body(STATUS_OF_KIND.get(exc.kind, 500), str(exc)))
+                return
+            yield _sse("[DONE]")
+
+        return stream_response(stream(), "text/event-stream")
+
+
+def _split_calls(
+    fmt: Any, text: str, tools: list[dict[str, Any]] | None
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """A whole answer's text and its parsed tool calls (unparseable calls stay text)."""
+    splitter = ToolCallSplitter(fmt)
+    content, calls = [], []
+    for kind, part in [*splitter.feed(text), *splitter.finish()]:
+        call = parse_call(fmt, part, tools) if kind == "call" else None
+        if call is None:
+            content.append(part)
+        else:
+            calls.append(call)
+    joined = "".join(content)
+    return (joined if joined or not calls else None), calls

@@ -1,0 +1,285 @@
+"""HTTP APIs of real daemons, used by the official clients: openai, anthropic, ollama, curl.
+
+Three loopback daemons split the embedded SmolLM2-135M-Instruct (memory strategy: a third
+of the layers each); every client talks to one node's HTTP port, and the answers go through
+the same request path as the gRPC API. The last test kills a stage while a stream runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+
+from meshd.api.launcher import DaemonProcess
+from meshd.models.store import ModelStore
+from meshd.wire import pb
+
+QUESTION = "What is the capital of France?"
+GREEDY = {"temperature": 0.0, "max_tokens": 24}
+LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
+
+
+def committed_over(n: int):
+    def check(status: pb.MeshStatus) -> bool:
+        view = status.agreement
+        return bool(view.active_plan_id and view.plan_json) and len(view.members) == n
+
+    return check
+
+
+@pytest.fixture(scope="module")
+def default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ModelStore(tmp_path_factory.mktemp("store")).ensure_default().path
+
+
+@pytest.fixture(scope="module")
+def mesh(default_model, tmp_path_factory, profile_template) -> list[DaemonProcess]:
+    """Three loopback daemons serving the default model split over all of them."""
+    import shutil
+
+    from meshd.mesh import security
+
+    token = security.encode_join_token(security.create_mesh_secret("http"))
+    root = tmp_path_factory.mktemp("http-mesh")
+    daemons = []
+    for i in range(3):
+        state = root / f"n{i}"
+        state.mkdir()
+        shutil.copyfile(profile_template, state / "profile.json")
+        args = [*LOOPBACK, "--join", token, "--name", f"h{i}", "--model", str(default_model),
+                "--strategy", "memory"]  # fmt: skip
+        daemons.append(DaemonProcess(state, args).start())
+    try:
+        for daemon in daemons:
+            daemon.wait_for(committed_over(3), 90, "a committed 3-node plan")
+        yield daemons
+    finally:
+        for daemon in daemons:
+            daemon.kill()
+
+
+def url_of(daemon: DaemonProcess) -> str:
+    url = daemon.status().http_url
+    assert url.startswith("http://127.0.0.1:"), url
+    return url
+
+
+def test_openai_chat_streaming_equals_plain_and_reports_usage(mesh) -> None:
+    client = openai.OpenAI(base_url=url_of(mesh[0]) + "/v1", api_key="unused-on-loopback")
+    messages = [{"role": "user", "content": QUESTION}]
+    reply = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=messages, **GREEDY
+    )
+    text = reply.choices[0].message.content
+    assert "Paris" in text, text
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.prompt_tokens > 5 and reply.usage.completion_tokens > 0
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=messages,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and not chunks[-1].choices
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_openai_completions_models_stop_and_errors(mesh) -> None:
+    client = openai.OpenAI(base_url=url_of(mesh[1]) + "/v1", api_key="x", max_retries=0)
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["smollm2-135m-instruct"]
+    completion = client.completions.create(
+        model="smollm2-135m-instruct", prompt="The capital of France is", **GREEDY
+    )
+    assert "Paris" in completion.choices[0].text, completion.choices[0].text
+    stopped = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": QUESTION}],
+        stop=["Paris"],
+        seed=7,
+        **GREEDY,
+    )
+    assert "Paris" not in stopped.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="smollm2-135m-instruct", messages=[])
+    assert "messages" in str(bad.value)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "hi"}],
+            temperature=-1,
+        )
+    with pytest.raises(openai.NotFoundError, match="not loaded in this mesh"):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="does not support tools"):
+        client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "weather in Paris?"}],
+            tools=[{"type": "function", "function": {"name": "weather", "parameters": {}}}],
+        )
+
+
+def test_anthropic_messages_plain_and_streaming(mesh) -> None:
+    client = anthropic.Anthropic(base_url=url_of(mesh[2]), api_key="x", max_retries=0)
+    message = client.messages.create(
+        model="smollm2-135m-instruct",
+        max_tokens=24,
+        extra_body={"temperature": 0},  # this SDK version no longer names it; the API takes it
+        system="You are a helpful assistant.",
+        messages=[{"role": "user", "content": QUESTION}],
+    )
+    text = message.content[0].text
+    assert "Paris" in text, text
+    assert message.stop_reason == "end_turn"
+    assert message.usage.input_tokens > 5 and message.usage.output_tokens > 0
+    with client.messages.stream(
+        model="smollm2-135m-instruct",
+        max_tokens=24,
+        extra_body={"temperature": 0},  # this SDK version no longer names it; the API takes it
+        system="You are a helpful assistant.",
+        messages=[{"role": "user", "content": QUESTION}],
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == text
+    assert final.usage.output_tokens == message.usage.output_tokens
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(
+            model="claude-opus", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+        )
+
+
+def test_ollama_chat_generate_list_show(mesh) -> None:
+    client = ollama.Client(host=url_of(mesh[0]))
+    names = [m.model for m in client.list().models]
+    assert names == ["smollm2-135m-instruct:latest"]
+    shown = client.show("smollm2-135m-instruct")
+    assert shown.modelinfo["general.architecture"] == "llama"
+    assert shown.modelinfo["llama.block_count"] == 30
+    options = {"temperature": 0, "num_predict": 24}
+    answer = client.chat(
+        model="smollm2-135m-instruct:latest",
+        messages=[{"role": "user", "content": QUESTION}],
+        options=options,
+    )
+    assert "Paris" in answer.message.content and answer.done
+    assert answer.eval_count > 0 and answer.prompt_eval_count > 5
+    pieces = list(
+        client.generate(
+            model="smollm2-135m-instruct", prompt=QUESTION, options=options, stream=True
+        )
+    )
+    streamed = "".join(p.response for p in pieces)
+    assert streamed == answer.message.content
+    assert pieces[-1].done and pieces[-1].done_reason == "stop"
+    assert httpx.get(url_of(mesh[0]) + "/api/version").json()["version"]
+    with pytest.raises(ollama.ResponseError) as missing:
+        client.chat(model="llama3", messages=[{"role": "user", "content": "hi"}])
+    assert missing.value.status_code == 404
+
+
+def test_curl_sees_well_formed_sse_frames(mesh) -> None:
+    url = url_of(mesh[1])
+    body = json.dumps(
+        {"model": "smollm2-135m-instruct", "stream": True, "max_tokens": 12,
+         "messages": [{"role": "user", "content": QUESTION}]}
+    )  # fmt: skip
+    out = subprocess.run(
+        ["curl", "-sN", "--max-time", "60", "-H", "Content-Type: application/json",
+         "-d", body, url + "/v1/chat/completions"],
+        capture_output=True, text=True, timeout=90, check=True,
+    ).stdout  # fmt: skip
+    frames = out.split("\n\n")
+    assert frames[-1] == "" and frames[-2] == "data: [DONE]", out[-200:]
+    for frame in frames[:-2]:
+        assert re.fullmatch(r"data: \{.*\}", frame), frame
+        assert json.loads(frame[6:])["object"] == "chat.completion.chunk"
+    anthropic_body = json.dumps(
+        {"model": "smollm2-135m-instruct", "stream": True, "max_tokens": 12,
+         "messages": [{"role": "user", "content": QUESTION}]}
+    )  # fmt: skip
+    out = subprocess.run(
+        ["curl", "-sN", "--max-time", "60", "-d", anthropic_body, url + "/v1/messages"],
+        capture_output=True, text=True, timeout=90, check=True,
+    ).stdout  # fmt: skip
+    names = []
+    for frame in out.split("\n\n")[:-1]:
+        event, data = frame.split("\n")
+        assert event.startswith("event: ") and data.startswith("data: "), frame
+        assert json.loads(data[6:])["type"] == event[7:]
+        names.append(event[7:])
+    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+
+def test_requests_from_other_sites_and_foreign_hosts_are_refused(mesh) -> None:
+    url = url_of(mesh[0])
+    hello = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cross = httpx.post(url + "/v1/chat/completions", json=hello,
+                       headers={"Origin": "https://evil.example"})  # fmt: skip
+    assert cross.status_code == 403 and "other sites" in cross.json()["error"]["message"]
+    rebound = httpx.get(url + "/v1/models", headers={"Host": "evil.example"})
+    assert rebound.status_code == 403
+    assert httpx.get(url + "/v1/models").status_code == 200
+
+
+def test_a_stage_killed_mid_stream_ends_the_stream_cleanly(mesh) -> None:
+    """Kill a stage while a long answer streams from another node: the client gets a
+    complete SSE stream that ends with an error frame (or finishes), quickly; then new
+    requests get a clean 503 or an answer from the re-planned survivors. Kills mesh[2]."""
+    origin = url_of(mesh[0])
+    story = [{"role": "user", "content": "Write a long story about a lighthouse."}]
+    body = {"stream": True, "max_tokens": 400, "temperature": 0, "messages": story}
+    raw = bytearray()
+    killed_at = None
+    with httpx.stream("POST", origin + "/v1/chat/completions", json=body, timeout=30) as reply:
+        assert reply.status_code == 200
+        for chunk in reply.iter_raw():
+            raw += chunk
+            if killed_at is None and raw.count(b"\n\n") >= 5:
+                mesh[2].kill()
+                killed_at = time.monotonic()
+    ended_after = time.monotonic() - killed_at
+    assert ended_after < 10, f"the stream took {ended_after:.1f} s to end after the kill"
+    frames = bytes(raw).decode().split("\n\n")
+    assert frames[-1] == "", "the stream ended inside a frame"
+    payloads = [f.removeprefix("data: ") for f in frames[:-1]]
+    assert all(f.startswith("data: ") for f in frames[:-1])
+    last = payloads[-1]
+    if last != "[DONE]":
+        error = json.loads(last)["error"]
+        assert error["code"] == "service_unavailable" and error["message"], error
+    # New requests right after: a clean 503 in OpenAI's shape, or an answer on the new plan.
+    deadline = time.monotonic() + 20
+    statuses = []
+    while time.monotonic() < deadline:
+        answer = httpx.post(origin + "/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 16})  # fmt: skip
+        statuses.append(answer.status_code)
+        if answer.status_code == 200:
+            assert "Paris" in answer.json()["choices"][0]["message"]["content"]
+            break
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["type"] == "server_error"
+        time.sleep(0.3)
+    assert statuses[-1] == 200, f"the survivors never answered: {statuses}"
+    ending = "an error frame" if last != "[DONE]" else "[DONE]"
+    print(f"stream ended with {ending} {ended_after:.2f} s after the kill; then {statuses}")

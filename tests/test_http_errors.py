@@ -1,0 +1,77 @@
+"""Every failure of the request path reaches each HTTP API as its own error shape and status.
+
+The node's request path raises `RequestError(code, message)` (or ends with an error event);
+here it is made to refuse with each code it uses, including RESOURCE_EXHAUSTED (a full
+queue, which no mesh of this size produces on demand), and the real Starlette app with the
+real MeshBackend must answer 400/404/429/503 in OpenAI's, Anthropic's and Ollama's shapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from starlette.testclient import TestClient
+
+from meshd.http.backend import MeshBackend
+from meshd.http.server import build_app
+from meshd.inference.serving import RequestError
+
+CASES = [
+    ("INVALID_ARGUMENT", 400),
+    ("NOT_FOUND", 404),
+    ("RESOURCE_EXHAUSTED", 429),
+    ("FAILED_PRECONDITION", 503),
+    ("UNAVAILABLE", 503),
+]
+
+
+class RefusingInference:
+    """The request path's interface, refusing every request with one gRPC code."""
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+        self.snapshot = SimpleNamespace(model="m", active="")
+
+    async def generate(self, **kwargs):
+        raise RequestError(self.code, f"refused with {self.code}")
+        yield  # an async generator, like the real one
+
+
+def client_for(code: str) -> TestClient:
+    node = SimpleNamespace(inference=RefusingInference(code))
+    app = build_app(MeshBackend(node, bridge=None), keys=None, loopback=True,
+                    closing=asyncio.Event())  # fmt: skip
+    return TestClient(app, base_url="http://127.0.0.1:52380")
+
+
+@pytest.mark.parametrize(("code", "status"), CASES)
+def test_each_api_maps_the_refusal(code: str, status: int) -> None:
+    client = client_for(code)
+    chat = [{"role": "user", "content": "hi"}]
+    for stream in (False, True):
+        reply = client.post("/v1/chat/completions", json={"messages": chat, "stream": stream})
+        assert reply.status_code == status, reply.text
+        assert reply.json()["error"]["message"] == f"refused with {code}"
+        reply = client.post(
+            "/v1/messages", json={"messages": chat, "max_tokens": 5, "stream": stream}
+        )
+        assert reply.status_code == status
+        assert reply.json()["type"] == "error" and reply.json()["error"]["type"]
+        reply = client.post("/api/chat", json={"messages": chat, "stream": stream})
+        assert reply.status_code == status
+        assert reply.json() == {"error": f"refused with {code}"}
+
+
+def test_malformed_requests_are_400_in_the_api_shape() -> None:
+    client = client_for("UNAVAILABLE")
+    assert client.post("/v1/chat/completions", content=b"{nope").status_code == 400
+    reply = client.post("/v1/chat/completions", json={"messages": [{"role": "user",
+                        "content": "x"}], "n": 2})  # fmt: skip
+    assert reply.status_code == 400 and "n=2" in reply.json()["error"]["message"]
+    reply = client.post("/v1/messages", json={"messages": [{"role": "user", "content": "x"}]})
+    assert reply.status_code == 400 and "max_tokens" in reply.json()["error"]["message"]
+    reply = client.post("/api/generate", json={"prompt": "x", "options": {"top_p": "high"}})
+    assert reply.status_code == 400 and "top_p" in reply.json()["error"]
+    assert client.get("/v1/nothing-here").status_code == 404
