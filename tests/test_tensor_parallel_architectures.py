@@ -122,7 +122,7 @@ def probe_outputs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPath
     (folder / "hosts.json").write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.support.tp_probe", str(folder / "jobs.json"), str(folder)],
+            [sys.executable, "-m", "tests.support.tp_probe", str(folder / "jobs.json"), folder],
             cwd=ROOT,
             env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(folder / "hosts.json")},
             stdout=subprocess.PIPE,

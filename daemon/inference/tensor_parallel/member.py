@@ -60,6 +60,7 @@ DEFAULT_STARTUP_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 5.0
 RUN_DEADLINE_MARGIN_S = 5.0
 REAP_WAIT_S = 0.05
+STARTUP_MARGIN_S = 10.0
 
 
 class TensorParallelError(RuntimeError):
@@ -215,13 +216,15 @@ class TensorParallelMember:
 
     async def _first_frame(self) -> dict[str, Any]:
         assert self._reader is not None
+        # The runner gives up at its own start-up deadline and says why; this one is later,
+        # for a runner that cannot even say that.
+        wait_s = self._startup_timeout_s + STARTUP_MARGIN_S
         try:
-            async with asyncio.timeout(self._startup_timeout_s):
+            async with asyncio.timeout(wait_s):
                 frame = await read_frame_async(self._reader)
         except TimeoutError:
             raise TensorParallelError(
-                f"{self.spec.name} rank {self.rank} was not ready within "
-                f"{self._startup_timeout_s:g} s (a member missing, or loading too slowly)"
+                f"{self.spec.name} rank {self.rank} was not ready within {wait_s:g} s"
             ) from None
         if frame is None:
             code = await asyncio.to_thread(self._wait_exit, STOP_TIMEOUT_S)
