@@ -204,6 +204,8 @@ class Runner:
         self.caches: RequestCaches | None = None
         self.group: Any = None
         self.steps = 0
+        self.relay_s = 0.0  # rank 0: time spent sending steps to the other ranks
+        self.compute_s = 0.0  # time in the stage's evaluation, collectives included
 
     # ------------------------------------------------------------------ start-up
 
@@ -342,6 +344,7 @@ class Runner:
                 self._execute(header, payload)
 
     def _forward(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        started = time.perf_counter()
         for peer in self.peers:
             try:
                 send_frame(peer, header, payload)
@@ -349,6 +352,7 @@ class Runner:
                 if header["type"] == "stop":
                     continue
                 raise GroupLost(f"cannot reach a member: {error}") from error
+        self.relay_s += time.perf_counter() - started
 
     def _refusal(self, header: dict[str, Any], payload: bytes) -> str | None:
         """Why rank 0 refuses this frame before any rank acts on it (None: accepted)."""
@@ -398,9 +402,11 @@ class Runner:
         dtype, shape = check_array(header, payload)
         inputs = to_mx(dtype, shape, payload)
         logits = header["logits"] if self.rank == 0 else "none"
+        started = time.perf_counter()
         with self.watchdog.step():
             output = self.stage.run(inputs, self.caches.get(request), logits=logits)
             mx.eval(output)
+        self.compute_s += time.perf_counter() - started
         self.steps += 1
         if self.rank != 0:
             return {}, b""
@@ -412,6 +418,8 @@ class Runner:
         return {
             "rank": self.rank,
             "steps": self.steps,
+            "relay_s": round(self.relay_s, 6),
+            "compute_s": round(self.compute_s, 6),
             "requests": len(self.caches or ()),
             "held_bytes": self.stage.nbytes if self.stage else 0,
             "active_bytes": int(mx.get_active_memory()),
