@@ -473,6 +473,7 @@ def load_stage(
         keep_head=has_head,
     )
     checkpoint.check_stage(model, (layer_start, layer_end))
+    checkpoint.release()
     if prepare is not None:
         prepare(model, list(_TextModel.locate(model).inner.layers[layer_start:layer_end]))
     mx.eval(model.parameters())
@@ -673,6 +674,13 @@ class _StageCheckpoint:
                 "Hugging Face checkpoint mlx-lm cannot sanitize per stage (e.g. per-expert "
                 "tensors split over files) must be converted with mlx_lm.convert first."
             )
+
+    def release(self) -> None:
+        """Drop the references to the tensors: from here on only the model holds them, so a
+        tensor ``prepare`` replaces (a tensor-parallel rank's whole tensor, once its slice is
+        evaluated) is freed instead of staying in memory until the stage is loaded."""
+        self._tensors = {}
+        self._sanitized = {}
 
 
 def _some(names: list[str], limit: int = 4) -> str:
