@@ -251,11 +251,16 @@ def test_tp2_stage_generates_what_mlx_lm_does(llama_dir: Path) -> None:
             assert status[0]["backend"] == "ring" and status[0]["rank"] == 0
             assert status[0]["link"].startswith("loopback")
             assert status[0]["state"] == "ready" and "token" not in json.dumps(status)
+
+            # One member's daemon uninstalls the plan: the whole group ends, at once.
             pids = [leader.pid, follower.pid]
+            await supervisors["b"].stop_plan(spec.plan_id)
+            await wait_gone(pids, TEARDOWN_BOUND_S)
+            assert follower.state is RunnerState.STOPPED
+            await asyncio.sleep(0.1)  # rank 0's daemon reads its runner's end-of-file
+            assert leader.state is RunnerState.FAILED and "exit code 0" in leader.error
         finally:
             await close_all(supervisors)
-        assert all(gone(pid) for pid in pids)
-        assert leader.state is RunnerState.STOPPED and follower.state is RunnerState.STOPPED
 
     run_async(body)
 

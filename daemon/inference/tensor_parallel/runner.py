@@ -25,9 +25,11 @@ Watchdog (MLX's collectives hang when a peer vanishes without closing its socket
 a thread checks every ``WATCHDOG_INTERVAL_S`` that the parent daemon lives and, while a step
 runs, that it has not run longer than ``spec.step_timeout_s`` and that neither the daemon nor a
 peer has closed its connection; any of those ends the process at once (``os._exit``: a thread
-stuck in a collective never returns). On Linux the kernel also kills the runner when the thread
-that started it dies (``PR_SET_PDEATHSIG``). ``mx.eval`` releases the GIL while it waits, so the
-watchdog runs during collectives.
+stuck in a collective never returns). Between steps every rank waits in ``select`` on all its
+connections (no spinning), so a member that dies or is stopped ends the group at once: a rank
+stopped by its own daemon tells rank 0 it is leaving, and rank 0 stops the others. On Linux
+the kernel also kills the runner when the thread that started it dies (``PR_SET_PDEATHSIG``).
+``mx.eval`` releases the GIL while it waits, so the watchdog runs during collectives.
 """
 
 # ruff: noqa: E402
@@ -160,7 +162,9 @@ class Watchdog:
             if os.getppid() != self._parent_pid:
                 self._die(EXIT_PARENT_GONE, "the daemon that owns this runner is gone")
             started = self._step_started
-            if started is not None and time.monotonic() - started > self._step_timeout_s:
+            if started is None:
+                continue  # between steps the main thread watches the connections itself
+            if time.monotonic() - started > self._step_timeout_s:
                 self._die(
                     EXIT_STEP_TIMEOUT,
                     f"a step ran longer than {self._step_timeout_s:g} s (a peer hangs?)",
@@ -292,35 +296,57 @@ class Runner:
     # ------------------------------------------------------------------ serving
 
     def _serve_leader(self) -> int:
+        """Rank 0: the daemon's frames in order; between them, the members' connections are
+        watched too, so a member that leaves or dies ends the group without waiting for a step."""
+        selector = selectors.DefaultSelector()
+        selector.register(self.ipc, selectors.EVENT_READ, None)
+        for rank, peer in enumerate(self.peers, start=1):
+            selector.register(peer, selectors.EVENT_READ, rank)
         while True:
-            frame = recv_frame(self.ipc)
-            if frame is None:
-                self._forward({"type": "stop"})
-                return EXIT_STOPPED
-            header, payload = frame
-            kind = header["type"]
-            if kind == "stop":
-                self._forward(header)
-                return EXIT_STOPPED
-            if kind == "stats":
-                send_frame(self.ipc, {"type": "stats", "id": header.get("id"), **self._stats()})
-                continue
-            if kind not in ("run", "release"):
-                send_frame(self.ipc, _error(header, f"unknown frame type {kind!r}", fatal=False))
-                continue
-            refusal = self._refusal(header, payload)
-            if refusal is not None:
-                send_frame(self.ipc, _error(header, refusal, fatal=False))
-                continue
-            self._forward(header, payload)
-            try:
-                reply, data = self._execute(header, payload)
-            except Exception as error:  # a collective failed: the group is broken
-                send_frame(self.ipc, _error(header, f"{type(error).__name__}: {error}", True))
-                raise GroupLost(str(error)) from error
-            send_frame(self.ipc, reply, data)
+            for key, _ in selector.select():
+                if key.data is not None:  # a member: it only ever says it is leaving
+                    frame = recv_frame(key.fileobj)  # type: ignore[arg-type]
+                    self._forward({"type": "stop"})
+                    if frame is not None and frame[0]["type"] == "leaving":
+                        log.info("rank %d was stopped by its daemon; the group ends", key.data)
+                        return EXIT_STOPPED
+                    raise GroupLost(f"rank {key.data} closed its control connection")
+                if self._serve_leader_frame() is not None:
+                    return EXIT_STOPPED
+
+    def _serve_leader_frame(self) -> int | None:
+        """One frame from the daemon; EXIT_STOPPED when the runner must stop."""
+        frame = recv_frame(self.ipc)
+        if frame is None:
+            self._forward({"type": "stop"})
+            return EXIT_STOPPED
+        header, payload = frame
+        kind = header["type"]
+        if kind == "stop":
+            self._forward(header)
+            return EXIT_STOPPED
+        if kind == "stats":
+            send_frame(self.ipc, {"type": "stats", "id": header.get("id"), **self._stats()})
+            return None
+        if kind not in ("run", "release"):
+            send_frame(self.ipc, _error(header, f"unknown frame type {kind!r}", fatal=False))
+            return None
+        refusal = self._refusal(header, payload)
+        if refusal is not None:
+            send_frame(self.ipc, _error(header, refusal, fatal=False))
+            return None
+        self._forward(header, payload)
+        try:
+            reply, data = self._execute(header, payload)
+        except Exception as error:  # a collective failed: the group is broken
+            send_frame(self.ipc, _error(header, f"{type(error).__name__}: {error}", True))
+            raise GroupLost(str(error)) from error
+        send_frame(self.ipc, reply, data)
+        return None
 
     def _serve_follower(self) -> int:
+        """Ranks > 0: rank 0's frames; the own daemon only asks for stats or a stop, and a stop
+        is announced to rank 0 so it ends the group in order."""
         (leader,) = self.peers
         selector = selectors.DefaultSelector()
         selector.register(self.ipc, selectors.EVENT_READ, "daemon")
@@ -331,6 +357,8 @@ class Runner:
                 frame = recv_frame(source)  # type: ignore[arg-type]
                 if key.data == "daemon":
                     if frame is None or frame[0]["type"] == "stop":
+                        with contextlib.suppress(OSError):
+                            send_frame(leader, {"type": "leaving", "rank": self.rank})
                         return EXIT_STOPPED
                     if frame[0]["type"] == "stats":
                         reply = {"type": "stats", "id": frame[0].get("id"), **self._stats()}
