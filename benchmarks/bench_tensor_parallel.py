@@ -19,8 +19,11 @@ sending to every member). Models: ``large`` (random llama, hidden 2048, 8 layers
 float32: compute and memory traffic dominate) and ``small`` (hidden 576, 30 layers, ~440 MB, like
 SmolLM2's shape: 60 all-reduces per token dominate).
 
+With ``--failures N``: N times, ``kill -9`` of rank 1's runner during decoding, timed until rank
+0's step fails and until both runners are gone.
+
 Run: ``.venv/bin/python benchmarks/bench_tensor_parallel.py [--model large|small]
-[--model-dir DIR] [--json OUT]`` (2-4 minutes per model on 2 cores).
+[--model-dir DIR] [--failures N] [--json OUT]`` (2-4 minutes per model on 2 cores).
 """
 
 import sys
@@ -207,6 +210,57 @@ async def bench(model_dir: Path, shape: dict[str, int], args: argparse.Namespace
     return results
 
 
+async def _decode_until_failure(leader: TensorParallelMember, logits: Any) -> float:
+    """Greedy steps until one fails; when it failed (monotonic seconds)."""
+    while True:
+        token = [int(np.argmax(np.array(logits)[0, -1]))]
+        try:
+            logits = await leader.forward("k", token)
+        except Exception:
+            return time.monotonic()
+
+
+async def failure_timings(model_dir: Path, layers: int, trials: int) -> dict[str, list[float]]:
+    """``kill -9`` of rank 1's runner during greedy decoding, ``trials`` times: seconds until
+    the killed process is gone (the kernel frees its memory before it closes its sockets), until
+    rank 0's step fails, and until both runners are gone (the heartbeat bound is 1.5 s)."""
+    import signal
+
+    import psutil
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    timings: dict[str, list[float]] = {"victim_gone_s": [], "error_s": [], "all_gone_s": []}
+    for _ in range(trials):
+        (spec,) = specs_for(model_dir, layers, [2])
+        members = [TensorParallelMember(spec, rank) for rank in range(2)]
+        await asyncio.gather(*(m.start() for m in members))
+        leader = members[0]
+        pids = [m.pid for m in members]
+        try:
+            logits = await leader.forward("k", [1, 2, 3])
+
+            task = asyncio.ensure_future(_decode_until_failure(leader, logits))
+            await asyncio.sleep(0.3)
+            killed = time.monotonic()
+            os.kill(pids[1], signal.SIGKILL)
+            while not gone(pids[1]):
+                await asyncio.sleep(0.001)
+            timings["victim_gone_s"].append(time.monotonic() - killed)
+            failed = await asyncio.wait_for(task, 30)
+            while not all(gone(pid) for pid in pids):
+                await asyncio.sleep(0.001)
+            timings["error_s"].append(failed - killed)
+            timings["all_gone_s"].append(time.monotonic() - killed)
+        finally:
+            await asyncio.gather(*(m.stop() for m in members), return_exceptions=True)
+    return timings
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="large")
@@ -215,6 +269,9 @@ def main() -> None:
     parser.add_argument("--generate", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--failures", type=int, default=0, help="also time N kill -9s of a rank mid-decoding"
+    )
     args = parser.parse_args()
     if shutil.which("taskset") is None:
         raise SystemExit("taskset (util-linux) is needed to pin ranks to cores")
@@ -236,6 +293,14 @@ def main() -> None:
     )
     try:
         results = asyncio.run(bench(model_dir, shape, args))
+        failures = {}
+        if args.failures:
+            failures = asyncio.run(failure_timings(model_dir, shape["layers"], args.failures))
+            for name, values in failures.items():
+                print(
+                    f"kill -9 of rank 1 -> {name}: median {statistics.median(values) * 1e3:.0f} "
+                    f"ms, max {max(values) * 1e3:.0f} ms over {len(values)}"
+                )
     finally:
         if temporary is not None:
             temporary.cleanup()
@@ -248,7 +313,14 @@ def main() -> None:
         )
     if args.json:
         args.json.write_text(
-            json.dumps({"model": args.model, "results": [asdict(r) for r in results]}, indent=2)
+            json.dumps(
+                {
+                    "model": args.model,
+                    "results": [asdict(r) for r in results],
+                    "failures": failures,
+                },
+                indent=2,
+            )
         )
 
 
