@@ -160,6 +160,7 @@ class TensorParallelMember:
             raise TensorParallelError(f"{self.spec.name} rank {self.rank}: {reason}")
         self.ready_info = {k: v for k, v in header.items() if k != "type"}
         self.state = RunnerState.READY
+        self._cleanup()  # the spec (with its token) and the hostfile were read at start-up
         self._reader_task = asyncio.get_running_loop().create_task(
             self._read_replies(), name=f"tp-reader-{self.spec.name}-{self.rank}"
         )
