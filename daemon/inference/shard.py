@@ -431,6 +431,7 @@ def load_stage(
     *,
     has_embedding: bool,
     has_head: bool,
+    prepare: Callable[[nn.Module, list[nn.Module]], None] | None = None,
 ) -> StageModel:
     """Load layers ``[layer_start, layer_end)`` of the model in ``model_dir`` as one stage.
 
@@ -440,6 +441,10 @@ def load_stage(
     read from only the files the index names for them. The model is then pruned to the stage,
     its parameters checked against the checkpoint, and evaluated: only the stage's tensors are
     ever read from disk or held in memory.
+
+    ``prepare(model, stage_layers)``, when given, runs on the pruned model while its weights are
+    still lazy, just before they are evaluated: a tensor-parallel stage shards its layers there
+    (``meshd.inference.tensor_parallel``), so each rank only ever holds its part of them.
     """
     model_dir = Path(model_dir)
     check_model_type(model_dir)
@@ -468,6 +473,9 @@ def load_stage(
         keep_head=has_head,
     )
     checkpoint.check_stage(model, (layer_start, layer_end))
+    checkpoint.release()
+    if prepare is not None:
+        prepare(model, list(_TextModel.locate(model).inner.layers[layer_start:layer_end]))
     mx.eval(model.parameters())
     return StageModel(
         model,
@@ -479,6 +487,26 @@ def load_stage(
         num_model_layers=num_layers,
         architecture=architecture,
     )
+
+
+@contextmanager
+def only_stage_layers(model: nn.Module, layer_range: tuple[int, int]) -> Iterator[list[nn.Module]]:
+    """Within the block, the (pruned) model's layer list is exactly the stage's layers.
+
+    mlx-lm's whole-model methods, e.g. ``shard(group)``, walk ``model.model.layers``; a pruned
+    stage keeps ``None`` in place of the layers before it (so parameter names keep their layer
+    numbers), which those methods cannot walk. The list is restored on exit.
+    """
+    inner = _TextModel.locate(model).inner
+    saved = inner.layers
+    stage = list(saved[layer_range[0] : layer_range[1]])
+    if any(layer is None for layer in stage):
+        raise ValueError(f"Layers {layer_range} are not all loaded in this stage.")
+    inner.layers = stage
+    try:
+        yield stage
+    finally:
+        inner.layers = saved
 
 
 def check_model_type(model_dir: Path) -> None:
@@ -646,6 +674,13 @@ class _StageCheckpoint:
                 "Hugging Face checkpoint mlx-lm cannot sanitize per stage (e.g. per-expert "
                 "tensors split over files) must be converted with mlx_lm.convert first."
             )
+
+    def release(self) -> None:
+        """Drop the references to the tensors: from here on only the model holds them, so a
+        tensor ``prepare`` replaces (a tensor-parallel rank's whole tensor, once its slice is
+        evaluated) is freed instead of staying in memory until the stage is loaded."""
+        self._tensors = {}
+        self._sanitized = {}
 
 
 def _some(names: list[str], limit: int = 4) -> str:
