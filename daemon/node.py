@@ -22,8 +22,11 @@ from meshd.agreement.protocol import AgreementConfig
 from meshd.agreement.service import PlanAgreement, model_selection
 from meshd.api.local_service import start_api_server
 from meshd.config import Config
-from meshd.inference.dataplane import DataPlane, mtls_channel_factory
-from meshd.inference.serving import Inference
+from meshd.inference.dataplane import DataPlane
+from meshd.inference.fencing import CommittedPlans
+from meshd.inference.installer import PlanInstaller
+from meshd.inference.router import RequestRouter
+from meshd.inference.transport import mtls_channel_factory
 from meshd.mesh import security
 from meshd.mesh.identity import Identity, load_or_create_node_id
 from meshd.mesh.membership import PROTOCOL_VERSION, EventLog, Membership
@@ -120,29 +123,27 @@ class Node:
             options.append(("grpc.use_local_subchannel_pool", 1))
         return grpc.aio.secure_channel(address, self._channel_credentials, options=options)
 
-    async def _create_inference(self) -> Inference:
-        """The data plane lives on the asyncio thread, so it is created there."""
-        holder: list[Inference] = []
-
-        def check_serving(plan_id: str) -> None:
-            holder[0].check_serving(plan_id)
-
-        plane = DataPlane(
+    async def _create_inference(self) -> None:
+        """The data plane lives on the asyncio thread, so it is created there; the installer
+        (trio side) keeps its fencing (`committed`) up to date, the router serves the API."""
+        committed = CommittedPlans(self.identity.node_id)
+        self.plane = DataPlane(
             self.identity.node_id,
             mtls_channel_factory(self.credentials),
-            check_serving,
+            committed.check,
         )
-        inference = Inference(
+        self.plans = PlanInstaller(
             self.membership,
             self.agreement,
             self.bridge,
             self.events,
-            plane,
+            self.plane,
+            committed,
             self.model_dir_for_selection,
             self.store_root / "parts",
         )
-        holder.append(inference)
-        return inference
+        plans = self.plans
+        self.router = RequestRouter(self.plane, lambda: plans.snapshot, plans.progress)
 
     async def _start_peer_server(self) -> grpc.aio.Server:
         server = grpc.aio.server(
@@ -157,7 +158,7 @@ class Node:
         service.agreement = self.agreement
         service.model_source = self._local_model_source
         rpc.add_PeerServicer_to_server(service, server)
-        dataplane_rpc.add_DataPlaneServicer_to_server(self.inference.plane.servicer(), server)
+        dataplane_rpc.add_DataPlaneServicer_to_server(self.plane.servicer(), server)
         address = f"{self.config.peer_host}:{self.config.peer_port}"
         port = server.add_secure_port(address, security.server_credentials(self.credentials))
         if port == 0:
@@ -344,7 +345,7 @@ class Node:
             return None
 
     def model_dir_for_selection(self, selection: pb.ModelSelection) -> Path:
-        from meshd.inference.serving import model_dir_for
+        from meshd.inference.installer import model_dir_for
 
         return model_dir_for(selection, self.config.model, self.store_root)
 
@@ -382,7 +383,7 @@ class Node:
         self, *, task_status: trio.TaskStatus[NodeInfo] = trio.TASK_STATUS_IGNORED
     ) -> None:
         async with self.bridge:
-            self.inference = await self.bridge.run(self._create_inference)
+            await self.bridge.run(self._create_inference)
             peer_server = await self.bridge.run(self._start_peer_server)
             self.membership.grpc_port = self.peer_port
             api_server = await self.bridge.run(
@@ -395,7 +396,7 @@ class Node:
                     if self.config.model:
                         nursery.start_soon(self._select_configured_model, self.config.model)
                     await nursery.start(self.agreement.run)
-                    await nursery.start(self.inference.run)
+                    await nursery.start(self.plans.run)
                     for address in self.config.peers:
                         self.membership.want(address, "static")
                     if self.config.mdns:
@@ -414,7 +415,7 @@ class Node:
             finally:
                 with trio.CancelScope(shield=True):
                     await self.bridge.run(_stop_servers, peer_server, api_server)
-                    await self.bridge.run(self.inference.plane.close)
+                    await self.bridge.run(self.plane.close)
                     _remove_socket(self.config.api_address)
 
     async def _measure_profile_task(self) -> None:
