@@ -15,24 +15,40 @@ import enum
 
 
 class ErrorKind(enum.Enum):
-    """What kind of failure, with the gRPC status name and the HTTP status of its answer."""
+    """What kind of failure; :attr:`grpc_status` and :attr:`http_status` say how to answer."""
 
-    BAD_INPUT = ("INVALID_ARGUMENT", 400)  # the client's request is malformed or out of range
-    UNKNOWN_MODEL = ("NOT_FOUND", 404)  # the request names a model the mesh does not run
-    NO_PLAN = ("FAILED_PRECONDITION", 503)  # no committed plan (here, or the one asked for)
-    UNAVAILABLE = ("UNAVAILABLE", 503)  # a stage was lost, moved to another plan or timed out
-    LOADING = ("UNAVAILABLE", 503)  # a stage is still loading its layers: retry shortly
-    OVERLOADED = ("RESOURCE_EXHAUSTED", 429)  # a stage holds as many requests as it may
-    INTERNAL = ("INTERNAL", 500)  # a stage failed to compute: a bug, the message says where
+    BAD_INPUT = "bad_input"  # the client's request is malformed or out of range
+    UNKNOWN_MODEL = "unknown_model"  # the request names a model the mesh does not run
+    NO_PLAN = "no_plan"  # no committed plan (here, or the one the request names)
+    UNAVAILABLE = "unavailable"  # a stage was lost, moved to another plan or timed out
+    LOADING = "loading"  # a stage is still loading its layers: retry shortly
+    OVERLOADED = "overloaded"  # a stage holds as many requests as it may
+    INTERNAL = "internal"  # a stage failed to compute: a bug, the message says where
 
-    def __init__(self, grpc_status: str, http_status: int) -> None:
-        self.grpc_status = grpc_status  # a grpc.StatusCode name
-        self.http_status = http_status
+    @property
+    def grpc_status(self) -> str:
+        """The name of the ``grpc.StatusCode`` to answer with."""
+        return _STATUS[self][0]
+
+    @property
+    def http_status(self) -> int:
+        return _STATUS[self][1]
 
     @property
     def retryable(self) -> bool:
         """Whether the same request may succeed if sent again a little later."""
         return self.http_status in (429, 503)
+
+
+_STATUS: dict[ErrorKind, tuple[str, int]] = {
+    ErrorKind.BAD_INPUT: ("INVALID_ARGUMENT", 400),
+    ErrorKind.UNKNOWN_MODEL: ("NOT_FOUND", 404),
+    ErrorKind.NO_PLAN: ("FAILED_PRECONDITION", 503),
+    ErrorKind.UNAVAILABLE: ("UNAVAILABLE", 503),
+    ErrorKind.LOADING: ("UNAVAILABLE", 503),
+    ErrorKind.OVERLOADED: ("RESOURCE_EXHAUSTED", 429),
+    ErrorKind.INTERNAL: ("INTERNAL", 500),
+}
 
 
 class InferenceError(Exception):
