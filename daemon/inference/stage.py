@@ -3,10 +3,11 @@
 :class:`meshd.inference.stage_core.StageCore` decides; this runs it on the asyncio thread:
 it reads Start/Activation/Token/End frames into core events (with the agreement's fencing
 verdict for each), sends the frames the core's actions name, frees caches on the compute
-thread, and keeps the compute thread fed: whenever it is idle, the core's next step goes to
-it (:func:`meshd.inference.engine.run_step`) and its result comes back here as a future.
-One step is on the compute thread at a time, so each decision about what runs next is taken
-as late as possible, and the order of a request's steps is the core's.
+thread, and keeps the compute thread fed: the core's next steps go to it
+(:func:`meshd.inference.engine.run_step`), at most ``QUEUED_STEPS`` at a time and one per
+request, and each result comes back here as a future. So each decision about what runs next
+is taken late, the order of a request's steps is the core's, and the compute thread does not
+wait for this loop between two steps of different requests.
 
 Cores: stages of one plan on the same machine (the daemon knows from the peers' machine
 fingerprints) take turns while one request runs, so each may use every core; with several
@@ -55,6 +56,11 @@ from meshd.wire import dataplane_pb2 as dp
 
 log = logging.getLogger("meshd.dataplane")
 
+# Steps on the compute thread at once (running + waiting), each of another request: the next
+# one waits there, so the thread goes on without waiting for this loop to hand it out, and the
+# choice of what runs next is still made no more than one step ahead.
+QUEUED_STEPS = 2
+
 
 @dataclass(eq=False)
 class _Stage:
@@ -85,7 +91,7 @@ class StageRuntime:
         self._compute = compute
         self._check_serving = check_serving
         self._stages: dict[str, _Stage] = {}
-        self._busy = False
+        self._queued_steps = 0  # steps submitted to the compute thread, not yet back
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -249,7 +255,7 @@ class StageRuntime:
 
     def _pump(self) -> None:
         """Give the compute thread the core's next step, if it is idle and one is ready."""
-        while not self._busy and not self._closed and not self._compute.closed:
+        while self._queued_steps < QUEUED_STEPS and not self._closed and not self._compute.closed:
             batch = self.core.next_batch(time.monotonic())
             if not batch:
                 return
@@ -261,12 +267,12 @@ class StageRuntime:
                 continue
             busy = self.core.total_open_requests() > 1
             share = stage.colocated_stages if busy else 1
-            self._busy = True
+            self._queued_steps += 1
             future = self._compute.submit(run_step, stage.engine, work, share)
             future.add_done_callback(partial(self._computed, stage, work))
 
     def _computed(self, stage: _Stage, work: Work, future: asyncio.Future[StepResult]) -> None:
-        self._busy = False
+        self._queued_steps -= 1
         result: StepResult
         if future.cancelled():
             result = ComputeFailed(FailureKind.INTERNAL, "the compute thread stopped")
