@@ -295,7 +295,7 @@ def test_stage_refuses_a_plan_it_has_not_committed(mesh: Mesh, models: dict[str,
         events, outcome = mesh.generate("n1", plan.plan_id, PROMPT, SamplingParams(max_tokens=5))
         assert time.monotonic() - started < 5
         error = failed(outcome)
-        assert events == [] and error.kind is ErrorKind.UNAVAILABLE
+        assert events == [] and error.kind is ErrorKind.NO_PLAN
         assert f"plan {plan.plan_id} is not committed on node n2" in str(error)
         # The origin's own fencing: n3 never committed the plan.
         _, outcome = mesh.generate("n3", plan.plan_id, PROMPT, SamplingParams(max_tokens=5))

@@ -41,10 +41,11 @@ MAX_REQUEST_ID_CHARS = 128
 
 FinishReason = Literal["stop", "length", "eos", "cancelled"]
 
-# How a stage's Failure reads to the client. A stage that is still loading is worth a retry
-# only while no token was generated (see _OriginRequest.error_of).
+# How a stage's Failure reads to the client. A stage still loading, or one that moved to
+# another plan, is worth a retry only while no token was generated (the router retries
+# those); after that either is UNAVAILABLE (see _OriginRequest.error_of).
 _FAILURE_KINDS: dict[FailureKind, ErrorKind] = {
-    FailureKind.FENCED: ErrorKind.UNAVAILABLE,
+    FailureKind.FENCED: ErrorKind.NO_PLAN,  # the stage has moved to another plan
     FailureKind.NOT_LOADED: ErrorKind.LOADING,
     FailureKind.OVERLOADED: ErrorKind.OVERLOADED,
     FailureKind.UNREACHABLE: ErrorKind.UNAVAILABLE,
@@ -176,8 +177,8 @@ class _OriginRequest:
 
     def error_of(self, failure: dp.Failure) -> InferenceError:
         kind = _FAILURE_KINDS[failure_from_proto(failure.kind)]
-        if kind is ErrorKind.LOADING and self.generated > 0:
-            kind = ErrorKind.UNAVAILABLE
+        if kind in (ErrorKind.LOADING, ErrorKind.NO_PLAN) and self.generated > 0:
+            kind = ErrorKind.UNAVAILABLE  # mid-stream, the mesh became unavailable
         return InferenceError(kind, failure.message)
 
     def failed(self, error: InferenceError) -> InferenceError:

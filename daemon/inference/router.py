@@ -6,8 +6,10 @@ client names, or the active one; fencing: a plan this node has not committed is 
 waits (bounded) while this node is still loading it, tokenizes (with the chat template for a
 chat), and streams the data plane's events, first announcing the plan that serves the
 request (:class:`Routed`). A request started on a plan finishes on it even when a newer plan
-is committed meanwhile (the old one drains). A request that meets a stage still loading its
-layers, before its first token, is started again until the stage has loaded.
+is committed meanwhile (the old one drains). Before its first token, a request that meets a
+stage still loading its layers is started again until the stage has loaded, and one that
+meets a stage that has moved to a newer plan is started again on the plan this node serves
+by then (a few times at most). After its first token, a failure ends the request.
 
 Every failure is an :class:`meshd.inference.errors.InferenceError`, raised before the first
 event or from the event stream; the API maps its kind to a status in one place.
@@ -32,6 +34,7 @@ from meshd.wire import pb
 INSTALL_WAIT_S = 120.0
 STAGE_LOADING_RETRY_S = 0.25
 PLAN_PICK_ATTEMPTS = 3
+PLAN_MOVES = 3  # restarts of a request whose stage moved to a newer plan before its first token
 ROLES = ("system", "user", "assistant")
 
 
@@ -66,43 +69,66 @@ class RequestRouter:
         plan_id: str,
         chat_template: bool,
     ) -> AsyncIterator[Routed | TokenEvent | FinalEvent]:
-        """Validate, pick the plan, tokenize and stream events (asyncio thread)."""
+        """Validate, pick the plan, tokenize and stream events (asyncio thread).
+
+        Before its first token, a request is started again (bounded) when a stage is still
+        loading, or, unless the client named the plan, when a stage has moved to a newer
+        plan: then it goes to the plan this node serves by then, and a second
+        :class:`Routed` names it.
+        """
         params = sampling_params(sampling)
         if messages is None:
             if not prompt or not prompt.strip():
                 raise InferenceError(ErrorKind.BAD_INPUT, "the prompt is empty; give some text")
         else:
             check_messages(messages)
-        for attempt in range(PLAN_PICK_ATTEMPTS):
-            snapshot, chosen = self._pick_plan(model, plan_id)
-            try:
-                await self._wait_loaded(chosen)
-                tokens = self._encode(chosen, prompt, messages, chat_template)
-                break
-            except InferenceError as exc:
-                # The plan was replaced and released between picking and tokenizing: pick the
-                # new active plan, unless the client asked for this one.
-                last = attempt == PLAN_PICK_ATTEMPTS - 1
-                if exc.kind is not ErrorKind.NO_PLAN or plan_id or last:
-                    raise
-        yield Routed(chosen, snapshot.model)
-        loading_deadline = time.monotonic() + INSTALL_WAIT_S
+        deadline = time.monotonic() + INSTALL_WAIT_S
+        moves = 0
         while True:
+            snapshot, chosen, tokens = await self._route(
+                model, plan_id, prompt, messages, chat_template
+            )
+            yield Routed(chosen, snapshot.model)
             started = False
             try:
+                request_id = secrets.token_hex(8)
                 async with contextlib.aclosing(
-                    self._plane.generate(chosen, tokens, params, request_id=secrets.token_hex(8))
+                    self._plane.generate(chosen, tokens, params, request_id=request_id)
                 ) as events:
                     async for event in events:
                         started = True
                         yield event
                 return
             except InferenceError as exc:
-                retry = exc.kind is ErrorKind.LOADING and not started
-                if not retry or time.monotonic() >= loading_deadline:
+                if started or time.monotonic() >= deadline:
                     raise
-            # another stage is still loading its layers: start again shortly
+                moved = exc.kind is ErrorKind.NO_PLAN and not plan_id and moves < PLAN_MOVES
+                if exc.kind is not ErrorKind.LOADING and not moved:
+                    raise
+                moves += moved
             await asyncio.sleep(STAGE_LOADING_RETRY_S)
+
+    async def _route(
+        self,
+        model: str,
+        plan_id: str,
+        prompt: str | None,
+        messages: Sequence[Mapping[str, str]] | None,
+        chat_template: bool,
+    ) -> tuple[ServingSnapshot, str, list[int]]:
+        """The plan a request runs on, once loaded here, and the prompt's tokens for it."""
+        for attempt in range(PLAN_PICK_ATTEMPTS):
+            snapshot, chosen = self._pick_plan(model, plan_id)
+            try:
+                await self._wait_loaded(chosen)
+                return snapshot, chosen, self._encode(chosen, prompt, messages, chat_template)
+            except InferenceError as exc:
+                # The plan was replaced and released between picking and tokenizing: pick the
+                # new active plan, unless the client asked for this one.
+                last = attempt == PLAN_PICK_ATTEMPTS - 1
+                if exc.kind is not ErrorKind.NO_PLAN or plan_id or last:
+                    raise
+        raise AssertionError("unreachable: the last attempt raises")
 
     def _pick_plan(self, model: str, plan_id: str) -> tuple[ServingSnapshot, str]:
         """The plan a new request runs on (the one asked for, or the active one), or why none."""
