@@ -66,8 +66,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def probe_env(coretype: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in (CORETYPE_ENV, OPENBLAS_CORETYPE_ENV)}
-    env.pop(BLAS_ENV, None)
+    """This environment with only the kernel choice under test (a preloaded OpenBLAS, or a
+    core type set by the caller, would decide instead)."""
+    unset = (CORETYPE_ENV, OPENBLAS_CORETYPE_ENV, BLAS_ENV, "LD_PRELOAD")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     if coretype is not None:
         env[CORETYPE_ENV] = coretype
     else:
