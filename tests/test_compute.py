@@ -6,6 +6,7 @@ import asyncio
 import logging
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -85,3 +86,24 @@ def test_after_close_nothing_more_is_accepted() -> None:
         await compute.close()  # twice is fine
 
     asyncio.run(main())
+
+
+def test_submit_then_hands_each_result_back_on_the_loop_in_order() -> None:
+    async def main() -> list[tuple[int, bool]]:
+        compute = ComputeExecutor("test-compute")
+        loop_thread = threading.get_ident()
+        seen: list[tuple[int, bool]] = []
+        finished = asyncio.Event()
+
+        def then(done: Any) -> None:
+            seen.append((done.result(), threading.get_ident() == loop_thread))
+            if len(seen) == 5:
+                finished.set()
+
+        for index in range(5):
+            compute.submit_then(lambda value: value * 2, (index,), then)
+        await asyncio.wait_for(finished.wait(), 10)
+        await compute.close()
+        return seen
+
+    assert asyncio.run(main()) == [(0, True), (2, True), (4, True), (6, True), (8, True)]

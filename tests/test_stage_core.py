@@ -31,6 +31,7 @@ from meshd.inference.stage_events import (
     SendActivation,
     SendFailure,
     SendToken,
+    Skipped,
     StartFrame,
     TokenFrame,
     Work,
@@ -189,31 +190,55 @@ def test_tokens_go_to_the_origin_alone_when_it_is_the_first_stage() -> None:
     assert token.to == ("a",)
 
 
-def test_single_stage_feeds_its_tokens_back_and_ends_at_max_tokens() -> None:
+def test_a_single_stage_computes_one_token_ahead_and_stops_at_max_tokens() -> None:
+    """As mlx-lm's generate_step: the step that follows a sampling step is on the compute
+    thread before that step has finished (its input is the token it samples)."""
     core = core_on("a", plan_of("p", "a"))
-    core.on_start(StartFrame("o", "p", "r", start_of(chunk=8)), None, T0)
-    (work,) = core.next_batch(T0)
-    assert work.tokens == (1, 2, 3, 4) and not work.head
-    core.on_computed(work, Advanced(0.1), T0)
-    sent = []
-    for expected_input in ((5,), (10,), (11,), (12,)):
-        (work,) = core.next_batch(T0)
-        assert work.tokens == expected_input and work.head
-        actions = core.on_computed(work, Sampled(10 + len(sent), b"", 0.1), T0)
-        sent.append(actions[0])
-    assert [t.index for t in sent] == [0, 1, 2, 3]
-    assert [t.finish for t in sent] == [Finish.NONE] * 3 + [Finish.LENGTH]
-    assert all(t.to == ("o",) for t in sent)
-    assert core.next_batch(T0) == [] and core.open_requests("p") == 0
-    assert isinstance(actions[1], Release)
+    core.on_start(StartFrame("o", "p", "r", start_of(chunk=8)), None, T0)  # 4 tokens
+    (chunk,) = core.next_batch(T0)
+    assert chunk.tokens == (1, 2, 3, 4) and not chunk.head
+    assert core.next_batch(T0) == []  # the last prompt token waits for the chunk
+    core.on_computed(chunk, Advanced(0.1), T0)
+    (last,) = core.next_batch(T0)
+    assert last.tokens == (5,) and last.head and not last.follows
+    (ahead,) = core.next_batch(T0)  # while the last prompt token computes
+    assert ahead.follows and ahead.step == 2 and ahead.head and ahead.stop_ids == {99}
+    assert core.next_batch(T0) == []  # one step ahead at most
+    tokens = [core.on_computed(last, Sampled(10, b"", 0.1), T0)[0]]
+    (ahead2,) = core.next_batch(T0)
+    assert ahead2.follows and ahead2.step == 3
+    tokens += core.on_computed(ahead, Sampled(11, b"", 0.1), T0)
+    (ahead3,) = core.next_batch(T0)
+    tokens += core.on_computed(ahead2, Sampled(12, b"", 0.1), T0)
+    assert core.next_batch(T0) == []  # ahead3 gives the 4th and last token: nothing follows
+    token, release = core.on_computed(ahead3, Sampled(13, b"", 0.1), T0)
+    tokens.append(token)
+    assert [t.index for t in tokens] == [0, 1, 2, 3]
+    assert [t.token_id for t in tokens] == [10, 11, 12, 13]
+    assert [t.finish for t in tokens] == [Finish.NONE] * 3 + [Finish.LENGTH]
+    assert all(t.to == ("o",) for t in tokens) and release == Release("p", "r")
+    assert core.open_requests("p") == 0
 
 
-def test_an_eos_token_ends_the_request_and_is_not_fed_back() -> None:
+def test_an_eos_token_ends_the_request_and_the_step_after_it_is_void() -> None:
     core = core_on("a", plan_of("p", "a"))
     core.on_start(StartFrame("o", "p", "r", start_of((1,), chunk=8)), None, T0)
     (work,) = core.next_batch(T0)
+    (ahead,) = core.next_batch(T0)
     token, release = core.on_computed(work, Sampled(99, b"", 0.1), T0)
     assert token.finish is Finish.EOS and isinstance(release, Release)
+    assert core.on_computed(ahead, Skipped(), T0) == []  # the engine saw the EOS and skipped
+    assert core.next_batch(T0) == []
+
+
+def test_a_cancelled_single_stage_request_ignores_its_step_ahead() -> None:
+    core = core_on("a", plan_of("p", "a"))
+    core.on_start(StartFrame("o", "p", "r", start_of((1,), chunk=8)), None, T0)
+    (work,) = core.next_batch(T0)
+    (ahead,) = core.next_batch(T0)
+    assert core.on_end(EndFrame("o", "p", "r")) == [Release("p", "r")]
+    assert core.on_computed(work, Sampled(7, b"", 0.1), T0) == []
+    assert core.on_computed(ahead, Sampled(8, b"", 0.1), T0) == []
     assert core.next_batch(T0) == []
 
 

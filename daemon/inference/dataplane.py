@@ -36,7 +36,8 @@ How a request flows (origin O holds the request; stages S0..Sn-1 hold the layers
 * Several requests interleave: each stage computes one step at a time, taking the requests
   whose input has arrived in turn, so with N stages up to N requests are computed at the
   same moment, and a long prompt's chunks alternate with other requests' steps. A
-  single-stage plan feeds each sampled token to its next step without any frame.
+  single-stage plan feeds each sampled token to its next step without any frame, one step
+  ahead on the compute thread.
 
 Loading: a stage loads on the compute thread, so while a new plan loads, requests of a
 draining plan on the same node wait (MLX evaluations stay on one thread). A new plan whose

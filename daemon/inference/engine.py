@@ -33,6 +33,7 @@ from meshd.inference.stage_events import (
     Hidden,
     Sampled,
     SamplerSetup,
+    Skipped,
     StepResult,
     Work,
 )
@@ -110,6 +111,7 @@ class _SamplerState:
     sampler: TokenSampler
     context: list[int] | None  # prompt + generated, kept only for the repetition penalty
     return_logits: bool
+    last_token: int | None = None  # the input of a single stage's following step
 
 
 @dataclass
@@ -171,10 +173,18 @@ class StageEngine:
             raise RuntimeError(f"request {request_id} has no sampler on this stage")
         row = logits[:, -1, :]  # what mlx-lm's generate_step samples from
         token = state.sampler.sample(row, state.context or [])
+        state.last_token = token
         if state.context is not None:
             state.context.append(token)
         raw = bytes(memoryview(row.astype(mx.float32).reshape(-1))) if state.return_logits else b""
         return token, raw
+
+    def last_token(self, request_id: str) -> int:
+        """The token the request's last step sampled here (a single stage's next input)."""
+        state = self._samplers.get(request_id)
+        if state is None or state.last_token is None:
+            raise RuntimeError(f"request {request_id} has sampled no token on this stage")
+        return state.last_token
 
     def release(self, request_id: str) -> None:
         """Drop the request's KV caches and sampler (no error if it has none)."""
@@ -202,7 +212,12 @@ def run_step(engine: StageEngine, work: Work, cores_share: int) -> StepResult:
     set_blas_threads(None if share == 1 else default_blas_threads() // share)
     started = time.perf_counter()
     try:
-        if work.tokens is not None:
+        if work.follows:
+            token = engine.last_token(work.request_id)
+            if token in work.stop_ids:
+                return Skipped()
+            inputs = mx.array([[token]])
+        elif work.tokens is not None:
             inputs = mx.array([work.tokens])
         else:
             payload: Any = work.payload

@@ -4,10 +4,11 @@
 it reads Start/Activation/Token/End frames into core events (with the agreement's fencing
 verdict for each), sends the frames the core's actions name, frees caches on the compute
 thread, and keeps the compute thread fed: the core's next steps go to it
-(:func:`meshd.inference.engine.run_step`), at most ``QUEUED_STEPS`` at a time and one per
-request, and each result comes back here as a future. So each decision about what runs next
-is taken late, the order of a request's steps is the core's, and the compute thread does not
-wait for this loop between two steps of different requests.
+(:func:`meshd.inference.engine.run_step`), at most ``QUEUED_STEPS`` at a time, and each
+result comes back here. So each decision about what runs next is taken late, the order of a
+request's steps is the core's, and the compute thread does not wait for this loop between
+two steps (of different requests, or of one request on a single stage). Frames that carry
+hidden states on are built on the compute thread too, off this loop.
 
 Cores: stages of one plan on the same machine (the daemon knows from the peers' machine
 fingerprints) take turns while one request runs, so each may use every core; with several
@@ -20,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -41,6 +43,7 @@ from meshd.inference.stage_events import (
     ComputeFailed,
     EndFrame,
     FailureKind,
+    Hidden,
     Release,
     SendActivation,
     SendFailure,
@@ -194,19 +197,9 @@ class StageRuntime:
 
     def _send_activation(self, action: SendActivation) -> None:
         stage = self._stages.get(action.plan_id)
-        payload: Any = action.payload
-        activation = dp.Activation(
-            step=action.step,
-            dtype=payload.dtype,
-            shape=payload.shape,
-            data=payload.data,
-            compute_s=action.compute_s,
-        )
+        frame: dp.Frame = action.payload  # built on the compute thread (_step_job)
         if action.start is not None:
-            activation.start.CopyFrom(start_to_proto(action.start))
-        frame = dp.Frame(
-            plan_id=action.plan_id, request_id=action.request_id, activation=activation
-        )
+            frame.activation.start.CopyFrom(start_to_proto(action.start))
         address = stage.assignment.address_of(action.to) if stage is not None else None
         if address is None or not self._transport.send(action.to, address, frame):
             self._unreachable(action.plan_id, action.request_id, action.to)
@@ -268,10 +261,10 @@ class StageRuntime:
             busy = self.core.total_open_requests() > 1
             share = stage.colocated_stages if busy else 1
             self._queued_steps += 1
-            future = self._compute.submit(run_step, stage.engine, work, share)
-            future.add_done_callback(partial(self._computed, stage, work))
+            then = partial(self._computed, stage, work)
+            self._compute.submit_then(_step_job, (stage.engine, work, share), then)
 
-    def _computed(self, stage: _Stage, work: Work, future: asyncio.Future[StepResult]) -> None:
+    def _computed(self, stage: _Stage, work: Work, future: Future[StepResult]) -> None:
         self._queued_steps -= 1
         result: StepResult
         if future.cancelled():
@@ -284,8 +277,9 @@ class StageRuntime:
             result = future.result()
         if not isinstance(result, ComputeFailed):
             stage.cached.add(work.request_id)
-        self._carry_out(self.core.on_computed(work, result, time.monotonic()))
-        self._pump()
+        actions = self.core.on_computed(work, result, time.monotonic())
+        self._pump()  # the compute thread's next step first, then the frames
+        self._carry_out(actions)
 
     # ------------------------------------------------------------ housekeeping
 
@@ -306,3 +300,20 @@ class StageRuntime:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
+
+
+def _step_job(engine: StageEngine, work: Work, cores_share: int) -> StepResult:
+    """Compute thread: one step and, for hidden states, the frame that carries them on (built
+    here, off the asyncio thread; the loop adds only the forwarded Start of step 0)."""
+    result = run_step(engine, work, cores_share)
+    if not isinstance(result, Hidden):
+        return result
+    hidden: Any = result.payload
+    frame = dp.Frame(plan_id=work.plan_id, request_id=work.request_id)
+    activation = frame.activation
+    activation.step = work.step
+    activation.dtype = hidden.dtype
+    activation.shape.extend(hidden.shape)
+    activation.data = hidden.data
+    activation.compute_s = result.compute_s
+    return Hidden(frame, result.compute_s)

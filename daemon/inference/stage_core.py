@@ -35,8 +35,11 @@ Rules (each refusal ends the request on this node and tells its origin with a Fa
 * Bounds: a plan holds at most ``max_requests`` requests on this stage (``OVERLOADED``); a
   request silent for ``idle_timeout_s`` is dropped (its origin vanished without a word).
 
-Scheduling: each request has at most one step on the compute thread, and its steps run in
-order. Requests whose next input has arrived wait in one round-robin queue: after each step a
+Scheduling: a request's steps run in order, one at a time, except on a single stage, whose
+next step's input is the token its current step samples: that following step is handed out
+at once and waits right behind it on the compute thread (as mlx-lm's ``generate_step``
+computes one token ahead; the engine skips it when the token ended the request). Requests
+whose next input has arrived wait in one round-robin queue: after each step handed out a
 request goes to the back, so a long prompt's prefill chunks interleave with other requests'
 steps and a short request's first token never waits for a long prompt to finish.
 :meth:`StageCore.next_batch` may hand out steps of several requests at once (one per
@@ -65,6 +68,7 @@ from meshd.inference.stage_events import (
     SendActivation,
     SendFailure,
     SendToken,
+    Skipped,
     StartFrame,
     StepResult,
     TokenFrame,
@@ -82,6 +86,7 @@ class _Input:
     tokens: tuple[int, ...] | None = None
     payload: object = None
     upstream_s: float = 0.0
+    follows: bool = False  # a single stage's next step: its input is the token sampled before
 
 
 @dataclass(eq=False, slots=True)
@@ -97,7 +102,8 @@ class _Request:
     next_index: int = 0  # the index of the next generated token (sampled here / expected)
     inputs: deque[_Input] = field(default_factory=deque)
     sampler_opened: bool = False
-    computing: bool = False
+    heads_out: int = 0  # steps handed out that sample a token
+    in_flight: int = 0  # steps on the compute thread (2 only for a following step)
     queued: bool = False
     ended: bool = False
 
@@ -321,18 +327,22 @@ class StageCore:
 
     def next_batch(self, now: float, max_items: int = 1) -> list[Work]:
         """The steps to compute next: the first ``max_items`` requests of the round-robin
-        queue whose next input has arrived, one step each; each is then computing until
-        :meth:`on_computed`. Empty when nothing is ready."""
+        queue whose next input has arrived, one step each (a request is queued again behind
+        the others). Empty when nothing is ready."""
         batch: list[Work] = []
+        taken: list[_Request] = []
         while self._ready and len(batch) < max_items:
             request = self._ready.popleft()
             request.queued = False
-            if request.ended or request.computing or not request.inputs:
+            if not self._can_run(request):
                 continue
             plan = self._plans[request.plan_id]
             batch.append(self._work(plan, request, request.inputs.popleft()))
-            request.computing = True
+            request.in_flight += 1
             request.last_activity = now
+            taken.append(request)
+        for request in taken:
+            self._enqueue(request)
         return batch
 
     def on_computed(self, work: Work, result: StepResult, now: float) -> list[Action]:
@@ -341,7 +351,7 @@ class StageCore:
         request = plan.requests.get(work.request_id) if plan is not None else None
         if plan is None or request is None or request.ended:
             return []  # dropped while it computed; its Release follows the step
-        request.computing = False
+        request.in_flight -= 1
         request.last_activity = now
         assert plan.index is not None
         if isinstance(result, ComputeFailed):
@@ -363,6 +373,8 @@ class StageCore:
             )
         elif isinstance(result, Sampled):
             actions += self._on_sampled(plan, request, result)
+        elif isinstance(result, Skipped):
+            return []  # the step before ended the request: nothing happened
         if not request.ended:
             self._enqueue(request)
         return actions
@@ -373,7 +385,7 @@ class StageCore:
         actions: list[Action] = []
         for plan in list(self._plans.values()):
             for request in list(plan.requests.values()):
-                if request.last_activity < deadline and not request.computing:
+                if request.last_activity < deadline and not request.in_flight:
                     message = f"request idle for {self.idle_timeout_s:g} s on node {self.node_id}"
                     actions += self._drop(plan, request, FailureKind.INTERNAL, message)
         return actions
@@ -441,6 +453,14 @@ class StageCore:
 
     def _work(self, plan: _Plan, request: _Request, item: _Input) -> Work:
         head = plan.is_last and item.step >= request.chunk_steps
+        if head and plan.is_first:
+            # A single stage samples the next step's input itself: the step that follows is
+            # ready now and waits right behind this one on the compute thread (as mlx-lm's
+            # generate_step computes one token ahead), unless this one gives the last token.
+            index = len(request.start.generated) + request.heads_out
+            if index + 1 < request.sampling.max_tokens:
+                request.inputs.append(_Input(item.step + 1, follows=True))
+        request.heads_out += head
         sampler = None
         if head and not request.sampler_opened:
             request.sampler_opened = True
@@ -460,11 +480,13 @@ class StageCore:
             head,
             sampler,
             item.upstream_s,
+            item.follows,
+            request.start.eos_ids if item.follows else frozenset(),
         )
 
     def _on_sampled(self, plan: _Plan, request: _Request, result: Sampled) -> list[Action]:
         """The last stage sampled a token: it goes to the origin and, unless it ends the
-        request, back to the first stage (or straight into a single stage's next step)."""
+        request, back to the first stage (a single stage's next step follows it already)."""
         start = request.start
         index = request.next_index
         request.next_index += 1
@@ -492,9 +514,6 @@ class StageCore:
         ]
         if finish is not Finish.NONE:
             actions += self._drop(plan, request, None, "")
-        elif plan.is_first:  # a single stage: the token is its own next input, no frame
-            request.inputs.append(_Input(request.next_step, tokens=(result.token_id,)))
-            request.next_step += 1
         return actions
 
     def _forward_start(self, request: _Request) -> RequestStart:
@@ -514,8 +533,15 @@ class StageCore:
             generated=start.generated,
         )
 
+    def _can_run(self, request: _Request) -> bool:
+        """A request's next step may start: its input is here, and its step before has
+        finished, or is the one whose token this step follows (a single stage)."""
+        if request.ended or not request.inputs:
+            return False
+        return request.in_flight == 0 or (request.in_flight == 1 and request.inputs[0].follows)
+
     def _enqueue(self, request: _Request) -> None:
-        if not request.queued and not request.computing and request.inputs and not request.ended:
+        if not request.queued and self._can_run(request):
             request.queued = True
             self._ready.append(request)
 

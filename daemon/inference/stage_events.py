@@ -114,6 +114,8 @@ class Work:
     head: bool  # the last stage applies the head and samples (steps >= C)
     sampler: SamplerSetup | None  # the last stage's first sampling step of the request
     upstream_s: float
+    follows: bool = False  # a single stage: the input is the token its step before sampled
+    stop_ids: frozenset[int] = frozenset()  # ...and that token ended the request if in here
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,12 +141,17 @@ class Sampled:
 
 
 @dataclass(frozen=True, slots=True)
+class Skipped:
+    """A following step that did not run: the token before it ended the request."""
+
+
+@dataclass(frozen=True, slots=True)
 class ComputeFailed:
     kind: FailureKind
     reason: str
 
 
-StepResult = Hidden | Advanced | Sampled | ComputeFailed
+StepResult = Hidden | Advanced | Sampled | Skipped | ComputeFailed
 
 
 # --- Actions ----------------------------------------------------------------------------------
