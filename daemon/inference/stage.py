@@ -73,6 +73,10 @@ class _Stage:
     engine: StageEngine | None
     colocated_stages: int
     cached: set[str] = field(default_factory=set)  # requests whose KV caches the engine holds
+    addresses: dict[str, str] = field(init=False)  # node -> data-plane address, per stage
+
+    def __post_init__(self) -> None:
+        self.addresses = {spec.node_id: spec.address for spec in self.assignment.stages}
 
 
 class StageRuntime:
@@ -200,7 +204,7 @@ class StageRuntime:
         frame: dp.Frame = action.payload  # built on the compute thread (_step_job)
         if action.start is not None:
             frame.activation.start.CopyFrom(start_to_proto(action.start))
-        address = stage.assignment.address_of(action.to) if stage is not None else None
+        address = stage.addresses.get(action.to) if stage is not None else None
         if address is None or not self._transport.send(action.to, address, frame):
             self._unreachable(action.plan_id, action.request_id, action.to)
 
@@ -215,7 +219,7 @@ class StageRuntime:
         )
         frame = dp.Frame(plan_id=action.plan_id, request_id=action.request_id, token=token)
         for node in action.to:
-            address = stage.assignment.address_of(node) if stage is not None else None
+            address = stage.addresses.get(node) if stage is not None else None
             if not self._transport.route(node, address, frame) and address is not None:
                 self._unreachable(action.plan_id, action.request_id, node)
 
@@ -225,7 +229,7 @@ class StageRuntime:
             kind=failure_to_proto(action.kind), node_id=self.node_id, message=action.message
         )
         frame = dp.Frame(plan_id=action.plan_id, request_id=action.request_id, failure=failure)
-        address = stage.assignment.address_of(action.to) if stage is not None else None
+        address = stage.addresses.get(action.to) if stage is not None else None
         self._transport.route(action.to, address, frame)
 
     def _unreachable(self, plan_id: str, request_id: str, node: str) -> None:

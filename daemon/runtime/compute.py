@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -62,9 +63,7 @@ class ComputeExecutor:
         """
         if self._closed:
             raise RuntimeError("the compute thread is closed: this node is shutting down")
-        loop = asyncio.get_running_loop()
-        job = self._pool.submit(fn, *args)
-        job.add_done_callback(lambda done: loop.call_soon_threadsafe(then, done))
+        self._pool.submit(_run_then, asyncio.get_running_loop(), fn, args, then)
 
     def submit_detached(self, fn: Callable[..., object], *args: Any) -> None:
         """Queue a job nobody awaits (freeing a request's caches): its error is logged, it is
@@ -83,6 +82,23 @@ class ComputeExecutor:
             await asyncio.wait_for(shutdown, timeout_s)
         except TimeoutError:
             log.warning("the compute thread did not finish its job within %g s", timeout_s)
+
+
+def _run_then(
+    loop: asyncio.AbstractEventLoop,
+    fn: Callable[..., T],
+    args: tuple[Any, ...],
+    then: Callable[[concurrent.futures.Future[T]], None],
+) -> None:
+    """Compute thread: run ``fn`` and hand its outcome, as a done future, to ``then`` on
+    ``loop`` (a loop already closed means the node is gone: nobody is left to tell)."""
+    outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
+    try:
+        outcome.set_result(fn(*args))
+    except BaseException as error:
+        outcome.set_exception(error)
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(then, outcome)
 
 
 def _log_failure(future: asyncio.Future[Any]) -> None:
