@@ -6,7 +6,7 @@ ignored so every run generates the same number of tokens:
 
 * decode tok/s and time to first token: ``mlx_lm.stream_generate`` in a process of its own;
   the mesh with 1, 2 and 3 stages, every stage a separate process
-  (``python -m meshd.inference.dataplane --serve``)
+  (``python -m tests.support.stage_process --serve``)
   on loopback with mutual TLS, the first stage also
   being the origin (a client talking to its local daemon);
 * per-hop overhead per token: decode time per token not spent computing (each stage adds its
@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshd.inference.dataplane import Assignment, StageSpec
+from meshd.inference.assignment import Assignment, StageSpec
 from meshd.inference.shard import even_layer_ranges
 from meshd.mesh import security
 from meshd.models.store import DEFAULT_MODEL, ModelStore

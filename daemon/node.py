@@ -24,7 +24,9 @@ from meshd.api.local_service import start_api_server
 from meshd.config import Config
 from meshd.http.server import start_http_server
 from meshd.inference.dataplane import DataPlane
-from meshd.inference.serving import Inference
+from meshd.inference.fencing import CommittedPlans
+from meshd.inference.installer import PlanInstaller
+from meshd.inference.router import RequestRouter
 from meshd.mesh import channels, security
 from meshd.mesh.identity import Identity, load_or_create_node_id
 from meshd.mesh.membership import PROTOCOL_VERSION, Membership
@@ -118,17 +120,27 @@ class Node:
         """A mutual-TLS channel to a peer; probes get their own TCP connection."""
         return channels.peer_channel(address, self._channel_credentials, dedicated=for_probe)
 
-    async def _create_plane(self) -> DataPlane:
-        """asyncio side: the data plane lives on the asyncio thread, so it is created there."""
-        return DataPlane(
+    async def _create_inference(self) -> None:
+        """The data plane lives on the asyncio thread, so it is created there; the installer
+        (trio side) keeps its fencing (`committed`) up to date, the router serves the API."""
+        committed = CommittedPlans(self.identity.node_id)
+        self.plane = DataPlane(
             self.identity.node_id,
             channels.peer_channel_factory(self.credentials),
-            self._check_serving,
+            committed.check,
         )
-
-    def _check_serving(self, plan_id: str) -> None:
-        """The data plane's fencing (asyncio thread): reads the published serving set."""
-        self.inference.check_serving(plan_id)
+        self.plans = PlanInstaller(
+            self.membership,
+            self.agreement,
+            self.bridge,
+            self.events,
+            self.plane,
+            committed,
+            self.model_dir_for_selection,
+            self.store_root / "parts",
+        )
+        plans = self.plans
+        self.router = RequestRouter(self.plane, lambda: plans.snapshot, plans.progress)
 
     async def _start_peer_server(self) -> grpc.aio.Server:
         server = channels.peer_server()
@@ -136,7 +148,7 @@ class Node:
             self.membership, self.bridge, self.agreement, PartExporter(self._locate_model)
         )
         rpc.add_PeerServicer_to_server(service, server)
-        dataplane_rpc.add_DataPlaneServicer_to_server(self.inference.plane.servicer(), server)
+        dataplane_rpc.add_DataPlaneServicer_to_server(self.plane.servicer(), server)
         address = f"{self.config.peer_host}:{self.config.peer_port}"
         port = server.add_secure_port(address, security.server_credentials(self.credentials))
         if port == 0:
@@ -335,7 +347,7 @@ class Node:
             return None
 
     def model_dir_for_selection(self, selection: pb.ModelSelection) -> Path:
-        from meshd.inference.serving import model_dir_for
+        from meshd.inference.installer import model_dir_for
 
         return model_dir_for(selection, self.config.model, self.store_root)
 
@@ -373,16 +385,7 @@ class Node:
         self, *, task_status: trio.TaskStatus[NodeInfo] = trio.TASK_STATUS_IGNORED
     ) -> None:
         async with self.bridge:
-            plane = await self.bridge.run(self._create_plane)
-            self.inference = Inference(
-                self.membership,
-                self.agreement,
-                self.bridge,
-                self.events,
-                plane,
-                self.model_dir_for_selection,
-                self.store_root / "parts",
-            )
+            await self.bridge.run(self._create_inference)
             peer_server = await self.bridge.run(self._start_peer_server)
             self.membership.grpc_port = self.peer_port
             api_server = await self.bridge.run(
@@ -399,8 +402,8 @@ class Node:
                     nursery.start_soon(self._measure_profile_task)
                     if self.config.model:
                         nursery.start_soon(self._select_configured_model, self.config.model)
+                    await nursery.start(self.plans.run)  # subscribes before any plan exists
                     await nursery.start(self.agreement.run)
-                    await nursery.start(self.inference.run)
                     for address in self.config.peers:
                         self.membership.want(address, "static")
                     if self.config.mdns:
@@ -428,7 +431,7 @@ class Node:
                     if http_server is not None:
                         await self.bridge.run(http_server.stop)
                     await self.bridge.run(_stop_servers, peer_server, api_server)
-                    await self.bridge.run(self.inference.plane.close)
+                    await self.bridge.run(self.plane.close)
                     _remove_socket(self.config.api_address)
 
     async def _measure_profile_task(self) -> None:

@@ -1,9 +1,9 @@
 """Every failure of the request path reaches each HTTP API as its own error shape and status.
 
-The node's request path raises `RequestError(code, message)` (or ends with an error event);
-here it is made to refuse with each code it uses, including RESOURCE_EXHAUSTED (a full
-queue, which no mesh of this size produces on demand), and the real Starlette app with the
-real MeshBackend must answer 400/404/429/503 in OpenAI's, Anthropic's and Ollama's shapes.
+The node's request path raises `InferenceError(kind, message)`; here it is made to refuse
+with each kind, including OVERLOADED (a full queue, which no mesh of this size produces on
+demand), and the real Starlette app with the real MeshBackend must answer 400/404/429/503 in
+OpenAI's, Anthropic's and Ollama's shapes.
 """
 
 from __future__ import annotations
@@ -16,31 +16,32 @@ from starlette.testclient import TestClient
 
 from meshd.http.backend import MeshBackend
 from meshd.http.server import build_app
-from meshd.inference.serving import RequestError
+from meshd.inference.errors import ErrorKind, InferenceError
 
 CASES = [
-    ("INVALID_ARGUMENT", 400),
-    ("NOT_FOUND", 404),
-    ("RESOURCE_EXHAUSTED", 429),
-    ("FAILED_PRECONDITION", 503),
+    ("BAD_INPUT", 400),
+    ("UNKNOWN_MODEL", 404),
+    ("OVERLOADED", 429),
+    ("NO_PLAN", 503),
     ("UNAVAILABLE", 503),
 ]
 
 
-class RefusingInference:
-    """The request path's interface, refusing every request with one gRPC code."""
+class RefusingRouter:
+    """The request path's interface, refusing every request with one error kind."""
 
     def __init__(self, code: str) -> None:
         self.code = code
-        self.snapshot = SimpleNamespace(model="m", active="")
 
     async def generate(self, **kwargs):
-        raise RequestError(self.code, f"refused with {self.code}")
+        raise InferenceError(ErrorKind[self.code], f"refused with {self.code}")
         yield  # an async generator, like the real one
 
 
 def client_for(code: str) -> TestClient:
-    node = SimpleNamespace(inference=RefusingInference(code))
+    node = SimpleNamespace(
+        router=RefusingRouter(code), plans=SimpleNamespace(snapshot=SimpleNamespace(model="m"))
+    )
     app = build_app(MeshBackend(node, bridge=None), keys=None, loopback=True,
                     closing=asyncio.Event())  # fmt: skip
     return TestClient(app, base_url="http://127.0.0.1:52380")

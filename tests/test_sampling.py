@@ -7,7 +7,15 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from meshd.inference.sampling import MAX_TOKENS_LIMIT, SamplingParams, StopChecker, TokenSampler
+from meshd.inference.sampling import (
+    MAX_TOKENS_LIMIT,
+    SAMPLING_FIELDS,
+    SamplingParams,
+    StopChecker,
+    TokenSampler,
+    sampling_from_message,
+    sampling_to_message,
+)
 from tests.support.random_model import write_byte_level_tokenizer
 
 VOCAB = 300
@@ -170,3 +178,63 @@ def test_concurrent_requests_have_independent_stop_checkers(tokenizer: Any) -> N
     second.finish()
     assert first.stopped and first.text == "abc"
     assert second.text == "xyz wvu"
+
+
+# --- Wire forms -------------------------------------------------------------------------------
+
+
+def test_both_sampling_messages_carry_exactly_the_dataclass_fields() -> None:
+    """One field list, derived from SamplingParams: a field added to one shape and not the
+    others fails here instead of being dropped on the way."""
+    from meshd.wire import dataplane_pb2, pb
+
+    api_fields = set(pb.Sampling.DESCRIPTOR.fields_by_name)
+    plane_fields = set(dataplane_pb2.Sampling.DESCRIPTOR.fields_by_name)
+    assert api_fields == {*SAMPLING_FIELDS, "stop"}
+    assert plane_fields == set(SAMPLING_FIELDS)  # stop strings stay with the origin
+
+
+def test_settings_survive_both_wire_forms() -> None:
+    from meshd.wire import dataplane_pb2, pb
+
+    params = SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1, seed=2**62,
+        max_tokens=99, stop=("END", "\n\n"),
+    )  # fmt: skip
+    assert sampling_from_message(sampling_to_message(params, pb.Sampling())) == params
+    plane = sampling_from_message(sampling_to_message(params, dataplane_pb2.Sampling()))
+    assert plane == SamplingParams(**{**vars(params), "stop": ()})
+
+
+def test_unset_api_fields_take_the_defaults_and_bad_ones_are_refused() -> None:
+    from meshd.wire import pb
+
+    assert sampling_from_message(pb.Sampling()) == SamplingParams()
+    assert sampling_from_message(pb.Sampling(seed=0)).seed == 0  # set, even if zero
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_from_message(pb.Sampling(top_p=0.0))
+
+
+def test_the_sampler_is_an_mlx_lm_sampler_over_log_probabilities() -> None:
+    """``sample`` is mlx-lm's step (processors, logprobs, sampler): calling the sampler on
+    mlx-lm's log probabilities draws the same token with the same key sequence."""
+    params = SamplingParams(temperature=0.8, top_k=20, repetition_penalty=1.3, seed=9)
+    by_step, by_sampler = TokenSampler(params), TokenSampler(params)
+    context = [3, 4, 5]
+    for step in range(8):
+        logits = random_logits(step)
+        expected = by_step.sample(logits, context)
+        processed = logits
+        for processor in by_sampler.logits_processors:
+            processed = processor(mx.array(context), processed)
+        logprobs = processed - mx.logsumexp(processed, keepdims=True)
+        assert by_sampler(logprobs).item() == expected
+        context.append(expected)
+
+
+def test_a_resumed_sampler_continues_the_random_sequence() -> None:
+    params = SamplingParams(temperature=1.0, seed=21)
+    whole = sample_run(params, steps=10)
+    resumed = TokenSampler(params)
+    resumed.advance(4)
+    assert [resumed.sample(random_logits(step), []) for step in range(4, 10)] == whole[4:]

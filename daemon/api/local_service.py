@@ -37,7 +37,7 @@ class StatusSource(Protocol):
 
     async def remeasure(self) -> None: ...
 
-    inference: Any
+    router: Any  # meshd.inference.router.RequestRouter
 
     async def select_model(self, model: str, **options: Any) -> pb.ModelSelection: ...
 
@@ -77,7 +77,7 @@ class LocalService(rpc.LocalServicer):
         return await self._bridge.call_in_trio(self._node.status)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        events = self._node.inference.generate(
+        events = self._node.router.generate(
             prompt=request.prompt,
             messages=None,
             sampling=request.sampling,
@@ -89,7 +89,7 @@ class LocalService(rpc.LocalServicer):
             yield reply
 
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext):
-        events = self._node.inference.generate(
+        events = self._node.router.generate(
             prompt=None,
             messages=[{"role": m.role, "content": m.content} for m in request.messages],
             sampling=request.sampling,
@@ -102,8 +102,9 @@ class LocalService(rpc.LocalServicer):
 
     async def _stream(self, events, context: grpc.aio.ServicerContext):
         """GenerateEvents from data-plane events; failures become gRPC statuses."""
-        from meshd.inference.dataplane import FinalEvent
-        from meshd.inference.serving import RequestError, Routed
+        from meshd.inference.errors import InferenceError
+        from meshd.inference.origin import FinalEvent
+        from meshd.inference.router import Routed
 
         routed = Routed("", "")
         try:
@@ -117,8 +118,6 @@ class LocalService(rpc.LocalServicer):
                     continue
                 if event.text:
                     yield pb.GenerateEvent(text=event.text)
-                if event.finish_reason == "error":
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.error or "failed")
                 usage = event.usage
                 yield pb.GenerateEvent(
                     done=pb.GenerationDone(
@@ -133,10 +132,8 @@ class LocalService(rpc.LocalServicer):
                         seed=usage.seed,
                     )
                 )
-        except RequestError as exc:
-            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except InferenceError as exc:
+            await context.abort(grpc.StatusCode[exc.kind.grpc_status], str(exc))
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
         return await self._bridge.call_in_trio(self._node.list_models)

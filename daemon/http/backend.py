@@ -2,11 +2,11 @@
 
 Every HTTP API (OpenAI, Anthropic, Ollama, the dashboard) calls the node only through
 `MeshBackend`, so that a change of the node's request path touches this module alone. A
-request goes through exactly the path of the gRPC `Chat`/`Generate` (`node.inference.generate`:
+request goes through exactly the path of the gRPC `Chat`/`Generate` (`node.router.generate`:
 validation, plan choice, sampling, limits); this module only turns its events into
-`Started`, `Piece` and `Finished`, and its three kinds of failure (a `RequestError` with a
-gRPC code, a `ValueError`, a final event with `finish_reason == "error"`) into one
-`BackendError` whose `kind` each API maps onto its HTTP status and error shape.
+`Started`, `Piece` and `Finished`, and its one failure type (`InferenceError`, whose kind
+carries the HTTP status) into a `BackendError` whose `kind` each API maps onto its HTTP
+status and error shape.
 
 Everything here runs on the daemon's asyncio thread (where the HTTP server, grpc.aio and the
 data plane live); questions for the trio side go through the bridge, like the gRPC API's.
@@ -29,16 +29,13 @@ from meshd.wire import pb
 
 ErrorKind = Literal["bad_request", "not_found", "unavailable", "queue_full", "internal"]
 
-# gRPC status names of the request path -> what went wrong, for HTTP.
-KIND_OF_CODE: dict[str, ErrorKind] = {
-    "INVALID_ARGUMENT": "bad_request",
-    "OUT_OF_RANGE": "bad_request",
-    "NOT_FOUND": "not_found",
-    "FAILED_PRECONDITION": "unavailable",
-    "UNAVAILABLE": "unavailable",
-    "ABORTED": "unavailable",
-    "DEADLINE_EXCEEDED": "unavailable",
-    "RESOURCE_EXHAUSTED": "queue_full",
+# The HTTP status of the request path's error kind -> what went wrong, for HTTP.
+KIND_OF_HTTP_STATUS: dict[int, ErrorKind] = {
+    400: "bad_request",
+    404: "not_found",
+    429: "queue_full",
+    503: "unavailable",
+    500: "internal",
 }
 WATCH_KEEPALIVE_S = 5.0
 ACTIVITY_WINDOW_S = 3.0
@@ -133,8 +130,13 @@ class MeshBackend:
         self._model_files: dict[tuple[str, str], tuple[Mapping[str, Any], str]] = {}
 
     @property
-    def _inference(self) -> Any:
-        return self._node.inference
+    def _snapshot(self) -> Any:
+        """What the node serves now (an immutable snapshot the plan installer publishes)."""
+        return self._node.plans.snapshot
+
+    @property
+    def _plane(self) -> Any:
+        return self._node.plane
 
     # ---------------------------------------------------------------- requests
 
@@ -152,10 +154,11 @@ class MeshBackend:
 
         Closing the iterator early (the client went away) cancels the request everywhere.
         """
-        from meshd.inference.dataplane import DataPlaneError, FinalEvent
-        from meshd.inference.serving import RequestError, Routed
+        from meshd.inference.errors import InferenceError
+        from meshd.inference.origin import FinalEvent
+        from meshd.inference.router import Routed
 
-        events = self._inference.generate(
+        events = self._node.router.generate(
             prompt=prompt,
             messages=messages,
             sampling=sampling,
@@ -172,8 +175,6 @@ class MeshBackend:
                     elif isinstance(event, FinalEvent):
                         if event.text:
                             yield Piece(event.text)
-                        if event.finish_reason == "error":
-                            raise BackendError("unavailable", event.error or "the request failed")
                         usage = event.usage
                         yield Finished(
                             event.finish_reason,
@@ -187,16 +188,13 @@ class MeshBackend:
                         return
                     elif event.text:
                         yield Piece(event.text)
-        except RequestError as exc:
-            raise BackendError(KIND_OF_CODE.get(exc.code, "internal"), str(exc)) from exc
-        except DataPlaneError as exc:
-            raise BackendError("unavailable", str(exc)) from exc
-        except ValueError as exc:
-            raise BackendError("bad_request", str(exc)) from exc
+        except InferenceError as exc:
+            kind = KIND_OF_HTTP_STATUS.get(exc.kind.http_status, "internal")
+            raise BackendError(kind, str(exc)) from exc
 
     def served_model(self) -> str:
         """The model the mesh runs now ("" when none is selected)."""
-        return self._inference.snapshot.model
+        return self._snapshot.model
 
     def check_model(self, model: str) -> str:
         """The served model's name if `model` names it (or is empty); else not_found."""
@@ -216,14 +214,14 @@ class MeshBackend:
 
     def tool_format(self) -> ToolFormat | None:
         """The served model's tool-call markers and parser, or None (no tools, or loading)."""
-        from meshd.inference.dataplane import DataPlaneError
+        from meshd.inference.errors import InferenceError
 
-        plan_id = self._inference.snapshot.active
+        plan_id = self._snapshot.active
         if not plan_id:
             return None
         try:
-            tokenizer = self._inference.plane.tokenizer(plan_id)
-        except DataPlaneError:
+            tokenizer = self._plane.tokenizer(plan_id)
+        except InferenceError:
             return None
         if not tokenizer.has_tool_calling:
             return None
@@ -231,7 +229,7 @@ class MeshBackend:
 
     async def model_card(self) -> ModelCard | None:
         """The served model's description (the mesh's selection and the loaded plan), or None."""
-        from meshd.inference.dataplane import DataPlaneError
+        from meshd.inference.errors import InferenceError
 
         selection: pb.ModelSelection | None = await self._in_trio(
             lambda: self._node.agreement.selection
@@ -242,12 +240,12 @@ class MeshBackend:
         # The config and template come from a loaded plan: the active one, else one still
         # draining (the active one may be loading), else what this backend saw last.
         key = (selection.name, selection.digest)
-        snapshot = self._inference.snapshot
+        snapshot = self._snapshot
         for plan_id in [snapshot.active, *sorted(snapshot.serving)]:
-            with contextlib.suppress(DataPlaneError):
+            with contextlib.suppress(InferenceError):
                 self._model_files[key] = (
-                    self._inference.plane.model_config(plan_id),
-                    self._inference.plane.tokenizer(plan_id).chat_template or "",
+                    self._plane.model_config(plan_id),
+                    self._plane.tokenizer(plan_id).chat_template or "",
                 )
                 break
         if key not in self._model_files:  # nothing loaded yet: this node's copy, if it has one
@@ -290,7 +288,7 @@ class MeshBackend:
 
     def activity(self) -> Activity:
         """Requests in flight here and tokens/s delivered to this node's clients."""
-        plane = self._inference.plane
+        plane = self._plane
         stats = plane.stats()
         now = time.monotonic()
         total = plane.tokens_delivered

@@ -1,42 +1,46 @@
-"""The compute side of the data plane: one thread per node runs every MLX computation.
+"""The compute side of the data plane: the MLX work of one node's stages.
 
-Why a single dedicated thread: MLX work must never run on the trio thread (the daemon's core)
-nor on the asyncio thread that moves gRPC frames, or every other request and the heartbeats
-would stall behind a matrix multiplication. One thread per node (not a pool) because a node
-has one model's worth of cores to give: two MLX evaluations at once only compete for them, and
-a FIFO queue gives the order the pipeline needs for free: work for one request reaches a stage
-in order over one stream, is queued in that order, and is computed in that order, while work
-for other requests interleaves between its steps. A waiting worker blocks in
-``SimpleQueue.get`` (a futex), it never spins, which matters when several stage processes
-share a small machine.
+Everything here runs on the node's one compute thread (:class:`meshd.runtime.compute.
+ComputeExecutor`), never on the trio thread nor on the asyncio thread that moves frames, so
+that heartbeats and other requests' frames never wait behind a matrix multiplication.
 
-What runs here: :class:`StageEngine` (this node's layers of one plan, the KV caches of its open
-requests, and, on the last stage, each request's seeded sampler) and the activation codec
-(:func:`encode_hidden`/:func:`decode_hidden`: raw little-endian bytes plus dtype and shape; no
-pickle ever crosses the wire).
+* :class:`StageEngine`: this node's layers of one plan (mlx-lm's own model classes, see
+  :mod:`meshd.inference.shard`), the KV caches of its open requests and, on the last stage,
+  each request's seeded sampler.
+* :func:`run_step`: one step of one request as the stage core handed it out
+  (:class:`meshd.inference.stage_core.Work`): embed or decode the input, run the layers,
+  and return the hidden states for the next stage, or sample the next token on the last.
+* The activation codec (:func:`encode_hidden`/:func:`decode_hidden`): raw little-endian
+  bytes plus dtype and shape; no pickle ever crosses the wire.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
-from meshd.inference.sampling import SamplingParams, TokenSampler
+from meshd.inference.sampling import TokenSampler
+from meshd.inference.stage_events import (
+    Advanced,
+    ComputeFailed,
+    FailureKind,
+    Hidden,
+    Sampled,
+    SamplerSetup,
+    Skipped,
+    StepResult,
+    Work,
+)
+from meshd.runtime.blas import default_blas_threads, set_blas_threads
 
 if TYPE_CHECKING:  # meshd.inference.shard imports mlx_lm (and transformers): loaded on first use
     from meshd.inference.shard import RequestCaches, StageModel
-
-log = logging.getLogger("meshd.compute")
-
-COMPUTE_CLOSE_TIMEOUT_S = 10.0
 
 # dtype name on the wire -> (MLX dtype, numpy dtype used for the bytes). bfloat16 has no numpy
 # dtype: its bytes travel as uint16 and are reinterpreted on arrival.
@@ -48,65 +52,19 @@ _WIRE_DTYPES: dict[str, tuple[mx.Dtype, type[np.generic]]] = {
 _WIRE_NAMES: dict[mx.Dtype, str] = {mx_dtype: name for name, (mx_dtype, _) in _WIRE_DTYPES.items()}
 
 
-class ComputeWorker:
-    """One thread that runs submitted jobs one at a time, in submission order.
-
-    Jobs are plain callables; an exception a job lets escape is logged, never lost silently,
-    and does not stop the worker. ``submit`` is safe from any thread (including the worker
-    itself, which is how a single-stage pipeline chains its decode steps without a detour).
-    """
-
-    def __init__(self, name: str = "meshd-compute") -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._closed = False
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        """Queue ``job``; raises RuntimeError once the worker is closed."""
-        if self._closed:
-            raise RuntimeError("the compute worker is closed; the data plane is shutting down")
-        self._jobs.put(job)
-
-    def run(self, job: Callable[[], object]) -> threading.Event:
-        """Queue ``job`` and return an event set once it (and everything before it) ran."""
-        done = threading.Event()
-
-        def wrapped() -> None:
-            try:
-                job()
-            finally:
-                done.set()
-
-        self.submit(wrapped)
-        return done
-
-    @property
-    def is_worker_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def close(self, timeout_s: float = COMPUTE_CLOSE_TIMEOUT_S) -> None:
-        """Finish queued jobs, then stop the thread (waits at most ``timeout_s``)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._jobs.put(None)
-        if not self.is_worker_thread:
-            self._thread.join(timeout_s)
-
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                job()
-            except BaseException:  # a job's bug must not kill every later request
-                log.exception("a compute job failed")
-
-
 # --- Activations on the wire ------------------------------------------------------------
 
 
-def encode_hidden(hidden: mx.array) -> tuple[str, tuple[int, ...], bytes]:
-    """``(dtype name, shape, raw bytes)`` of an evaluated array, for an Activation frame."""
+class HiddenStates(NamedTuple):
+    """Hidden states as they travel: dtype name, shape ``(1, tokens, hidden)``, raw bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+def encode_hidden(hidden: mx.array) -> HiddenStates:
+    """The wire form of an evaluated array, for an Activation frame."""
     name = _WIRE_NAMES.get(hidden.dtype)
     if name is None:
         raise ValueError(
@@ -114,7 +72,7 @@ def encode_hidden(hidden: mx.array) -> tuple[str, tuple[int, ...], bytes]:
             f"{', '.join(_WIRE_DTYPES)}"
         )
     raw = hidden.view(mx.uint16) if hidden.dtype == mx.bfloat16 else hidden
-    return name, tuple(hidden.shape), bytes(memoryview(raw))
+    return HiddenStates(name, tuple(hidden.shape), bytes(memoryview(raw)))
 
 
 def decode_hidden(dtype: str, shape: Sequence[int], data: bytes) -> mx.array:
@@ -148,43 +106,26 @@ class StageKey:
     has_head: bool
 
 
-@dataclass(frozen=True)
-class SampledToken:
-    """What the last stage decided for one step of one request."""
-
-    token_id: int
-    index: int  # 0-based among the request's generated tokens
-    eos: bool
-    length: bool  # the max_tokens-th token
-    logits: bytes  # float32 row, only when the request asked for it (debug), else b""
-
-    @property
-    def finished(self) -> bool:
-        return self.eos or self.length
-
-
 @dataclass
 class _SamplerState:
     sampler: TokenSampler
-    max_tokens: int
-    eos_ids: frozenset[int]
     context: list[int] | None  # prompt + generated, kept only for the repetition penalty
     return_logits: bool
-    generated: int = 0
+    last_token: int | None = None  # the input of a single stage's following step
 
 
 @dataclass
 class StageEngine:
     """This node's layers of one plan and the per-request state they need.
 
-    Every method except the constructor and the read-only counters runs on the compute
-    thread; the asyncio side only submits jobs that call them.
+    Every method runs on the compute thread. ``weight_bytes`` is set by :meth:`load`, before
+    the load's future resolves, so the asyncio side may read it once the load is awaited.
     """
 
     key: StageKey
     max_requests: int
     stage: StageModel | None = None
-    load_error: str | None = None
+    weight_bytes: int = 0
     _caches: RequestCaches | None = None
     _samplers: dict[str, _SamplerState] = field(default_factory=dict)
 
@@ -192,91 +133,58 @@ class StageEngine:
         """Load the stage's weights (or adopt ``shared``, identical weights already loaded)."""
         from meshd.inference.shard import RequestCaches, load_stage  # mlx_lm: loaded on first use
 
-        try:
-            self.stage = shared or load_stage(
-                self.key.model_dir,
-                self.key.layer_start,
-                self.key.layer_end,
-                has_embedding=self.key.has_embedding,
-                has_head=self.key.has_head,
-            )
-        except Exception as error:
-            self.load_error = f"{type(error).__name__}: {error}"
-            raise
+        self.stage = shared or load_stage(
+            self.key.model_dir,
+            self.key.layer_start,
+            self.key.layer_end,
+            has_embedding=self.key.has_embedding,
+            has_head=self.key.has_head,
+        )
         self._caches = RequestCaches(self.stage, self.max_requests)
+        self.weight_bytes = self.stage.nbytes
 
-    @property
-    def loaded(self) -> bool:
-        return self.stage is not None
-
-    @property
-    def open_requests(self) -> int:
-        """Requests whose KV caches this stage holds (read from any thread)."""
-        return 0 if self._caches is None else len(self._caches)
-
-    @property
-    def weight_bytes(self) -> int:
-        return 0 if self.stage is None else self.stage.nbytes
-
-    def require_stage(self) -> StageModel:
-        if self.stage is None or self._caches is None:
-            why = self.load_error or "it has not finished loading"
-            raise RuntimeError(f"this node's stage is not loaded ({why})")
-        return self.stage
-
-    def open_sampler(
-        self,
-        request_id: str,
-        params: SamplingParams,
-        prompt: Sequence[int],
-        eos_ids: frozenset[int],
-        *,
-        return_logits: bool,
-    ) -> None:
-        """Set up the seeded sampler of a request (last stage only, before its first logits)."""
-        if request_id in self._samplers:
-            return
-        keep_context = params.repetition_penalty != 1.0
+    def open_sampler(self, request_id: str, setup: SamplerSetup) -> None:
+        """Set up the seeded sampler of a request (last stage, before its first logits)."""
+        sampler = TokenSampler(setup.sampling)
+        sampler.advance(setup.draws)
+        keep_context = setup.sampling.repetition_penalty != 1.0
         self._samplers[request_id] = _SamplerState(
-            sampler=TokenSampler(params),
-            max_tokens=params.max_tokens,
-            eos_ids=eos_ids,
-            context=list(prompt) if keep_context else None,
-            return_logits=return_logits,
+            sampler=sampler,
+            context=list(setup.context) if keep_context else None,
+            return_logits=setup.return_logits,
         )
 
-    def run(self, request_id: str, inputs: mx.array, *, wants_logits: bool) -> mx.array:
-        """One chunk of one request through this stage, evaluated: hidden states, or on the
-        last stage the logits of the chunk's last position when ``wants_logits``."""
-        stage = self.require_stage()
-        assert self._caches is not None
+    def run(self, request_id: str, inputs: mx.array, *, head: bool) -> mx.array:
+        """One step of one request through this stage, evaluated: hidden states, or on the
+        last stage with ``head`` the logits of the step's last position ``(1, 1, vocab)``."""
+        if self.stage is None or self._caches is None:
+            raise RuntimeError("this node's stage is not loaded")
         cache = self._caches.get(request_id)
-        logits = "last" if wants_logits else "none"
-        output = stage.run(inputs, cache, logits=logits)
+        logits = "last" if head else "none"
+        output = self.stage.run(inputs, cache, logits=logits)
         mx.eval(output)
         return output
 
-    def sample(self, request_id: str, logits: mx.array) -> SampledToken:
-        """The request's next token from the last position's logits ``(1, 1, vocab)``."""
+    def sample(self, request_id: str, logits: mx.array) -> tuple[int, bytes]:
+        """The request's next token from the step's logits ``(1, 1, vocab)``, and the logits
+        row as float32 bytes when the request asked for them (else b"")."""
         state = self._samplers.get(request_id)
         if state is None:
             raise RuntimeError(f"request {request_id} has no sampler on this stage")
-        row = logits.reshape(1, -1)
+        row = logits[:, -1, :]  # what mlx-lm's generate_step samples from
         token = state.sampler.sample(row, state.context or [])
-        index = state.generated
-        state.generated += 1
+        state.last_token = token
         if state.context is not None:
             state.context.append(token)
-        raw_logits = b""
-        if state.return_logits:
-            raw_logits = bytes(memoryview(row.astype(mx.float32).reshape(-1)))
-        return SampledToken(
-            token_id=token,
-            index=index,
-            eos=token in state.eos_ids,
-            length=state.generated >= state.max_tokens,
-            logits=raw_logits,
-        )
+        raw = bytes(memoryview(row.astype(mx.float32).reshape(-1))) if state.return_logits else b""
+        return token, raw
+
+    def last_token(self, request_id: str) -> int:
+        """The token the request's last step sampled here (a single stage's next input)."""
+        state = self._samplers.get(request_id)
+        if state is None or state.last_token is None:
+            raise RuntimeError(f"request {request_id} has sampled no token on this stage")
+        return state.last_token
 
     def release(self, request_id: str) -> None:
         """Drop the request's KV caches and sampler (no error if it has none)."""
@@ -284,16 +192,48 @@ class StageEngine:
             self._caches.release(request_id)
         self._samplers.pop(request_id, None)
 
-    def release_all(self) -> None:
-        """Drop every request's state (the plan is being uninstalled)."""
-        from meshd.inference.shard import RequestCaches
-
-        if self.stage is not None:
-            self._caches = RequestCaches(self.stage, self.max_requests)
-        self._samplers.clear()
-
     def unload(self) -> None:
         """Forget the weights and caches (they are freed once no other plan shares them)."""
-        self.release_all()
         self._caches = None
+        self._samplers.clear()
         self.stage = None
+        mx.clear_cache()
+
+
+def run_step(engine: StageEngine, work: Work, cores_share: int) -> StepResult:
+    """Compute thread: one step of one request through ``engine``.
+
+    ``cores_share`` is how many busy stages share this machine's cores right now (1: use
+    them all); the stage sets its BLAS threads to its share before computing.
+    """
+    from meshd.inference.shard import TooManyRequests
+
+    share = max(1, cores_share)
+    set_blas_threads(None if share == 1 else default_blas_threads() // share)
+    started = time.perf_counter()
+    try:
+        if work.follows:
+            token = engine.last_token(work.request_id)
+            if token in work.stop_ids:
+                return Skipped()
+            inputs = mx.array([[token]])
+        elif work.tokens is not None:
+            inputs = mx.array([work.tokens])
+        else:
+            payload: Any = work.payload
+            inputs = decode_hidden(payload.dtype, payload.shape, payload.data)
+        if work.sampler is not None:
+            engine.open_sampler(work.request_id, work.sampler)
+        output = engine.run(work.request_id, inputs, head=work.head)
+        compute_s = work.upstream_s + time.perf_counter() - started
+        if not engine.key.has_head:
+            return Hidden(encode_hidden(output), compute_s)
+        if not work.head:
+            return Advanced(compute_s)
+        token, logits = engine.sample(work.request_id, output)
+        return Sampled(token, logits, work.upstream_s + time.perf_counter() - started)
+    except TooManyRequests as error:
+        return ComputeFailed(FailureKind.OVERLOADED, str(error))
+    except Exception as error:
+        reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        return ComputeFailed(FailureKind.INTERNAL, reason)

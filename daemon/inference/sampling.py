@@ -1,20 +1,33 @@
-"""Per-request sampling: parameters, a seeded token sampler and stop-string detection.
+"""Per-request sampling: parameters, their wire forms, a seeded token sampler, stop strings.
 
 Why not mlx-lm's ``make_sampler`` as is: it draws from MLX's global random state, so two
 requests running at once would disturb each other and a seed could not reproduce a request.
-:class:`TokenSampler` keeps its own key per request and splits it every step, and reuses
-mlx-lm's filters (``apply_top_p``, ``apply_min_p``, ``apply_top_k``) and logits processors
-(repetition penalty) in the order mlx-lm applies them, so results match mlx-lm's semantics.
+:class:`TokenSampler` keeps its own key per request and splits it every step; everything else
+is mlx-lm's own step, in mlx-lm's order (``generate_step``): logits processors (repetition
+penalty), ``logprobs = logits - logsumexp(logits)``, then the sampler on the log
+probabilities (greedy argmax, or ``apply_top_p``, ``apply_min_p``, ``apply_top_k`` and a
+categorical draw). A :class:`TokenSampler` is itself an mlx-lm ``Sampler`` and exposes its
+``logits_processors``, so mlx-lm's ``generate_step`` run with them is the exact reference of
+what a stage samples.
+
+Settings travel in three shapes: the local API's protobuf ``Sampling``, :class:`SamplingParams`
+and the data plane's protobuf ``Sampling``. :func:`sampling_from_message` and
+:func:`sampling_to_message` are the one conversion each way, for both messages; the field
+list is derived once from the dataclass (:data:`SAMPLING_FIELDS`).
+
+MLX is imported only when a sampler is built, so the parameters (and the data plane's pure
+stage core, which carries them) import no MLX.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import mlx.core as mx
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 MAX_TOKENS_LIMIT = 32768
 MAX_STOP_STRINGS = 16
@@ -85,6 +98,48 @@ def _check_stop_strings(stop: tuple[str, ...]) -> None:
             )
 
 
+# --- Wire forms -------------------------------------------------------------------------------
+
+# The settings a Sampling message carries, in the dataclass's order; ``stop`` (a list) only
+# the local API's message has: stop strings are applied where the request was asked.
+SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams) if f.name != "stop")
+
+M = TypeVar("M")
+
+
+def sampling_from_message(message: Any) -> SamplingParams:
+    """The settings in a protobuf ``Sampling`` (the local API's or the data plane's), validated.
+
+    A field the message marks as unset (``optional`` in the proto) takes the dataclass's
+    default. Raises ValueError naming the first bad value.
+    """
+    by_name = message.DESCRIPTOR.fields_by_name
+    present: dict[str, Any] = {}
+    for name in SAMPLING_FIELDS:
+        descriptor = by_name.get(name)
+        if descriptor is None or (descriptor.has_presence and not message.HasField(name)):
+            continue
+        present[name] = getattr(message, name)
+    stop = tuple(message.stop) if "stop" in by_name else ()
+    return SamplingParams(**present, stop=stop)
+
+
+def sampling_to_message(params: SamplingParams, message: M) -> M:
+    """Fill the protobuf ``Sampling`` ``message`` with ``params`` (a seed of None stays unset,
+    stop strings only where the message has them) and return it."""
+    by_name = message.DESCRIPTOR.fields_by_name  # type: ignore[attr-defined]
+    for name in SAMPLING_FIELDS:
+        value = getattr(params, name)
+        if value is not None and name in by_name:
+            setattr(message, name, value)
+    if "stop" in by_name:
+        message.stop.extend(params.stop)  # type: ignore[attr-defined]
+    return message
+
+
+# --- Sampling ---------------------------------------------------------------------------------
+
+
 class TokenSampler:
     """Turns one request's last-position logits into token ids, deterministically per seed.
 
@@ -93,43 +148,50 @@ class TokenSampler:
     """
 
     def __init__(self, params: SamplingParams) -> None:
+        # Imported here: mlx_lm pulls in transformers (~0.6 s), which a daemon should not pay
+        # for at start-up, and the parameters above must stay importable without MLX.
+        import mlx.core as mx
+        from mlx_lm.sample_utils import make_logits_processors
+
+        self._mx = mx
         self.params = params
         self.seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
         self._key = mx.random.key(self.seed)
-        # Imported here: the mlx_lm package pulls in transformers (~0.6 s), which a daemon
-        # should not pay for at start-up, before it serves any request.
-        from mlx_lm.sample_utils import make_logits_processors
-
-        self._processors = make_logits_processors(
+        self.logits_processors = make_logits_processors(
             repetition_penalty=(
                 params.repetition_penalty if params.repetition_penalty != 1.0 else None
             ),
             repetition_context_size=REPETITION_CONTEXT_SIZE,
         )
 
-    def sample(self, logits_last_row: mx.array, generated_ids: list[int]) -> int:
-        """Next token id from logits ``(vocab,)`` or ``(1, vocab)``.
+    def advance(self, draws: int) -> None:
+        """Skip ``draws`` random draws: a resumed request continues its random sequence."""
+        for _ in range(draws if not self.params.greedy else 0):
+            self._key, _ = self._mx.random.split(self._key)
 
-        ``generated_ids`` are the ids the repetition penalty looks at (mlx-lm passes the prompt
-        and the generated ids; it uses the last 20).
+    def sample(self, logits: mx.array, context: list[int]) -> int:
+        """Next token id from the last position's logits ``(1, vocab)``, as mlx-lm's
+        ``generate_step`` computes it. ``context`` is what the logits processors look at:
+        the prompt and the tokens generated so far (the repetition penalty uses the last 20).
         """
-        logits = logits_last_row.reshape(1, -1).astype(mx.float32)
-        logits = self._apply_processors(logits, generated_ids)
+        mx = self._mx
+        logits = logits.reshape(1, -1)
+        if self.logits_processors and context:
+            tokens = mx.array(context)
+            for processor in self.logits_processors:
+                logits = processor(tokens, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return int(self(logprobs).item())
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        """An mlx-lm ``Sampler``: a token from log probabilities ``(1, vocab)``, drawn with
+        this request's own key (greedy: the argmax)."""
+        mx = self._mx
         if self.params.greedy:
-            return int(mx.argmax(logits, axis=-1).item())
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return mx.argmax(logprobs, axis=-1)
         logprobs = self._filter(logprobs)
         self._key, draw_key = mx.random.split(self._key)
-        token = mx.random.categorical(logprobs * (1.0 / self.params.temperature), key=draw_key)
-        return int(token.item())
-
-    def _apply_processors(self, logits: mx.array, generated_ids: list[int]) -> mx.array:
-        if not self._processors or not generated_ids:
-            return logits
-        context = mx.array(generated_ids)
-        for processor in self._processors:
-            logits = processor(context, logits)
-        return logits
+        return mx.random.categorical(logprobs * (1.0 / self.params.temperature), key=draw_key)
 
     def _filter(self, logprobs: mx.array) -> mx.array:
         """top_p, then min_p, then top_k: the order of mlx-lm's ``make_sampler``."""

@@ -78,7 +78,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class Start(_message.Message):
-    __slots__ = ("origin_node_id", "prompt_tokens", "prompt_length", "sampling", "eos_token_ids", "prefill_chunk", "return_logits")
+    __slots__ = ("origin_node_id", "prompt_tokens", "prompt_length", "sampling", "eos_token_ids", "prefill_chunk", "return_logits", "generated_tokens")
     ORIGIN_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class Start(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     origin_node_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     prompt_length: int
@@ -93,25 +94,24 @@ class Start(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prefill_chunk: int
     return_logits: bool
-    def __init__(self, origin_node_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+    generated_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, origin_node_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., return_logits: _Optional[bool] = ..., generated_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Activation(_message.Message):
-    __slots__ = ("start", "step", "wants_logits", "dtype", "shape", "data", "compute_s")
+    __slots__ = ("start", "step", "dtype", "shape", "data", "compute_s")
     START_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    WANTS_LOGITS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     start: Start
     step: int
-    wants_logits: bool
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     compute_s: float
-    def __init__(self, start: _Optional[_Union[Start, _Mapping]] = ..., step: _Optional[int] = ..., wants_logits: _Optional[bool] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, start: _Optional[_Union[Start, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class Token(_message.Message):
     __slots__ = ("token_id", "index", "finish", "compute_s", "logits")

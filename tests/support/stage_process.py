@@ -19,18 +19,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from meshd.agreement.contract import PlanNotCommittedError
-from meshd.inference.dataplane import (
-    DEFAULT_PREFILL_CHUNK,
-    Assignment,
-    DataPlane,
-    DataPlaneError,
-    TokenEvent,
-    mtls_channel_factory,
-    start_server,
-)
+from meshd.inference.assignment import Assignment
+from meshd.inference.dataplane import DataPlane
+from meshd.inference.errors import InferenceError
+from meshd.inference.fencing import CommittedPlans
+from meshd.inference.origin import DEFAULT_PREFILL_CHUNK, TokenEvent
 from meshd.inference.sampling import SamplingParams
+from meshd.inference.transport import start_server
 from meshd.mesh import security
+from meshd.mesh.channels import peer_channel_factory
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,37 +65,34 @@ async def _serve_node(args: argparse.Namespace) -> None:
             f"{args.state_dir} has no mesh.secret; write one with security.save_secret"
         )
     credentials = security.load_or_create_node_credentials(args.state_dir, secret, args.node_id)
-    committed: set[str] = set()
-
-    def check_serving(plan_id: str) -> None:
-        if plan_id not in committed:
-            raise PlanNotCommittedError(f"plan {plan_id} is not committed on node {args.node_id}")
-
+    committed = CommittedPlans(args.node_id)
     plane = DataPlane(
         args.node_id,
-        mtls_channel_factory(credentials),
-        check_serving,
+        peer_channel_factory(credentials),
+        committed.check,
         prefill_chunk=args.prefill_chunk,
     )
-    plane.colocated_stages = args.colocated_stages
-    server, port = await start_server(plane, credentials, args.listen)
+    server, port = await start_server(plane.servicer(), credentials, args.listen)
     _emit({"node_id": args.node_id, "port": port})
     try:
         while line := await asyncio.to_thread(sys.stdin.readline):
-            _emit(await _run_command(plane, committed, json.loads(line)))
+            command = json.loads(line)
+            _emit(await _run_command(plane, committed, command, args.colocated_stages))
     finally:
         await plane.close()
         await server.stop(0.5)
 
 
-async def _run_command(plane: DataPlane, committed: set[str], command: dict[str, Any]) -> Any:
+async def _run_command(
+    plane: DataPlane, committed: CommittedPlans, command: dict[str, Any], colocated_stages: int
+) -> Any:
     from google.protobuf.json_format import MessageToDict
 
     try:
         if "install" in command:
             assignment = Assignment.from_dict(command["install"])
             committed.add(assignment.plan_id)
-            await plane.install(assignment)
+            await plane.install(assignment, colocated_stages=colocated_stages)
             return {"installed": assignment.plan_id}
         if "uninstall" in command:
             committed.discard(command["uninstall"])
@@ -146,20 +140,23 @@ async def _generate_one(
         request_id=request_id,
         ignore_eos=spec.get("ignore_eos", False),
     )
-    async for event in stream:
-        if isinstance(event, TokenEvent):
-            texts.append(event.text)
-            continue
-        usage = event.usage
-        return {
-            "finish_reason": event.finish_reason,
-            "error": event.error,
-            "text": "".join(texts) + event.text,
-            **vars(usage),
-            "decode_tokens_per_s": usage.decode_tokens_per_s,
-            "transport_s_per_token": usage.transport_s_per_token,
-        }
-    raise DataPlaneError("the request ended without a final event")
+    try:
+        async for event in stream:
+            if isinstance(event, TokenEvent):
+                texts.append(event.text)
+                continue
+            usage = event.usage
+            return {
+                "finish_reason": event.finish_reason,
+                "error": None,
+                "text": "".join(texts) + event.text,
+                **vars(usage),
+                "decode_tokens_per_s": usage.decode_tokens_per_s,
+                "transport_s_per_token": usage.transport_s_per_token,
+            }
+    except InferenceError as error:
+        return {"finish_reason": "error", "error": f"{error.kind.name}: {error}"}
+    raise RuntimeError("the request ended without a final event")
 
 
 def _emit(payload: Any) -> None:

@@ -1,0 +1,149 @@
+"""What a node is asked to serve: a committed plan as the data plane needs it.
+
+An :class:`Assignment` is the plan id (the epoch every frame carries), the model directory
+and the ordered stages, each a node with its address and its contiguous layer range. Every
+node of the mesh installs the same assignment; a node that holds no stage can still be the
+origin of requests (it needs the tokenizer only).
+
+:func:`check_stage_chain` is the one validator of a chain of pipeline stages (contiguous
+layers from 0, embedding first, head last); anything that chains stages (an assignment, a
+pipeline of loaded stages in one process) checks itself with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class InvalidAssignment(ValueError):
+    """A plan or a chain of stages that cannot be run as a pipeline; the message says why."""
+
+
+class LayerSpan(Protocol):
+    """What :func:`check_stage_chain` reads of a stage."""
+
+    @property
+    def layer_start(self) -> int: ...
+
+    @property
+    def layer_end(self) -> int: ...
+
+    @property
+    def has_embedding(self) -> bool: ...
+
+    @property
+    def has_head(self) -> bool: ...
+
+
+def check_stage_chain(
+    stages: Sequence[LayerSpan], *, num_layers: int | None = None, what: str = "the pipeline"
+) -> None:
+    """Raise InvalidAssignment unless ``stages`` run a whole model in order: contiguous
+    non-empty layer ranges from layer 0 (to ``num_layers`` when given), the first stage alone
+    embeds, the last alone holds the head. ``what`` names the chain in messages."""
+    if not stages:
+        raise InvalidAssignment(f"{what} has no stages")
+    if not stages[0].has_embedding or not stages[-1].has_head:
+        raise InvalidAssignment(f"{what}: the first stage must embed and the last hold the head")
+    if any(s.has_embedding for s in stages[1:]) or any(s.has_head for s in stages[:-1]):
+        raise InvalidAssignment(f"{what}: only the first stage embeds, only the last has a head")
+    expected = 0
+    for index, stage in enumerate(stages):
+        if stage.layer_start != expected or stage.layer_end <= stage.layer_start:
+            raise InvalidAssignment(
+                f"{what}: stage {index} holds layers [{stage.layer_start}, {stage.layer_end}), "
+                f"expected a non-empty range from layer {expected}"
+            )
+        expected = stage.layer_end
+    if num_layers is not None and expected != num_layers:
+        raise InvalidAssignment(
+            f"{what}: the stages end at layer {expected} but the model has {num_layers} layers"
+        )
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage of an assignment: which node holds which layers, and where to reach it."""
+
+    node_id: str
+    address: str
+    layer_start: int
+    layer_end: int
+    has_embedding: bool
+    has_head: bool
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A committed plan as the data plane needs it: its id, the model and the ordered stages."""
+
+    plan_id: str
+    model_dir: Path
+    stages: tuple[StageSpec, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_dir", Path(self.model_dir))
+        object.__setattr__(self, "stages", tuple(self.stages))
+        if not self.plan_id:
+            raise InvalidAssignment("an assignment needs a plan id (the epoch its frames carry)")
+        what = f"plan {self.plan_id}"
+        check_stage_chain(self.stages, what=what)
+        nodes = self.node_ids
+        if len(set(nodes)) != len(nodes):
+            raise InvalidAssignment(f"{what}: a node holds more than one stage ({list(nodes)})")
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        return tuple(stage.node_id for stage in self.stages)
+
+    def stage_index(self, node_id: str) -> int | None:
+        """Index of the stage ``node_id`` holds, or None."""
+        return next((i for i, s in enumerate(self.stages) if s.node_id == node_id), None)
+
+    def address_of(self, node_id: str) -> str | None:
+        """The data-plane address of a stage's node, or None for a node that holds none."""
+        index = self.stage_index(node_id)
+        return None if index is None else self.stages[index].address
+
+    @classmethod
+    def from_plan(cls, plan: Any, model_dir: Path, addresses: Mapping[str, str]) -> Assignment:
+        """From a :class:`partitioner.plan.Plan` and the peers' data-plane addresses."""
+        stages = []
+        for stage in plan.stages:
+            if len(stage.nodes) != 1:
+                raise InvalidAssignment(
+                    f"plan {plan.plan_id[:12]} has a tensor-parallel stage {stage.nodes}; the "
+                    "data plane runs pipeline stages of one node each"
+                )
+            node = stage.nodes[0]
+            if node not in addresses:
+                raise InvalidAssignment(f"no address known for node {node} of plan {plan.plan_id}")
+            stages.append(
+                StageSpec(
+                    node_id=node,
+                    address=addresses[node],
+                    layer_start=stage.layer_start,
+                    layer_end=stage.layer_end,
+                    has_embedding=stage.has_embedding,
+                    has_head=stage.has_head,
+                )
+            )
+        return cls(plan_id=plan.plan_id, model_dir=Path(model_dir), stages=tuple(stages))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "plan_id": self.plan_id,
+            "model_dir": str(self.model_dir),
+            "stages": [vars(stage).copy() for stage in self.stages],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Assignment:
+        return cls(
+            plan_id=data["plan_id"],
+            model_dir=Path(data["model_dir"]),
+            stages=tuple(StageSpec(**stage) for stage in data["stages"]),
+        )

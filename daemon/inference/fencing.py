@@ -1,0 +1,49 @@
+"""Fencing: which plans a node serves, as the data plane asks for every frame.
+
+The data plane takes one fencing callable, ``check_serving(plan_id)``, that raises (with a
+message naming the plan and the node) when the plan is not committed here. It is called on
+the asyncio thread for every Start, Activation and Token, so it must be cheap and must never
+look into state another thread is changing. :class:`CommittedPlans` is that callable's one
+implementation: an immutable set of plan ids that its owner replaces as a whole (the daemon's
+plan installer after every agreement step, a test, or the stage process of the benchmarks),
+so a reader on another thread sees either the old set or the new one, never half a change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from meshd.agreement.contract import PlanNotCommittedError
+
+FenceCheck = Callable[[str], None]
+
+
+class CommittedPlans:
+    """The plan ids ``node_id`` serves; :meth:`check` is the data plane's fencing callable."""
+
+    def __init__(self, node_id: str, plan_ids: Iterable[str] = ()) -> None:
+        self.node_id = node_id
+        self._plans: frozenset[str] = frozenset(plan_ids)
+
+    @property
+    def plans(self) -> frozenset[str]:
+        return self._plans
+
+    def replace(self, plan_ids: Iterable[str]) -> None:
+        """Serve exactly ``plan_ids`` from now on (one reference swap: safe across threads)."""
+        self._plans = frozenset(plan_ids)
+
+    def add(self, plan_id: str) -> None:
+        self._plans = self._plans | {plan_id}
+
+    def discard(self, plan_id: str) -> None:
+        self._plans = self._plans - {plan_id}
+
+    def __contains__(self, plan_id: object) -> bool:
+        return plan_id in self._plans
+
+    def check(self, plan_id: str) -> None:
+        """Raise the agreement's PlanNotCommittedError unless ``plan_id`` is served here."""
+        plans = self._plans
+        if plan_id not in plans:
+            raise PlanNotCommittedError.for_plan(plan_id, self.node_id, plans)

@@ -1,0 +1,73 @@
+"""The data plane's frames (``proto/dataplane.proto``) to and from the stage core's values.
+
+One conversion each way for every value that crosses the wire: a request's Start, the kinds
+of Failure and the finish of a Token. The origin builds Starts with it, the stage runtime
+reads them with it, so no field list is copied by hand.
+"""
+
+from __future__ import annotations
+
+from meshd.inference.sampling import sampling_from_message, sampling_to_message
+from meshd.inference.stage_events import FailureKind, Finish, RequestStart
+from meshd.wire import dataplane_pb2 as dp
+
+_FAILURE_TO_WIRE: dict[FailureKind, int] = {
+    kind: dp.FailureKind.Value(f"FAILURE_{kind.name}") for kind in FailureKind
+}
+_FAILURE_FROM_WIRE: dict[int, FailureKind] = {wire: kind for kind, wire in _FAILURE_TO_WIRE.items()}
+_FINISH_TO_WIRE: dict[Finish, int] = {
+    finish: dp.FinishReason.Value(f"FINISH_{finish.name}") for finish in Finish
+}
+_FINISH_FROM_WIRE: dict[int, Finish] = {wire: finish for finish, wire in _FINISH_TO_WIRE.items()}
+
+
+def start_to_proto(start: RequestStart) -> dp.Start:
+    if start.sampling is None:
+        raise ValueError(f"a Start with invalid sampling settings cannot be sent: {start.invalid}")
+    return dp.Start(
+        origin_node_id=start.origin,
+        prompt_tokens=start.prompt,
+        prompt_length=start.prompt_length,
+        sampling=sampling_to_message(start.sampling, dp.Sampling()),
+        eos_token_ids=sorted(start.eos_ids),
+        prefill_chunk=start.prefill_chunk,
+        return_logits=start.return_logits,
+        generated_tokens=start.generated,
+    )
+
+
+def start_from_proto(message: dp.Start) -> RequestStart:
+    """The Start's values. Invalid sampling settings are not an exception here: they are
+    marked (``invalid``) for the stage core, which refuses them after checking the sender."""
+    try:
+        sampling, invalid = sampling_from_message(message.sampling), None
+    except ValueError as error:
+        sampling, invalid = None, str(error)
+    return RequestStart(
+        origin=message.origin_node_id,
+        prompt=tuple(message.prompt_tokens),
+        prompt_length=message.prompt_length,
+        sampling=sampling,
+        invalid=invalid,
+        eos_ids=frozenset(message.eos_token_ids),
+        prefill_chunk=message.prefill_chunk,
+        return_logits=message.return_logits,
+        generated=tuple(message.generated_tokens),
+    )
+
+
+def failure_to_proto(kind: FailureKind) -> int:
+    return _FAILURE_TO_WIRE[kind]
+
+
+def failure_from_proto(wire: int) -> FailureKind:
+    """Unknown values (a newer peer) read as INTERNAL."""
+    return _FAILURE_FROM_WIRE.get(wire, FailureKind.INTERNAL)
+
+
+def finish_to_proto(finish: Finish) -> int:
+    return _FINISH_TO_WIRE[finish]
+
+
+def finish_from_proto(wire: int) -> Finish:
+    return _FINISH_FROM_WIRE.get(wire, Finish.NONE)

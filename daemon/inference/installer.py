@@ -1,0 +1,305 @@
+"""The plan installer: turns the agreement's committed plans into running stages.
+
+The agreement (:mod:`meshd.agreement.service`) says which plan is committed; this component
+applies each change, one at a time and in order, on the trio thread: a committed plan is
+installed on the data plane (this node fetches its part of the model from a peer if it has
+no copy, then loads only its own layers on the compute thread), a withdrawn one is
+uninstalled (its running requests end with the agreement's reason), and a draining one is
+released as soon as no request runs on it here.
+
+What it shares with the asyncio thread, and how (nothing else crosses):
+
+* :class:`ServingSnapshot` (the plans this node serves, the active one, the model, why there
+  is none) is immutable; the installer replaces it after every agreement step, and
+  :class:`meshd.inference.fencing.CommittedPlans` (the data plane's fencing) with it.
+* :class:`InstallProgress` (which plans are loaded here, which failed and why) lives on the
+  asyncio thread; the installer changes it only through the bridge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from meshd.agreement.contract import PlanChange, PlanSource
+from meshd.inference.assignment import Assignment
+from meshd.inference.dataplane import DataPlane
+from meshd.inference.fencing import CommittedPlans
+from meshd.mesh.membership import EventLog, Membership
+from meshd.models.share import FETCH_TIMEOUT_S, PartSpec, mark_used, prune_parts, receive_part
+from meshd.runtime.bridge import AsyncioThread
+from meshd.wire import pb
+
+log = logging.getLogger("meshd.inference")
+
+DRAIN_CHECK_S = 0.5
+
+
+@dataclass(frozen=True)
+class ServingSnapshot:
+    """What the asyncio side may read of the agreement: the plans served here, the active
+    one, the selected model, and why no plan is active (when none is)."""
+
+    serving: frozenset[str] = frozenset()
+    active: str = ""
+    model: str = ""
+    refusal: str = ""
+
+
+class InstallProgress:
+    """Which plans this node has loaded, and which it cannot serve (and why).
+
+    Asyncio thread only: the installer reaches it through the bridge, the request router
+    waits on it.
+    """
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, asyncio.Event] = {}
+        self._failures: dict[str, str] = {}
+
+    def loaded(self, plan_id: str) -> asyncio.Event:
+        """Set once ``plan_id`` is loaded here."""
+        return self._loaded.setdefault(plan_id, asyncio.Event())
+
+    def failure(self, plan_id: str) -> str | None:
+        """Why this node cannot serve ``plan_id``, if it cannot."""
+        return self._failures.get(plan_id)
+
+    async def mark_loaded(self, plan_id: str) -> None:
+        self.loaded(plan_id).set()
+
+    async def mark_failed(self, plan_id: str, reason: str) -> None:
+        self._failures[plan_id] = reason
+
+    async def forget(self, plan_id: str) -> None:
+        self._loaded.pop(plan_id, None)
+        self._failures.pop(plan_id, None)
+
+
+class PlanInstaller:
+    """Installs committed plans on this node's data plane and uninstalls withdrawn ones."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        agreement: PlanSource,
+        bridge: AsyncioThread,
+        events: EventLog,
+        plane: DataPlane,
+        committed: CommittedPlans,
+        resolve_model_dir: Callable[[pb.ModelSelection], Path],
+        parts_root: Path,
+    ) -> None:
+        self._membership = membership
+        self._agreement = agreement
+        self._bridge = bridge
+        self._events = events
+        self._plane = plane
+        self._committed = committed
+        self._resolve_model_dir = resolve_model_dir
+        self._parts_root = parts_root
+        self._plan_parts: dict[str, Path] = {}  # plan id -> the fetched part it runs on
+        self.snapshot = ServingSnapshot()
+        self.progress = InstallProgress()
+
+    def _refresh_snapshot(self) -> None:
+        served = self._agreement.served()
+        selection = self._agreement.selection
+        self.snapshot = ServingSnapshot(
+            served.ids,
+            served.active,
+            selection.name if selection else "",
+            self._agreement.last_refusal or "",
+        )
+        self._committed.replace(served.ids)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Apply the agreement's changes in order; start it before the agreement runs, so
+        that no change is published before this subscribes."""
+        feed = self._agreement.changes
+        with feed.subscribe() as changes, feed.subscribe() as fencing_updates:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._release_drained)
+                nursery.start_soon(self._follow_fencing, fencing_updates)
+                self._refresh_snapshot()
+                task_status.started()
+                async for change in changes:
+                    self._refresh_snapshot()
+                    await self._apply(change)
+
+    async def _follow_fencing(self, updates: trio.MemoryReceiveChannel[PlanChange]) -> None:
+        """Fencing follows every change at once, also while an install is still loading
+        (a plan withdrawn meanwhile must be refused now, not once the load is done)."""
+        async for _ in updates:
+            self._refresh_snapshot()
+
+    async def _apply(self, change: PlanChange) -> None:
+        if change.kind == "committed" and change.plan is not None:
+            await self._install(change)
+        elif change.kind == "withdrawn":
+            await self._bridge.run(self._plane.uninstall, change.plan_id, change.reason)
+            await self._bridge.run(self.progress.forget, change.plan_id)
+            self._plan_parts.pop(change.plan_id, None)
+
+    async def _install(self, change: PlanChange) -> None:
+        plan = change.plan
+        assert plan is not None
+        selection = self._agreement.selection
+        if selection is None:
+            return
+        try:
+            model_dir = await self._model_dir_or_fetch(selection, plan)
+            if model_dir.parent == self._parts_root:
+                self._plan_parts[plan.plan_id] = model_dir
+                await trio.to_thread.run_sync(mark_used, model_dir)
+            assignment = Assignment.from_plan(plan, model_dir, self._addresses())
+            colocated = self._colocated_stages(plan)
+            await self._bridge.run(_install, self._plane, assignment, colocated)
+        except Exception as exc:
+            reason = f"cannot serve plan {plan.plan_id[:12]} here: {exc}"
+            await self._bridge.run(self.progress.mark_failed, plan.plan_id, reason)
+            await self._bridge.run(_record_load_failure, self._plane, plan.plan_id, str(exc))
+            self._events.add("%s", reason, level=logging.ERROR)
+            return
+        await self._bridge.run(self.progress.mark_loaded, plan.plan_id)
+        stage = plan.stage_of(self._membership.identity.node_id)
+        where = (
+            f"layers {plan.stages[stage].layer_start}-{plan.stages[stage].layer_end - 1}"
+            if stage is not None
+            else "no layers (origin only)"
+        )
+        self._events.add("plan %s ready here: %s of %s", plan.plan_id[:12], where, selection.name)
+        await self._prune_parts()
+
+    async def _model_dir_or_fetch(self, selection: pb.ModelSelection, plan: Any) -> Path:
+        """This node's copy of the model, or its part fetched from a peer that has one."""
+        from meshd.models.store import UnknownModel
+
+        try:
+            return self._resolve_model_dir(selection)
+        except (UnknownModel, FileNotFoundError):
+            pass
+        part = self._part_for(selection, plan)
+        dest = self._parts_root / part.folder_name
+        if dest.is_dir():
+            return dest
+        holders = sorted(
+            (rec for rec in self._membership.alive_peers() if rec.stub is not None),
+            key=lambda rec: (rec.node_id != selection.set_by, rec.node_id),
+        )
+        failures = []
+        for record in holders:
+            started = time.monotonic()
+            try:
+                received = await self._bridge.run(_fetch_part, record.stub, part, dest)
+            except Exception as exc:
+                failures.append(f"{record.node_id}: {exc}")
+                continue
+            self._events.add(
+                "fetched %s of %s from %s: %.1f MB in %.1f s",
+                _describe_part(part),
+                part.name,
+                record.node_id,
+                received / 1e6,
+                time.monotonic() - started,
+            )
+            return dest
+        raise RuntimeError(
+            f"model {selection.name} is not on this node and no peer could send its part ("
+            + ("; ".join(failures) or "no peer is connected")
+            + ")"
+        )
+
+    async def _prune_parts(self) -> None:
+        """Delete fetched parts no installed plan uses (see `meshd.models.share`).
+
+        Run after an install, not when a plan is withdrawn: a lost member withdraws the plan
+        first and the next plan, which may need that very part, is committed a moment later.
+        """
+        in_use = list(self._plan_parts.values())
+        deleted = await trio.to_thread.run_sync(prune_parts, self._parts_root, in_use)
+        for path in deleted:
+            self._events.add("deleted model part %s: no plan uses it", path.name)
+
+    def _part_for(self, selection: pb.ModelSelection, plan: Any) -> PartSpec:
+        node = self._membership.identity.node_id
+        index = plan.stage_of(node)
+        if index is None:  # origin only: config and tokenizer
+            return PartSpec(selection.name, selection.digest, 0, 0, False, False)
+        stage = plan.stages[index]
+        return PartSpec(
+            selection.name,
+            selection.digest,
+            stage.layer_start,
+            stage.layer_end,
+            stage.has_embedding,
+            stage.has_head,
+        )
+
+    def _colocated_stages(self, plan: Any) -> int:
+        """Stages of `plan` on this machine (same machine fingerprint), this node included."""
+        own = self._membership.profile.fingerprint
+        if not own:
+            return 1
+        fingerprints = {self._membership.identity.node_id: own}
+        for record in self._membership.alive_peers():
+            if record.state is not None:
+                fingerprints[record.node_id] = record.state.profile.fingerprint
+        return max(1, sum(1 for node in plan.nodes if fingerprints.get(node) == own))
+
+    def _addresses(self) -> dict[str, str]:
+        addresses = {rec.node_id: rec.address for rec in self._membership.alive_peers()}
+        own = self._membership.identity.node_id
+        addresses[own] = f"127.0.0.1:{self._membership.grpc_port}"
+        return addresses
+
+    async def _release_drained(self) -> None:
+        """Let the agreement drop a replaced plan once no request runs on it here."""
+        while True:
+            await trio.sleep(DRAIN_CHECK_S)
+            for plan_id in self._agreement.served().draining:
+                busy = await self._bridge.run(_count, self._plane, plan_id)
+                if busy == 0:
+                    self._agreement.release(plan_id)
+
+
+async def _install(plane: DataPlane, assignment: Assignment, colocated: int) -> None:
+    await plane.install(assignment, colocated_stages=colocated)
+
+
+async def _fetch_part(stub: Any, part: PartSpec, dest: Path) -> int:
+    """asyncio side: stream the part from the peer into `dest`."""
+    call = stub.FetchModelPart(part.to_request(), timeout=FETCH_TIMEOUT_S)
+    return await receive_part(call, dest)
+
+
+def _describe_part(part: PartSpec) -> str:
+    if part.layer_end <= part.layer_start:
+        return "the config and tokenizer"
+    return f"layers {part.layer_start}-{part.layer_end - 1}"
+
+
+async def _record_load_failure(plane: DataPlane, plan_id: str, reason: str) -> None:
+    plane.record_load_failure(plan_id, reason)
+
+
+async def _count(plane: DataPlane, plan_id: str) -> int:
+    return plane.active_requests(plan_id)
+
+
+def model_dir_for(selection: pb.ModelSelection, own_model: str | None, store_root: Path) -> Path:
+    """Where this node keeps the selected model: its own --model directory, or its store."""
+    from meshd.models.store import ModelStore
+
+    if own_model:
+        path = Path(own_model).expanduser()
+        if path.is_dir() and path.name == selection.name:
+            return path
+    return ModelStore(store_root).model_dir(selection.name)

@@ -1,0 +1,227 @@
+"""The request router: a client's Generate or Chat, from the local API to the data plane.
+
+It runs on the asyncio thread, where the API handlers and the data plane live. For each
+request it validates the input (nothing is sent for bad input), picks the plan (the one the
+client names, or the active one; fencing: a plan this node has not committed is refused),
+waits (bounded) while this node is still loading it, tokenizes (with the chat template for a
+chat), and streams the data plane's events, first announcing the plan that serves the
+request (:class:`Routed`). A request started on a plan finishes on it even when a newer plan
+is committed meanwhile (the old one drains). Before its first token, a request that meets a
+stage still loading its layers is started again until the stage has loaded, and one that
+meets a stage that has moved to a newer plan is started again on the plan this node serves
+by then (a few times at most). After its first token, a failure ends the request.
+
+Every failure is an :class:`meshd.inference.errors.InferenceError`, raised before the first
+event or from the event stream; the API maps its kind to a status in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from meshd.inference.dataplane import DataPlane
+from meshd.inference.errors import ErrorKind, InferenceError
+from meshd.inference.installer import InstallProgress, ServingSnapshot
+from meshd.inference.origin import FinalEvent, TokenEvent
+from meshd.inference.sampling import SamplingParams, sampling_from_message
+from meshd.wire import pb
+
+INSTALL_WAIT_S = 120.0
+STAGE_LOADING_RETRY_S = 0.25
+PLAN_PICK_ATTEMPTS = 3
+PLAN_MOVES = 3  # restarts of a request whose stage moved to a newer plan before its first token
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Routed:
+    """First event of a request: the plan (epoch) and model that serve it."""
+
+    plan_id: str
+    model: str
+    prompt_tokens: int = 0
+
+
+Messages = Sequence[Mapping[str, Any]]
+Tools = Sequence[Mapping[str, Any]] | None
+
+
+class RequestRouter:
+    """Routes this node's clients' requests to a committed plan on the data plane."""
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        serving: Callable[[], ServingSnapshot],
+        progress: InstallProgress,
+    ) -> None:
+        self._plane = plane
+        self._serving = serving
+        self._progress = progress
+
+    async def generate(
+        self,
+        *,
+        prompt: str | None,
+        messages: Messages | None,
+        sampling: pb.Sampling,
+        model: str,
+        plan_id: str,
+        chat_template: bool,
+        tools: Tools = None,
+    ) -> AsyncIterator[Routed | TokenEvent | FinalEvent]:
+        """Validate, pick the plan, tokenize and stream events (asyncio thread).
+
+        Before its first token, a request is started again (bounded) when a stage is still
+        loading, or, unless the client named the plan, when a stage has moved to a newer
+        plan: then it goes to the plan this node serves by then, and a second
+        :class:`Routed` names it.
+        """
+        params = sampling_params(sampling)
+        if messages is None:
+            if not prompt or not prompt.strip():
+                raise InferenceError(ErrorKind.BAD_INPUT, "the prompt is empty; give some text")
+        else:
+            check_messages(messages)
+        deadline = time.monotonic() + INSTALL_WAIT_S
+        moves = 0
+        while True:
+            snapshot, chosen, tokens = await self._route(
+                model, plan_id, prompt, messages, chat_template, tools
+            )
+            yield Routed(chosen, snapshot.model, len(tokens))
+            started = False
+            try:
+                request_id = secrets.token_hex(8)
+                async with contextlib.aclosing(
+                    self._plane.generate(chosen, tokens, params, request_id=request_id)
+                ) as events:
+                    async for event in events:
+                        started = True
+                        yield event
+                return
+            except InferenceError as exc:
+                if started or time.monotonic() >= deadline:
+                    raise
+                moved = exc.kind is ErrorKind.NO_PLAN and not plan_id and moves < PLAN_MOVES
+                if exc.kind is not ErrorKind.LOADING and not moved:
+                    raise
+                moves += moved
+            await asyncio.sleep(STAGE_LOADING_RETRY_S)
+
+    async def _route(
+        self,
+        model: str,
+        plan_id: str,
+        prompt: str | None,
+        messages: Messages | None,
+        chat_template: bool,
+        tools: Tools,
+    ) -> tuple[ServingSnapshot, str, list[int]]:
+        """The plan a request runs on, once loaded here, and the prompt's tokens for it."""
+        for attempt in range(PLAN_PICK_ATTEMPTS):
+            snapshot, chosen = self._pick_plan(model, plan_id)
+            try:
+                await self._wait_loaded(chosen)
+                tokens = self._encode(chosen, prompt, messages, chat_template, tools)
+                return snapshot, chosen, tokens
+            except InferenceError as exc:
+                # The plan was replaced and released between picking and tokenizing: pick the
+                # new active plan, unless the client asked for this one.
+                last = attempt == PLAN_PICK_ATTEMPTS - 1
+                if exc.kind is not ErrorKind.NO_PLAN or plan_id or last:
+                    raise
+        raise AssertionError("unreachable: the last attempt raises")
+
+    def _pick_plan(self, model: str, plan_id: str) -> tuple[ServingSnapshot, str]:
+        """The plan a new request runs on (the one asked for, or the active one), or why none."""
+        snapshot = self._serving()
+        if model and snapshot.model and model != snapshot.model:
+            raise InferenceError(
+                ErrorKind.UNKNOWN_MODEL,
+                f"model {model!r} is not loaded in this mesh (it runs {snapshot.model!r}); "
+                "select it first with `meshd load`",
+            )
+        chosen = plan_id or snapshot.active
+        if not chosen:
+            reason = snapshot.refusal or "the mesh has not agreed on a plan yet"
+            if not snapshot.model:
+                reason = "no model is selected; load one with `meshd load MODEL`"
+            raise InferenceError(ErrorKind.NO_PLAN, f"no committed plan: {reason}")
+        if chosen not in snapshot.serving:
+            raise InferenceError(
+                ErrorKind.NO_PLAN,
+                f"plan {chosen[:12]} is not committed on this node; the active plan is "
+                f"{snapshot.active[:12] or 'none'}",
+            )
+        return snapshot, chosen
+
+    def _encode(
+        self,
+        plan_id: str,
+        prompt: str | None,
+        messages: Messages | None,
+        chat_template: bool,
+        tools: Tools = None,
+    ) -> list[int]:
+        if tools and not self._plane.tokenizer(plan_id).has_tool_calling:
+            raise InferenceError(
+                ErrorKind.BAD_INPUT,
+                f"the chat template of {self._serving().model} does not support tools; "
+                "send the request without tools",
+            )
+        if messages is not None:
+            return self._plane.encode_chat(plan_id, messages, tools)
+        if chat_template:
+            return self._plane.encode_chat(plan_id, [{"role": "user", "content": prompt or ""}])
+        return list(self._plane.tokenizer(plan_id).encode(prompt or ""))
+
+    async def _wait_loaded(self, plan_id: str) -> None:
+        """Until this node has loaded ``plan_id`` (bounded); NO_PLAN if it stops serving it."""
+        loaded = self._progress.loaded(plan_id)
+        deadline = time.monotonic() + INSTALL_WAIT_S
+        while not loaded.is_set():
+            failure = self._progress.failure(plan_id)
+            if failure is not None:
+                raise InferenceError(ErrorKind.UNAVAILABLE, failure)
+            if plan_id not in self._serving().serving:
+                raise InferenceError(
+                    ErrorKind.NO_PLAN, f"plan {plan_id[:12]} was withdrawn before it was loaded"
+                )
+            if time.monotonic() >= deadline:
+                raise InferenceError(
+                    ErrorKind.UNAVAILABLE,
+                    f"plan {plan_id[:12]} is still loading its model; retry shortly",
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(loaded.wait(), STAGE_LOADING_RETRY_S)
+
+
+def sampling_params(sampling: pb.Sampling) -> SamplingParams:
+    """The request's sampling settings, validated (bad values: BAD_INPUT)."""
+    try:
+        return sampling_from_message(sampling)
+    except (TypeError, ValueError) as exc:
+        raise InferenceError(ErrorKind.BAD_INPUT, str(exc)) from exc
+
+
+def check_messages(messages: Messages) -> None:
+    def bad(message: str) -> InferenceError:
+        return InferenceError(ErrorKind.BAD_INPUT, message)
+
+    if not messages:
+        raise bad("a chat needs at least one message")
+    for i, message in enumerate(messages):
+        role = message.get("role", "")
+        if role not in ROLES:
+            raise bad(f"message {i} has role {role!r}; use one of {', '.join(ROLES)}")
+        if not (message.get("content") or "").strip() and not message.get("tool_calls"):
+            raise bad(f"message {i} ({role}) has no content")
+    if messages[-1]["role"] == "assistant":
+        raise bad("the last message is from the assistant; end with a user message")

@@ -1,0 +1,323 @@
+"""The stage runtime: carries out what the pure stage core decides.
+
+:class:`meshd.inference.stage_core.StageCore` decides; this runs it on the asyncio thread:
+it reads Start/Activation/Token/End frames into core events (with the agreement's fencing
+verdict for each), sends the frames the core's actions name, frees caches on the compute
+thread, and keeps the compute thread fed: the core's next steps go to it
+(:func:`meshd.inference.engine.run_step`), at most ``QUEUED_STEPS`` at a time, and each
+result comes back here. So each decision about what runs next is taken late, the order of a
+request's steps is the core's, and the compute thread does not wait for this loop between
+two steps (of different requests, or of one request on a single stage). Frames that carry
+hidden states on are built on the compute thread too, off this loop.
+
+Cores: stages of one plan on the same machine (the daemon knows from the peers' machine
+fingerprints) take turns while one request runs, so each may use every core; with several
+requests in flight they compute at the same time, and each then uses its share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from meshd.inference.assignment import Assignment
+from meshd.inference.engine import StageEngine, run_step
+from meshd.inference.fencing import FenceCheck
+from meshd.inference.frames import (
+    failure_to_proto,
+    finish_from_proto,
+    finish_to_proto,
+    start_from_proto,
+    start_to_proto,
+)
+from meshd.inference.stage_core import StageCore
+from meshd.inference.stage_events import (
+    Action,
+    ActivationFrame,
+    ComputeFailed,
+    EndFrame,
+    FailureKind,
+    Hidden,
+    Release,
+    SendActivation,
+    SendFailure,
+    SendToken,
+    StartFrame,
+    StepResult,
+    TokenFrame,
+    Work,
+)
+from meshd.inference.transport import Transport, describe_error
+from meshd.runtime.compute import ComputeExecutor
+from meshd.wire import dataplane_pb2 as dp
+
+log = logging.getLogger("meshd.dataplane")
+
+# Steps on the compute thread at once (running + waiting), each of another request: the next
+# one waits there, so the thread goes on without waiting for this loop to hand it out, and the
+# choice of what runs next is still made no more than one step ahead.
+QUEUED_STEPS = 2
+
+
+@dataclass(eq=False)
+class _Stage:
+    """One plan's stage on this node, as the runtime needs it."""
+
+    assignment: Assignment
+    engine: StageEngine | None
+    colocated_stages: int
+    cached: set[str] = field(default_factory=set)  # requests whose KV caches the engine holds
+    addresses: dict[str, str] = field(init=False)  # node -> data-plane address, per stage
+
+    def __post_init__(self) -> None:
+        self.addresses = {spec.node_id: spec.address for spec in self.assignment.stages}
+
+
+class StageRuntime:
+    """This node's stages of every installed plan: frames in, steps computed, frames out."""
+
+    def __init__(
+        self,
+        node_id: str,
+        transport: Transport,
+        compute: ComputeExecutor,
+        check_serving: FenceCheck,
+        *,
+        max_requests: int = 64,
+        idle_timeout_s: float = 600.0,
+    ) -> None:
+        self.node_id = node_id
+        self.core = StageCore(node_id, max_requests=max_requests, idle_timeout_s=idle_timeout_s)
+        self._transport = transport
+        self._compute = compute
+        self._check_serving = check_serving
+        self._stages: dict[str, _Stage] = {}
+        self._queued_steps = 0  # steps submitted to the compute thread, not yet back
+        self._sweeper: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ plans
+
+    def add_plan(
+        self, assignment: Assignment, engine: StageEngine | None, colocated_stages: int
+    ) -> None:
+        """A plan is being installed; frames for it are answered NOT_LOADED until loaded."""
+        self._stages[assignment.plan_id] = _Stage(assignment, engine, max(1, colocated_stages))
+        self.core.add_plan(assignment)
+        self._start_sweeper()
+
+    def plan_loaded(self, plan_id: str) -> None:
+        self.core.plan_loaded(plan_id)
+
+    def plan_failed(self, plan_id: str, reason: str) -> None:
+        self._carry_out(self.core.plan_failed(plan_id, reason))
+        self._stages.pop(plan_id, None)
+
+    async def remove_plan(self, plan_id: str, reason: str) -> None:
+        """End the plan's requests here (their origins get ``reason``), free their caches and
+        unload the stage's weights."""
+        self._carry_out(self.core.remove_plan(plan_id, reason))
+        stage = self._stages.pop(plan_id, None)
+        if stage is not None and stage.engine is not None and not self._compute.closed:
+            with contextlib.suppress(RuntimeError):
+                await self._compute.run(stage.engine.unload)
+
+    def caches_held(self, plan_id: str) -> int:
+        """Requests whose KV caches this node's stage of ``plan_id`` holds."""
+        stage = self._stages.get(plan_id)
+        return len(stage.cached) if stage is not None else 0
+
+    # ------------------------------------------------------------ frames
+
+    def on_start(self, sender: str, frame: dp.Frame) -> None:
+        start = start_from_proto(frame.start)
+        event = StartFrame(sender, frame.plan_id, frame.request_id, start)
+        self._carry_out(self.core.on_start(event, self._fence(frame.plan_id), time.monotonic()))
+        self._pump()
+
+    def on_activation(self, sender: str, frame: dp.Frame) -> None:
+        activation = frame.activation
+        start = start_from_proto(activation.start) if activation.HasField("start") else None
+        event = ActivationFrame(
+            sender,
+            frame.plan_id,
+            frame.request_id,
+            activation.step,
+            activation,
+            activation.compute_s,
+            start,
+        )
+        now = time.monotonic()
+        self._carry_out(self.core.on_activation(event, self._fence(frame.plan_id), now))
+        self._pump()
+
+    def on_token(self, sender: str, frame: dp.Frame) -> None:
+        token = frame.token
+        event = TokenFrame(
+            sender,
+            frame.plan_id,
+            frame.request_id,
+            token.token_id,
+            token.index,
+            finish_from_proto(token.finish),
+        )
+        now = time.monotonic()
+        self._carry_out(self.core.on_token(event, self._fence(frame.plan_id), now))
+        self._pump()
+
+    def on_end(self, sender: str, frame: dp.Frame) -> None:
+        event = EndFrame(sender, frame.plan_id, frame.request_id)
+        self._carry_out(self.core.on_end(event))
+
+    def on_peer_lost(self, peer: str, reason: str) -> None:
+        self._carry_out(self.core.on_peer_lost(peer, reason))
+
+    def _fence(self, plan_id: str) -> str | None:
+        """The agreement's verdict: None when ``plan_id`` is committed here, else why not."""
+        try:
+            self._check_serving(plan_id)
+        except Exception as error:
+            return str(error) or type(error).__name__
+        return None
+
+    # ------------------------------------------------------------ actions
+
+    def _carry_out(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, SendActivation):
+                self._send_activation(action)
+            elif isinstance(action, SendToken):
+                self._send_token(action)
+            elif isinstance(action, SendFailure):
+                self._send_failure(action)
+            elif isinstance(action, Release):
+                self._release(action)
+
+    def _send_activation(self, action: SendActivation) -> None:
+        stage = self._stages.get(action.plan_id)
+        frame: dp.Frame = action.payload  # built on the compute thread (_step_job)
+        if action.start is not None:
+            frame.activation.start.CopyFrom(start_to_proto(action.start))
+        address = stage.addresses.get(action.to) if stage is not None else None
+        if address is None or not self._transport.send(action.to, address, frame):
+            self._unreachable(action.plan_id, action.request_id, action.to)
+
+    def _send_token(self, action: SendToken) -> None:
+        stage = self._stages.get(action.plan_id)
+        token = dp.Token(
+            token_id=action.token_id,
+            index=action.index,
+            finish=finish_to_proto(action.finish),
+            compute_s=action.compute_s,
+            logits=action.logits,
+        )
+        frame = dp.Frame(plan_id=action.plan_id, request_id=action.request_id, token=token)
+        for node in action.to:
+            address = stage.addresses.get(node) if stage is not None else None
+            if not self._transport.route(node, address, frame) and address is not None:
+                self._unreachable(action.plan_id, action.request_id, node)
+
+    def _send_failure(self, action: SendFailure) -> None:
+        stage = self._stages.get(action.plan_id)
+        failure = dp.Failure(
+            kind=failure_to_proto(action.kind), node_id=self.node_id, message=action.message
+        )
+        frame = dp.Frame(plan_id=action.plan_id, request_id=action.request_id, failure=failure)
+        address = stage.addresses.get(action.to) if stage is not None else None
+        self._transport.route(action.to, address, frame)
+
+    def _unreachable(self, plan_id: str, request_id: str, node: str) -> None:
+        self._carry_out(self.core.on_unreachable(plan_id, request_id, node))
+
+    def _release(self, action: Release) -> None:
+        """Free the request's caches after its queued step (the compute thread is FIFO)."""
+        stage = self._stages.get(action.plan_id)
+        if stage is None or stage.engine is None or self._compute.closed:
+            return
+        done = self._compute.submit(stage.engine.release, action.request_id)
+        done.add_done_callback(partial(self._released, stage, action.request_id))
+
+    def _released(self, stage: _Stage, request_id: str, future: asyncio.Future[None]) -> None:
+        stage.cached.discard(request_id)
+        if not future.cancelled() and future.exception() is not None:
+            log.error("freeing the caches of %s failed", request_id, exc_info=future.exception())
+
+    # ------------------------------------------------------------ compute
+
+    def _pump(self) -> None:
+        """Give the compute thread the core's next step, if it is idle and one is ready."""
+        while self._queued_steps < QUEUED_STEPS and not self._closed and not self._compute.closed:
+            batch = self.core.next_batch(time.monotonic())
+            if not batch:
+                return
+            (work,) = batch
+            stage = self._stages.get(work.plan_id)
+            if stage is None or stage.engine is None:
+                reason = ComputeFailed(FailureKind.INTERNAL, "this node holds no loaded stage")
+                self._carry_out(self.core.on_computed(work, reason, time.monotonic()))
+                continue
+            busy = self.core.total_open_requests() > 1
+            share = stage.colocated_stages if busy else 1
+            self._queued_steps += 1
+            then = partial(self._computed, stage, work)
+            self._compute.submit_then(_step_job, (stage.engine, work, share), then)
+
+    def _computed(self, stage: _Stage, work: Work, future: Future[StepResult]) -> None:
+        self._queued_steps -= 1
+        result: StepResult
+        if future.cancelled():
+            result = ComputeFailed(FailureKind.INTERNAL, "the compute thread stopped")
+        elif future.exception() is not None:
+            error = future.exception()
+            assert error is not None
+            result = ComputeFailed(FailureKind.INTERNAL, describe_error(error))
+        else:
+            result = future.result()
+        if not isinstance(result, ComputeFailed):
+            stage.cached.add(work.request_id)
+        actions = self.core.on_computed(work, result, time.monotonic())
+        self._pump()  # the compute thread's next step first, then the frames
+        self._carry_out(actions)
+
+    # ------------------------------------------------------------ housekeeping
+
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.create_task(self._sweep_idle(), name="dataplane-sweeper")
+
+    async def _sweep_idle(self) -> None:
+        """Free requests whose origin vanished without a word (a last resort)."""
+        interval = max(0.05, min(5.0, self.core.idle_timeout_s / 4))
+        while not self._closed:
+            await asyncio.sleep(interval)
+            self._carry_out(self.core.sweep(time.monotonic()))
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+
+
+def _step_job(engine: StageEngine, work: Work, cores_share: int) -> StepResult:
+    """Compute thread: one step and, for hidden states, the frame that carries them on (built
+    here, off the asyncio thread; the loop adds only the forwarded Start of step 0)."""
+    result = run_step(engine, work, cores_share)
+    if not isinstance(result, Hidden):
+        return result
+    hidden: Any = result.payload
+    frame = dp.Frame(plan_id=work.plan_id, request_id=work.request_id)
+    activation = frame.activation
+    activation.step = work.step
+    activation.dtype = hidden.dtype
+    activation.shape.extend(hidden.shape)
+    activation.data = hidden.data
+    activation.compute_s = result.compute_s
+    return Hidden(frame, result.compute_s)

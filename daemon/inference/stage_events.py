@@ -1,0 +1,209 @@
+"""The stage core's vocabulary: the events it is given, the actions it answers with.
+
+Plain frozen values (no I/O, no MLX, no protobuf), shared by the pure core
+(:mod:`meshd.inference.stage_core`), the runtime that carries its actions out
+(:mod:`meshd.inference.stage`), the compute side (:mod:`meshd.inference.engine`) and the
+frame codec (:mod:`meshd.inference.frames`). :func:`prefill_steps` is a request's step
+schedule, mlx-lm's ``generate_step`` schedule.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from meshd.inference.sampling import SamplingParams
+
+
+class FailureKind(enum.Enum):
+    """Why a stage ends a request (the data plane's ``FailureKind`` on the wire)."""
+
+    FENCED = enum.auto()  # the plan is not committed on this node
+    NOT_LOADED = enum.auto()  # the plan is committed but its stage is not loaded yet
+    OVERLOADED = enum.auto()  # the stage holds as many requests as it may
+    UNREACHABLE = enum.auto()  # a node of the request could not be reached
+    INTERNAL = enum.auto()  # the stage failed (to load, to compute, or the request went idle)
+    BAD_REQUEST = enum.auto()  # the frame contradicts the plan (sender, order, contents)
+
+
+class Finish(enum.Enum):
+    """Whether a sampled token ends its request."""
+
+    NONE = enum.auto()
+    EOS = enum.auto()  # the token is an end-of-sequence token
+    LENGTH = enum.auto()  # the token is the max_tokens-th
+
+
+# --- Events -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStart:
+    """What a Start says about a request (and what the first Activation forwards of it)."""
+
+    origin: str
+    prompt: tuple[int, ...]  # empty at stages that need neither the tokens nor their penalty
+    prompt_length: int
+    sampling: SamplingParams | None  # None when the frame's settings are invalid (see invalid)
+    eos_ids: frozenset[int]
+    prefill_chunk: int
+    return_logits: bool = False
+    generated: tuple[int, ...] = ()  # a resumed request: tokens generated before, in order
+    invalid: str | None = None  # why the frame's settings cannot be served
+
+    @property
+    def context_length(self) -> int:
+        return self.prompt_length + len(self.generated)
+
+
+@dataclass(frozen=True, slots=True)
+class StartFrame:
+    sender: str
+    plan_id: str
+    request_id: str
+    start: RequestStart
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationFrame:
+    sender: str
+    plan_id: str
+    request_id: str
+    step: int
+    payload: object  # the hidden states, opaque here (decoded on the compute thread)
+    upstream_s: float  # compute time of this step on the stages before
+    start: RequestStart | None = None  # on the request's first Activation (step 0) only
+
+
+@dataclass(frozen=True, slots=True)
+class TokenFrame:
+    sender: str
+    plan_id: str
+    request_id: str
+    token_id: int
+    index: int
+    finish: Finish
+
+
+@dataclass(frozen=True, slots=True)
+class EndFrame:
+    sender: str
+    plan_id: str
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerSetup:
+    """What the last stage's sampler of a request starts from (its first sampling step)."""
+
+    sampling: SamplingParams
+    context: tuple[int, ...]  # prompt + generated: the repetition penalty's window reads it
+    draws: int  # random draws the request made before (a resumed request continues its RNG)
+    return_logits: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """One step of one request on this stage: what the compute thread runs."""
+
+    plan_id: str
+    request_id: str
+    step: int
+    tokens: tuple[int, ...] | None  # the first stage's input
+    payload: object  # a later stage's input: the previous stage's hidden states
+    head: bool  # the last stage applies the head and samples (steps >= C)
+    sampler: SamplerSetup | None  # the last stage's first sampling step of the request
+    upstream_s: float
+    follows: bool = False  # a single stage: the input is the token its step before sampled
+    stop_ids: frozenset[int] = frozenset()  # ...and that token ended the request if in here
+
+
+@dataclass(frozen=True, slots=True)
+class Hidden:
+    """A step's hidden states, for the next stage."""
+
+    payload: object
+    compute_s: float  # this step's compute time on this stage and the stages before
+
+
+@dataclass(frozen=True, slots=True)
+class Advanced:
+    """The last stage ran a prompt chunk: its caches advanced, nothing to send."""
+
+    compute_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    token_id: int
+    logits: bytes  # float32 row, only when the request asked for it (debug), else b""
+    compute_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A following step that did not run: the token before it ended the request."""
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeFailed:
+    kind: FailureKind
+    reason: str
+
+
+StepResult = Hidden | Advanced | Sampled | Skipped | ComputeFailed
+
+
+# --- Actions ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SendActivation:
+    to: str
+    plan_id: str
+    request_id: str
+    step: int
+    payload: object
+    compute_s: float
+    start: RequestStart | None  # step 0 only
+
+
+@dataclass(frozen=True, slots=True)
+class SendToken:
+    to: tuple[str, ...]  # the origin, then the first stage when it is another node
+    plan_id: str
+    request_id: str
+    token_id: int
+    index: int
+    finish: Finish
+    compute_s: float
+    logits: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SendFailure:
+    to: str  # the request's origin (or the sender of a frame that names no known origin)
+    plan_id: str
+    request_id: str
+    kind: FailureKind
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Free the request's KV caches and sampler (on the compute thread, after its steps)."""
+
+    plan_id: str
+    request_id: str
+
+
+Action = SendActivation | SendToken | SendFailure | Release
+
+
+def prefill_steps(context_length: int, chunk: int) -> tuple[int, ...]:
+    """Tokens per prompt step: ``context[:-1]`` in chunks of ``chunk``, then the last token
+    alone (mlx-lm's ``generate_step`` schedule; the last step gives the first token)."""
+    if context_length < 1 or chunk < 1:
+        raise ValueError(f"need a context and a chunk of at least 1, got {context_length}, {chunk}")
+    head = context_length - 1
+    return (*(min(chunk, head - start) for start in range(0, head, chunk)), 1)

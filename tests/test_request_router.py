@@ -1,0 +1,157 @@
+"""The request router on real data planes: a request that meets a plan switch or a stage still
+loading before its first token is started again; after that, or on a plan the client named,
+the failure reaches the client.
+
+Two in-process nodes (real gRPC, mutual TLS, a tiny random llama split in two, see
+``tests/support/dataplane_mesh.py``); the router reads a serving snapshot the test controls,
+as the daemon's plan installer would publish it.
+"""
+
+# ruff: noqa: E402
+from meshd.runtime.blas import enable_fast_blas
+
+enable_fast_blas()  # before mlx.core
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshd.inference.errors import ErrorKind, InferenceError
+from meshd.inference.installer import InstallProgress, ServingSnapshot
+from meshd.inference.origin import FinalEvent, TokenEvent
+from meshd.inference.router import RequestRouter, Routed
+from meshd.wire import pb
+from tests.support.dataplane_mesh import LoopThread, Mesh
+from tests.support.random_model import make_random_model_dir
+
+LAYOUT = [("n1", (0, 3)), ("n2", (3, 6))]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    loop = LoopThread()
+    built = Mesh(loop, tmp_path_factory.mktemp("mesh"))
+    try:
+        for node in ("n1", "n2"):
+            built.add_node(node)
+        yield built
+    finally:
+        built.close()
+        loop.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("model")
+    return make_random_model_dir(
+        root / "llama", "llama", layers=6, hidden=64, heads=4, kv_heads=2, vocab=320, seed=5
+    )
+
+
+class Snapshots:
+    """What the installer would publish: ``views`` in turn, one per plan pick, the last
+    one for good (this node learns of a new plan a moment after a stage did)."""
+
+    def __init__(self, *views: ServingSnapshot) -> None:
+        self._views = list(views)
+        self.reads = 0
+
+    def __call__(self) -> ServingSnapshot:
+        self.reads += 1
+        return self._views.pop(0) if len(self._views) > 1 else self._views[0]
+
+
+def serving(active: str, *others: str) -> ServingSnapshot:
+    return ServingSnapshot(frozenset({active, *others}), active, "llama")
+
+
+async def routed_events(router: RequestRouter, plan_id: str = "") -> list[Any]:
+    """Every event of one request through the router, ending with its error if it fails."""
+    events: list[Any] = []
+    try:
+        async for event in router.generate(
+            prompt="hello mesh",
+            messages=None,
+            sampling=pb.Sampling(max_tokens=5),
+            model="",
+            plan_id=plan_id,
+            chat_template=False,
+        ):
+            events.append(event)
+    except InferenceError as error:
+        events.append(error)
+    return events
+
+
+def route(mesh: Mesh, router: RequestRouter, plan_id: str = "") -> list[Any]:
+    return mesh.loop.run(routed_events(router, plan_id), timeout=30)
+
+
+def loaded_here(mesh: Mesh, *plan_ids: str) -> InstallProgress:
+    progress = InstallProgress()
+    for plan_id in plan_ids:
+        mesh.loop.run(progress.mark_loaded(plan_id))
+    return progress
+
+
+def test_a_request_that_meets_a_newer_plan_moves_to_it(mesh: Mesh, model_dir: Path) -> None:
+    old, new = mesh.assignment_for(model_dir, LAYOUT), mesh.assignment_for(model_dir, LAYOUT)
+    mesh.install(old)
+    mesh.install(new)
+    mesh.nodes["n2"].committed.discard(old.plan_id)  # n2 has moved on; n1 does not know yet
+    try:
+        snapshots = Snapshots(serving(old.plan_id, new.plan_id), serving(new.plan_id))
+        router = RequestRouter(
+            mesh.nodes["n1"].plane, snapshots, loaded_here(mesh, old.plan_id, new.plan_id)
+        )
+        events = route(mesh, router)
+        assert [(e.plan_id, e.model) for e in events if isinstance(e, Routed)] == [
+            (old.plan_id, "llama"),
+            (new.plan_id, "llama"),
+        ]
+        assert isinstance(events[-1], FinalEvent), events[-1]
+        assert sum(isinstance(e, TokenEvent) for e in events) >= 1
+
+        # A plan the client named is not swapped for another: the stage's refusal reaches it.
+        snapshots = Snapshots(serving(old.plan_id, new.plan_id))
+        router = RequestRouter(
+            mesh.nodes["n1"].plane, snapshots, loaded_here(mesh, old.plan_id, new.plan_id)
+        )
+        (routed, error) = route(mesh, router, plan_id=old.plan_id)
+        assert (routed.plan_id, routed.model) == (old.plan_id, "llama")
+        assert isinstance(error, InferenceError) and error.kind is ErrorKind.NO_PLAN
+        assert f"plan {old.plan_id} is not committed on node n2" in str(error)
+    finally:
+        mesh.uninstall(old.plan_id)
+        mesh.uninstall(new.plan_id)
+
+
+def test_a_request_waits_for_a_stage_that_is_still_loading(mesh: Mesh, model_dir: Path) -> None:
+    plan = mesh.assignment_for(model_dir, LAYOUT)
+    mesh.install(plan, nodes=["n1"])
+    mesh.nodes["n2"].committed.add(plan.plan_id)  # committed there, not loaded yet
+    try:
+        router = RequestRouter(
+            mesh.nodes["n1"].plane,
+            Snapshots(serving(plan.plan_id)),
+            loaded_here(mesh, plan.plan_id),
+        )
+
+        async def load_later() -> None:
+            await asyncio.sleep(0.6)  # a few refused attempts first
+            await mesh.nodes["n2"].plane.install(plan)
+
+        async def both() -> list[Any]:
+            events, _ = await asyncio.gather(routed_events(router), load_later())
+            return events
+
+        events = mesh.loop.run(both(), timeout=30)
+        routes = [e for e in events if isinstance(e, Routed)]
+        assert len(routes) >= 2, "the first attempts are refused while n2 loads"
+        assert {(r.plan_id, r.model) for r in routes} == {(plan.plan_id, "llama")}
+        assert isinstance(events[-1], FinalEvent), events[-1]
+    finally:
+        mesh.uninstall(plan.plan_id)
