@@ -607,7 +607,7 @@ def test_assignment_from_a_partitioner_plan_and_its_checks() -> None:
         Assignment.from_plan(plan_of(Stage(("a", "b"), 0, 6, True, True)), Path("m"), addresses)
     with pytest.raises(InvalidAssignment, match="no address known for node b"):
         Assignment.from_plan(plan, Path("m"), {"a": "10.0.0.1:7000"})
-    with pytest.raises(InvalidAssignment, match="expected a non-empty range from layer 2"):
+    with pytest.raises(InvalidAssignment, match="non-empty range starting at layer 2"):
         Assignment(
             "x",
             Path("m"),

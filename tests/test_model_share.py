@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.api import client
-from meshd.inference.shard import safetensors_tensor_names
+from meshd.models.safetensors import safetensors_tensor_names
 from meshd.models.share import STALE_STAGING_S, mark_used, prune_parts
 from meshd.wire import pb
 from tests.support.random_model import make_random_model_dir

@@ -17,15 +17,15 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model, save_config, save_model
 
+from meshd.inference.local_pipeline import LocalPipeline
 from meshd.inference.sampling import SamplingParams, TokenSampler
-from meshd.inference.shard import (
-    LocalPipeline,
+from meshd.inference.shard import load_stage
+from meshd.inference.stage_model import (
     RequestCaches,
     StageLoadError,
     TooManyRequests,
     UnsupportedModel,
     even_layer_ranges,
-    load_stage,
     prefill_chunks,
 )
 from tests.support.random_model import make_random_model_dir

@@ -55,7 +55,7 @@ def check_stage_chain(
         if stage.layer_start != expected or stage.layer_end <= stage.layer_start:
             raise InvalidAssignment(
                 f"{what}: stage {index} holds layers [{stage.layer_start}, {stage.layer_end}), "
-                f"expected a non-empty range from layer {expected}"
+                f"expected a contiguous, non-empty range starting at layer {expected}"
             )
         expected = stage.layer_end
     if num_layers is not None and expected != num_layers:

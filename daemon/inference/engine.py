@@ -40,7 +40,7 @@ from meshd.inference.stage_events import (
 from meshd.runtime.blas import default_blas_threads, set_blas_threads
 
 if TYPE_CHECKING:  # meshd.inference.shard imports mlx_lm (and transformers): loaded on first use
-    from meshd.inference.shard import RequestCaches, StageModel
+    from meshd.inference.stage_model import RequestCaches, StageModel
 
 # dtype name on the wire -> (MLX dtype, numpy dtype used for the bytes). bfloat16 has no numpy
 # dtype: its bytes travel as uint16 and are reinterpreted on arrival.
@@ -131,7 +131,8 @@ class StageEngine:
 
     def load(self, shared: StageModel | None = None) -> None:
         """Load the stage's weights (or adopt ``shared``, identical weights already loaded)."""
-        from meshd.inference.shard import RequestCaches, load_stage  # mlx_lm: loaded on first use
+        from meshd.inference.shard import load_stage
+        from meshd.inference.stage_model import RequestCaches
 
         self.stage = shared or load_stage(
             self.key.model_dir,
@@ -206,7 +207,7 @@ def run_step(engine: StageEngine, work: Work, cores_share: int) -> StepResult:
     ``cores_share`` is how many busy stages share this machine's cores right now (1: use
     them all); the stage sets its BLAS threads to its share before computing.
     """
-    from meshd.inference.shard import TooManyRequests
+    from meshd.inference.stage_model import TooManyRequests
 
     share = max(1, cores_share)
     set_blas_threads(None if share == 1 else default_blas_threads() // share)

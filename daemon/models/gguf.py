@@ -40,7 +40,7 @@ from tokenizers import (
     processors,
 )
 
-from meshd.inference.shard import write_sharded_safetensors
+from meshd.models.safetensors import write_sharded_safetensors
 
 ProgressCallback = Callable[[str, int, int], None]
 """``progress(phase, done, total)``: phase is a short human-readable step name."""

@@ -59,7 +59,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-import struct
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,11 +66,15 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
+from meshd.models.safetensors import (
+    INDEX_FILE,
+    ModelInfoError,
+    TensorInfo,
+    read_safetensors_header,
+)
 from partitioner import ModelSpec
 
 DEFAULT_CONTEXT_LENGTH = 4096
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-INDEX_FILE = "model.safetensors.index.json"
 
 DTYPE_BYTES = {
     "F64": 8,
@@ -103,55 +106,6 @@ _REPLICATED = re.compile(
     r"\.(?:mlp\.gate|router|shared_expert_gate|q_a_proj|kv_a_proj_with_mqa|[a-z_]*norm)\."
 )
 _LINEAR_ATTENTION_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text")
-
-
-class ModelInfoError(ValueError):
-    """The directory does not hold a model we can describe (missing or malformed files)."""
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor as its safetensors header describes it."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Tensors listed in one safetensors file's header (the tensor data is never read)."""
-    try:
-        with path.open("rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) != 8:
-                raise ModelInfoError(f"{path}: too short to be a safetensors file")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > MAX_HEADER_BYTES or length > path.stat().st_size - 8:
-                raise ModelInfoError(
-                    f"{path}: header length {length} is not plausible; the file is not "
-                    "safetensors or is truncated"
-                )
-            header = json.loads(handle.read(length))
-    except OSError as error:
-        raise ModelInfoError(f"cannot read {path}: {error}") from error
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ModelInfoError(f"{path}: the safetensors header is not valid JSON") from error
-    if not isinstance(header, dict):
-        raise ModelInfoError(f"{path}: the safetensors header is not a JSON object")
-    return {
-        name: _tensor_info(path, name, entry)
-        for name, entry in header.items()
-        if name != "__metadata__"
-    }
-
-
-def _tensor_info(path: Path, name: str, entry: Any) -> TensorInfo:
-    try:
-        start, end = entry["data_offsets"]
-        return TensorInfo(name, str(entry["dtype"]), tuple(entry["shape"]), int(end) - int(start))
-    except (KeyError, TypeError, ValueError) as error:
-        raise ModelInfoError(f"{path}: tensor {name!r} has a malformed header entry") from error
 
 
 def read_model_spec(

@@ -109,7 +109,7 @@ def export_part(model_dir: Path, part: PartSpec, out_dir: Path) -> list[Path]:
     Blocking (reads and writes weights): run it off the event loop.
     """
     import_model_runtime()
-    from meshd.inference.shard import INDEX_FILE, _load_needed_weights, write_sharded_safetensors
+    from meshd.models.safetensors import INDEX_FILE, load_stage_tensors, write_sharded_safetensors
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in NON_WEIGHT_FILES:
@@ -120,7 +120,7 @@ def export_part(model_dir: Path, part: PartSpec, out_dir: Path) -> list[Path]:
         # A tied head multiplies by the embedding matrix, so the last stage needs it too
         # (when the config does not say, send it: an unused tensor beats a failed load).
         tied = bool(config.get("tie_word_embeddings", True))
-        weights = _load_needed_weights(
+        weights = load_stage_tensors(
             model_dir,
             part.layer_start,
             part.layer_end,

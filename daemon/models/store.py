@@ -322,7 +322,7 @@ def _populate_from_mlx_dir(source: Path, out: Path, *, link: bool) -> None:
             shutil.copy2(item, out / item.name)
     if not (out / INDEX_FILE).exists():
         import_model_runtime()
-        from meshd.inference.shard import read_weight_map
+        from meshd.models.safetensors import read_weight_map
 
         index = {"metadata": {}, "weight_map": read_weight_map(out)}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))

@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import load_model
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from meshd.inference.shard import write_sharded_safetensors
+from meshd.models.safetensors import write_sharded_safetensors
 
 Architecture = Literal["llama", "qwen2", "qwen3"]
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")

@@ -60,6 +60,7 @@ DEFAULT_STARTUP_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 5.0
 RUN_DEADLINE_MARGIN_S = 5.0
 REAP_WAIT_S = 0.05
+EXIT_CODE_WAIT_S = 1.0  # after its channel closed, how long a runner may take to be reaped
 STARTUP_MARGIN_S = 10.0
 
 
@@ -436,9 +437,20 @@ class TensorParallelMember:
         except (ConnectionError, OSError) as error:
             reason = f"the runner's channel failed: {error}"
         if self.state is RunnerState.READY:
-            code = self._process.poll() if self._process else None
+            code = await self._exit_code_soon()
             detail = f"{reason} (exit code {code})" if code is not None else reason
             self.abort(detail)
+
+    async def _exit_code_soon(self) -> int | None:
+        """The runner's exit code once its channel closed: the process may need a moment
+        after closing its end to be reaped (bounded; None when it is still running)."""
+        process = self._process
+        if process is None:
+            return None
+        try:
+            return await asyncio.to_thread(process.wait, EXIT_CODE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            return None
 
     def _fail_pending(self, error: TensorParallelError) -> None:
         for future in self._pending.values():

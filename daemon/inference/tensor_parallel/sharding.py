@@ -30,7 +30,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from meshd.inference.shard import StageModel, load_stage, only_stage_layers
+from meshd.inference.shard import load_stage, only_stage_layers
+from meshd.inference.stage_model import StageModel
 from meshd.inference.tensor_parallel.spec import (
     TENSOR_PARALLEL_ARCHITECTURES,
     TensorParallelSpec,
