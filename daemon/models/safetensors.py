@@ -14,9 +14,10 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
+if TYPE_CHECKING:  # MLX loads only when tensors are read or written, not for headers
+    import mlx.core as mx
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 INDEX_FILE = "model.safetensors.index.json"
@@ -82,6 +83,8 @@ def load_stage_tensors(
         for name, file_name in weight_map.items()
         if _is_needed(name, start, end, keep_embedding=keep_embedding, keep_head=keep_head)
     }
+    import mlx.core as mx
+
     weights: dict[str, mx.array] = {}
     for file_name in sorted(set(needed.values())):
         file_tensors = mx.load(str(model_dir / file_name))  # lazy: nothing is read yet
@@ -143,7 +146,7 @@ def write_sharded_safetensors(
     written = 0
     for file_name, group in zip(file_names, groups, strict=True):
         shard = {name: weights.pop(name) for name in group}
-        mx.save_safetensors(str(path / file_name), shard, metadata={"format": "mlx"})
+        _save(path / file_name, shard)
         total_size += sum(value.nbytes for value in shard.values())
         weight_map.update(dict.fromkeys(group, file_name))
         written += len(group)
@@ -173,3 +176,9 @@ def _group_by_size(sized_names: list[tuple[str, int]], max_bytes: int) -> list[l
 def _natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
     """Sort ``layers.10`` after ``layers.9`` so files hold consecutive layers."""
     return tuple((0, int(part)) if part.isdigit() else (1, part) for part in name.split("."))
+
+
+def _save(path: Path, tensors: dict[str, mx.array]) -> None:
+    import mlx.core as mx
+
+    mx.save_safetensors(str(path), tensors, metadata={"format": "mlx"})
