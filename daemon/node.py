@@ -281,6 +281,8 @@ class Node:
         from meshd.models.info import read_model_spec
 
         model_dir = await trio.to_thread.run_sync(self.resolve_model_dir, model)
+        # Refuse an architecture stages cannot run before the mesh re-plans for it.
+        await trio.to_thread.run_sync(_check_model_type, model_dir)
         spec = await trio.to_thread.run_sync(read_model_spec, model_dir)
         options = partitioner.PlanOptions(
             strategy=strategy or self.config.strategy,
@@ -508,3 +510,12 @@ async def run_node(
 ) -> None:
     """Run one daemon until cancelled."""
     await Node(config).run(task_status=task_status)
+
+
+def _check_model_type(model_dir: Path) -> None:
+    """Raise UnsupportedModel/StageLoadError (with the reason) for a model stages cannot run.
+
+    Reads only config.json; the stage code (and mlx-lm) is imported on this first use."""
+    from meshd.inference.shard import check_model_type
+
+    check_model_type(model_dir)
