@@ -21,7 +21,7 @@ import partitioner
 from meshd.agreement.messages import AgreementConfig
 from meshd.agreement.service import PlanAgreement, model_selection
 from meshd.api.local_service import start_api_server
-from meshd.config import Config
+from meshd.config import Config, ConfigError
 from meshd.http.server import start_http_server
 from meshd.inference.dataplane import DataPlane
 from meshd.inference.fencing import CommittedPlans
@@ -35,6 +35,7 @@ from meshd.models.share import PartExporter
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
 from meshd.service.notify import notify_ready
+from meshd.state_lock import hold_state_dir
 from meshd.wire import dataplane_pb2_grpc as dataplane_rpc
 from meshd.wire import pb, rpc
 from partitioner.humanize import format_bytes, format_flops, format_rate
@@ -150,11 +151,14 @@ class Node:
         rpc.add_PeerServicer_to_server(service, server)
         dataplane_rpc.add_DataPlaneServicer_to_server(self.plane.servicer(), server)
         address = f"{self.config.peer_host}:{self.config.peer_port}"
-        port = server.add_secure_port(address, security.server_credentials(self.credentials))
+        try:
+            port = server.add_secure_port(address, security.server_credentials(self.credentials))
+        except RuntimeError:  # grpc raises when it cannot bind (older versions return 0)
+            port = 0
         if port == 0:
-            raise OSError(
-                f"cannot listen for peers on {address}: the port is taken? choose another "
-                "with --peer-port"
+            raise ConfigError(
+                f"cannot listen for peers on {address}: the port is in use (another meshd on "
+                "this machine?); give this daemon another --peer-port (0 picks a free one)"
             )
         await server.start()
         self.peer_port = port
@@ -506,5 +510,7 @@ def _remove_socket(address: str) -> None:
 async def run_node(
     config: Config, *, task_status: trio.TaskStatus[NodeInfo] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Run one daemon until cancelled."""
-    await Node(config).run(task_status=task_status)
+    """Run one daemon until cancelled; StateDirInUse when another daemon holds its state
+    directory (checked before anything in it is read, written, bound or removed)."""
+    with hold_state_dir(config.state_dir):
+        await Node(config).run(task_status=task_status)

@@ -155,6 +155,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from meshd.mesh.membership import DuplicateNodeId
     from meshd.node import run_node
+    from meshd.state_lock import StateDirInUse
 
     config = load_config(flags_given(args), config_path=args.config)
     _setup_logging(config.log_level)
@@ -167,7 +168,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     exit_code = 0
     try:
         trio.run(main)
-    except* DuplicateNodeId as group:
+    except* (DuplicateNodeId, StateDirInUse) as group:  # exit 3: a restart cannot fix it
         for exc in _leaves(group):
             print(f"meshd: {exc}", file=sys.stderr)
         exit_code = 3

@@ -197,9 +197,14 @@ async def start_api_server(
         path = Path(address.removeprefix("unix:"))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)  # a stale socket of a previous run
-    server = grpc.aio.server()
+    # No SO_REUSEPORT: a second daemon on the same TCP address must fail, not share it.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     rpc.add_LocalServicer_to_server(LocalService(node, bridge), server)
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"cannot listen on the local API address {address}")
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:  # grpc raises when it cannot bind (older versions return 0)
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on the local API address {address}: is it in use?")
     await server.start()
     return server

@@ -27,6 +27,9 @@ PEER_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 PEER_SERVER_OPTIONS: list[tuple[str, Any]] = [
+    # gRPC binds with SO_REUSEPORT by default: a second daemon on the same port would start
+    # and the kernel would split connections between the two. Off, the second fails to bind.
+    ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_permit_without_calls", 1),
