@@ -43,6 +43,7 @@ from partitioner.humanize import format_bytes, format_flops, format_rate
 log = logging.getLogger("meshd.node")
 
 SERVER_GRACE_S = 0.5
+PARTS_DIR = "parts"  # model parts fetched from peers: per node, in the state directory
 DISCOVERY_PEER_SOURCE = "mdns"
 
 
@@ -138,7 +139,7 @@ class Node:
             self.plane,
             committed,
             self.model_dir_for_selection,
-            self.store_root / "parts",
+            self.config.state_dir / PARTS_DIR,
         )
         plans = self.plans
         self.router = RequestRouter(self.plane, lambda: plans.snapshot, plans.progress)
@@ -267,7 +268,26 @@ class Node:
 
     @property
     def store_root(self) -> Path:
-        return self.config.state_dir / "models"
+        """The user's model store (shared by the user's daemons; see `Config.model_store`)."""
+        return self.config.model_store
+
+    def _note_old_model_store(self) -> None:
+        """Models imported by an older meshd into the state directory are no longer used:
+        say once where they are, so that the user can move or delete them."""
+        old = self.config.state_dir / "models" / "models"
+        names = sorted(p.parent.name for p in old.glob("*/meshd-model.json"))
+        if names and old != self.store_root / "models":
+            self.events.add(
+                "models in %s (%s) are no longer used: models now live in the user's store %s; "
+                "move them there (mv %s/* %s/models/) or delete %s",
+                old,
+                ", ".join(names),
+                self.store_root,
+                old,
+                self.store_root,
+                old.parent,
+                level=logging.WARNING,
+            )
 
     async def select_model(
         self,
@@ -401,6 +421,7 @@ class Node:
                     start_http_server, self, self.bridge, self.config.http, self.config.state_dir
                 )
                 self.http_url = http_server.url if http_server else ""
+                self._note_old_model_store()
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.membership.run)
                     nursery.start_soon(self._measure_profile_task)

@@ -48,3 +48,21 @@ def test_second_daemon_on_one_state_dir_leaves_the_running_one_alone(daemons, tm
     time.sleep(0.2)
     assert socket_path.stat().st_ino == inode, "the running daemon's API socket was replaced"
     assert client.fetch_status(first.api, 3.0).node_id == node_id
+
+
+def test_daemons_of_one_user_share_one_model_store(daemons, tiny_llama, model_store) -> None:
+    """A model in the user's store is loaded by name by any of the user's daemons (no copy in
+    a state directory), and a daemon's state directory holds only per-node files."""
+    from meshd.models.store import ModelStore
+    from meshd.wire import pb
+
+    entry = ModelStore(model_store).import_mlx_dir(tiny_llama, name="shared-tiny")
+    nodes = [daemons([*LOOPBACK, "--peer-port", "0"]) for _ in range(2)]
+    for node in nodes:
+        node.wait_ready()
+        reply = client.load_model(node.api, pb.LoadModelRequest(model="shared-tiny"))
+        assert reply.model == "shared-tiny"
+        listed = client.list_models(node.api)
+        assert [m.name for m in listed.models] == ["shared-tiny"]
+        assert listed.models[0].path == str(entry.path)
+        assert not (node.state_dir / "models").exists(), "a model store in the state directory"
