@@ -34,6 +34,7 @@ from meshd.mesh.peer_service import PeerService
 from meshd.models.share import PartExporter
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
+from meshd.runtime.rpc_guard import add_guarded_servicer
 from meshd.service.notify import notify_ready
 from meshd.state_lock import hold_state_dir
 from meshd.wire import dataplane_pb2_grpc as dataplane_rpc
@@ -149,8 +150,10 @@ class Node:
         service = PeerService(
             self.membership, self.bridge, self.agreement, PartExporter(self._locate_model)
         )
-        rpc.add_PeerServicer_to_server(service, server)
-        dataplane_rpc.add_DataPlaneServicer_to_server(self.plane.servicer(), server)
+        add_guarded_servicer(rpc.add_PeerServicer_to_server, service, server)
+        add_guarded_servicer(
+            dataplane_rpc.add_DataPlaneServicer_to_server, self.plane.servicer(), server
+        )
         address = f"{self.config.peer_host}:{self.config.peer_port}"
         try:
             port = server.add_secure_port(address, security.server_credentials(self.credentials))

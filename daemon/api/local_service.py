@@ -19,6 +19,7 @@ import grpc
 import trio
 
 from meshd.runtime.bridge import AsyncioThread
+from meshd.runtime.rpc_guard import add_guarded_servicer
 from meshd.wire import pb, rpc
 
 log = logging.getLogger("meshd.api")
@@ -199,7 +200,7 @@ async def start_api_server(
         path.unlink(missing_ok=True)  # a stale socket of a previous run
     # No SO_REUSEPORT: a second daemon on the same TCP address must fail, not share it.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    rpc.add_LocalServicer_to_server(LocalService(node, bridge), server)
+    add_guarded_servicer(rpc.add_LocalServicer_to_server, LocalService(node, bridge), server)
     try:
         port = server.add_insecure_port(address)
     except RuntimeError:  # grpc raises when it cannot bind (older versions return 0)
