@@ -122,7 +122,9 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-p", type=float)
     group.add_argument("--repetition-penalty", type=float)
     group.add_argument("--seed", type=int, help="same seed, same output")
-    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument(
+        "--max-tokens", type=int, help="at most this many tokens (default 256, or what fits)"
+    )
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--model", help="fail unless the mesh runs this model")
     group.add_argument("--plan", dest="plan_id", help="run on exactly this committed plan id")
@@ -132,11 +134,11 @@ def _sampling(args: argparse.Namespace):
     from meshd.wire import pb
 
     sampling = pb.Sampling(stop=args.stop)
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens")
+    for name in names:
         value = getattr(args, name)
         if value is not None:
             setattr(sampling, name, value)
-    sampling.max_tokens = args.max_tokens
     return sampling
 
 

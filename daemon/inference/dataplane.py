@@ -253,6 +253,13 @@ class DataPlane:
             )
         return plan.tokenizer
 
+    def context_length(self, plan_id: str) -> int:
+        """Tokens of KV cache an installed plan reserves per sequence (0: no limit)."""
+        plan = self._plans.get(plan_id)
+        if plan is None:
+            raise InferenceError(ErrorKind.NO_PLAN, f"plan {plan_id} is not installed here")
+        return plan.assignment.context_length
+
     def model_config(self, plan_id: str) -> Mapping[str, Any]:
         """The config.json of an installed plan's model (architecture, sizes)."""
         plan = self._plans.get(plan_id)

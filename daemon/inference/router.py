@@ -22,7 +22,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meshd.inference.dataplane import DataPlane
@@ -95,12 +95,14 @@ class RequestRouter:
             snapshot, chosen, tokens = await self._route(
                 model, plan_id, prompt, messages, chat_template, tools
             )
+            explicit = sampling.HasField("max_tokens")
+            fitted = fit_context(params, explicit, len(tokens), self._plane.context_length(chosen))
             yield Routed(chosen, snapshot.model, len(tokens))
             started = False
             try:
                 request_id = secrets.token_hex(8)
                 async with contextlib.aclosing(
-                    self._plane.generate(chosen, tokens, params, request_id=request_id)
+                    self._plane.generate(chosen, tokens, fitted, request_id=request_id)
                 ) as events:
                     async for event in events:
                         started = True
@@ -209,6 +211,25 @@ def sampling_params(sampling: pb.Sampling) -> SamplingParams:
         return sampling_from_message(sampling)
     except (TypeError, ValueError) as exc:
         raise InferenceError(ErrorKind.BAD_INPUT, str(exc)) from exc
+
+
+def fit_context(
+    params: SamplingParams, explicit: bool, prompt: int, context: int
+) -> SamplingParams:
+    """The request's settings within the plan's context (``context`` tokens per sequence, 0:
+    no limit). An unset max_tokens (the default) is lowered to what fits after the prompt;
+    a max_tokens the client asked for is kept, and the origin refuses the request when it
+    does not fit (INVALID_ARGUMENT with the numbers)."""
+    room = context - prompt
+    if not context or explicit or params.max_tokens <= room:
+        return params
+    if room < 1:
+        raise InferenceError(
+            ErrorKind.BAD_INPUT,
+            f"the prompt ({prompt} tokens) leaves no room to generate in the {context} tokens "
+            "of context the plan reserves per sequence; shorten the prompt",
+        )
+    return replace(params, max_tokens=room)
 
 
 def check_messages(messages: Messages) -> None:
