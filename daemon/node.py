@@ -214,6 +214,16 @@ class Node:
             memory=self.runtime_memory(),
             generated_at=time.time(),
             http_url=self.http_url,
+            requests=[
+                pb.RequestStatus(
+                    request_id=info.request_id,
+                    plan_id=info.plan_id,
+                    prompt_tokens=info.prompt_tokens,
+                    max_tokens=info.max_tokens,
+                    started_at=info.started_at,
+                )
+                for info in self.router.in_flight
+            ],
         )
 
     def runtime_memory(self) -> pb.RuntimeMemory:

@@ -48,3 +48,45 @@ def test_requests_beyond_the_plans_context_are_refused_at_once(small_context_dae
     done = run(daemon, "z" * 40, temperature=0.0)[-1].done
     assert done.prompt_tokens + done.completion_tokens <= CONTEXT
     assert done.completion_tokens > 0
+
+
+def test_each_request_logs_its_start_and_end_and_shows_in_status(small_context_daemon) -> None:
+    import threading
+
+    daemon = small_context_daemon
+    seen: list[pb.RequestStatus] = []
+    finished = threading.Event()
+
+    def watch() -> None:
+        while not finished.is_set():
+            seen.extend(client.fetch_status(daemon.api, 5.0).requests)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        done = run(daemon, "count with me", temperature=0.0, max_tokens=48)[-1].done
+    finally:
+        finished.set()
+        watcher.join()
+    assert seen, "the request never showed in Status while it ran"
+    assert {r.prompt_tokens for r in seen} == {done.prompt_tokens}
+    assert seen[0].max_tokens == 48 and seen[0].plan_id == done.plan_id
+    assert not client.fetch_status(daemon.api).requests
+    with pytest.raises(client.GenerationFailed):
+        run(daemon, "q" * 60, max_tokens=10)
+    stream = client.stream_generation(
+        daemon.api, pb.GenerateRequest(prompt="go on", sampling=pb.Sampling(max_tokens=40))
+    )
+    next(stream)
+    stream.close()  # the client goes away mid-stream
+    time.sleep(1.0)
+    log = daemon.log_tail(400)
+    started = [line for line in log.splitlines() if "meshd.requests INFO request" in line]
+    assert any(f"{done.prompt_tokens} prompt tokens, max_tokens 48" in line for line in started)
+    assert any(
+        f"finished ({done.finish_reason}): {done.completion_tokens} tokens" in line
+        for line in started
+    ), log
+    assert any("refused before it started: failed (INVALID_ARGUMENT)" in line for line in started)
+    assert any("cancelled" in line for line in started), log
+    assert not client.fetch_status(daemon.api).requests
