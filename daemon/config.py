@@ -196,6 +196,13 @@ class Config:
         read=_port,
         metavar="PORT",
     )
+    peer_handshake_timeout_s: float = setting(
+        10.0,
+        "a new connection to the peer port that has not completed its TLS handshake after this "
+        "many seconds is closed",
+        read=_seconds(),
+        metavar="SECONDS",
+    )
     api: str = setting(
         "",
         "local client API address: unix:/path or 127.0.0.1:PORT (default: socket in state dir)",

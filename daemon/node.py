@@ -28,6 +28,7 @@ from meshd.inference.fencing import CommittedPlans
 from meshd.inference.installer import PlanInstaller
 from meshd.inference.router import RequestRouter
 from meshd.mesh import channels, security
+from meshd.mesh.gate import ConnectionGate
 from meshd.mesh.identity import Identity, load_or_create_node_id
 from meshd.mesh.membership import PROTOCOL_VERSION, Membership
 from meshd.mesh.peer_service import PeerService
@@ -103,6 +104,11 @@ class Node:
             peer_timeout_s=config.peer_timeout_s,
             link_probe_interval_s=config.link_probe_interval_s,
         )
+        self.gate = ConnectionGate(
+            self.secret.mesh_name,
+            lambda text: self.events.add("%s", text, level=logging.WARNING),
+            handshake_timeout_s=config.peer_handshake_timeout_s,
+        )
         self.peer_port = 0
         self.http_url = ""
         self._channel_credentials = security.channel_credentials(self.credentials)
@@ -146,7 +152,7 @@ class Node:
         self.router = RequestRouter(self.plane, lambda: plans.snapshot, plans.progress)
 
     async def _start_peer_server(self) -> grpc.aio.Server:
-        server = channels.peer_server()
+        server = channels.peer_server(self.gate.server_options())
         service = PeerService(
             self.membership, self.bridge, self.agreement, PartExporter(self._locate_model)
         )
@@ -165,6 +171,7 @@ class Node:
                 "this machine?); give this daemon another --peer-port (0 picks a free one)"
             )
         await server.start()
+        self.gate.check_installed()
         self.peer_port = port
         return server
 
@@ -476,9 +483,13 @@ class Node:
         await self._measure_profile(remeasure=False)
 
     async def _housekeeping(self) -> None:
+        ticks = 0
         while True:
-            await trio.sleep(10)
-            self.membership.forget_old()
+            await trio.sleep(1)
+            self.gate.check()  # who knocked on the peer port without the mesh's certificate
+            ticks += 1
+            if ticks % 10 == 0:
+                self.membership.forget_old()
 
     async def _discovery_task(self, *, task_status: trio.TaskStatus[None]) -> None:
         from meshd.mesh import discovery

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -410,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     from meshd.runtime.blas import enable_fast_blas
 
     enable_fast_blas()  # before any command imports mlx.core (see meshd.runtime.blas)
+    # gRPC core's own INFO lines (e.g. a refused TLS handshake, without the peer's address)
+    # would repeat what meshd says once, in words; GRPC_VERBOSITY set by the user wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = build_parser().parse_args(argv)
     from meshd.api.client import DaemonUnreachable, GenerationFailed
     from meshd.mesh.security import InvalidJoinToken

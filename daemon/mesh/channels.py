@@ -63,6 +63,7 @@ def peer_channel_factory(credentials: security.NodeCredentials) -> ChannelFactor
     return factory
 
 
-def peer_server() -> grpc.aio.Server:
-    """A grpc.aio server with the peer port's options (add services, then a secure port)."""
-    return grpc.aio.server(options=PEER_SERVER_OPTIONS)
+def peer_server(extra_options: list[tuple[str, Any]] | None = None) -> grpc.aio.Server:
+    """A grpc.aio server with the peer port's options (add services, then a secure port);
+    the daemon adds its connection gate's (see meshd.mesh.gate)."""
+    return grpc.aio.server(options=[*PEER_SERVER_OPTIONS, *(extra_options or [])])
