@@ -496,3 +496,27 @@ def test_the_core_imports_no_mlx_grpc_or_asyncio() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.strip() == "[]", done.stdout
+
+
+# --- The plan's context -------------------------------------------------------------------------
+
+
+def test_a_request_longer_than_the_plans_context_is_refused_at_every_stage() -> None:
+    """No KV cache grows past what the plan reserved: the first stage refuses a Start, a
+    later stage the first Activation, whose prompt plus max_tokens exceeds the context."""
+    base = plan_of("p", "a", "b")
+    plan = Assignment(base.plan_id, base.model_dir, base.stages, context_length=8)
+    too_long = start_of(prompt=(1, 2, 3, 4, 5), sampling=SamplingParams(max_tokens=4))
+    first = core_on("a", plan)
+    refusal = only_failure(first.on_start(StartFrame("o", "p", "r1", too_long), None, T0))
+    assert refusal.kind is FailureKind.BAD_REQUEST and refusal.to == "o"
+    assert "need 9 tokens of context" in refusal.message and "reserves 8" in refusal.message
+    assert first.next_batch(T0) == []
+    second = core_on("b", plan)
+    forwarded = start_of(
+        prompt=(1, 2, 3, 4, 5), sampling=SamplingParams(max_tokens=4), forwarded=True
+    )
+    frame = activation("p", "r1", 0, "a", start=forwarded)
+    assert "need 9 tokens" in only_failure(second.on_activation(frame, None, T0)).message
+    fits = start_of(prompt=(1, 2, 3, 4, 5), sampling=SamplingParams(max_tokens=3))
+    assert first.on_start(StartFrame("o", "p", "r2", fits), None, T0) == []

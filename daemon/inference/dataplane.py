@@ -253,6 +253,20 @@ class DataPlane:
             )
         return plan.tokenizer
 
+    def context_length(self, plan_id: str) -> int:
+        """Tokens of KV cache an installed plan reserves per sequence (0: no limit)."""
+        return self._installed(plan_id).assignment.context_length
+
+    def context_error(self, plan_id: str, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why such a request does not fit the plan's context, or None when it fits."""
+        return self._installed(plan_id).assignment.context_error(prompt_tokens, max_tokens)
+
+    def _installed(self, plan_id: str) -> InstalledPlan:
+        plan = self._plans.get(plan_id)
+        if plan is None:
+            raise InferenceError(ErrorKind.NO_PLAN, f"plan {plan_id} is not installed here")
+        return plan
+
     def model_config(self, plan_id: str) -> Mapping[str, Any]:
         """The config.json of an installed plan's model (architecture, sizes)."""
         plan = self._plans.get(plan_id)

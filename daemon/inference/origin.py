@@ -322,6 +322,10 @@ class Origin:
         if prefill_chunk is not None and prefill_chunk < 1:
             raise bad(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         plan = self._plans.get(plan_id)
+        if plan is not None:
+            too_long = plan.assignment.context_error(len(prompt_tokens), params.max_tokens)
+            if too_long is not None:
+                raise bad(too_long)
         vocab = plan.vocab_size if plan is not None else 0
         for token in prompt_tokens:
             if not isinstance(token, int | np.integer) or token < 0 or (vocab and token >= vocab):

@@ -437,6 +437,9 @@ class StageCore:
             return self._refuse(start.origin, frame, "a request needs a prompt and a chunk size")
         if plan.is_first and len(start.prompt) != start.prompt_length:
             return self._refuse(start.origin, frame, "the first stage needs the prompt's tokens")
+        too_long = plan.assignment.context_error(start.prompt_length, start.sampling.max_tokens)
+        if too_long is not None:  # no KV cache grows past what the plan reserved
+            return self._refuse(start.origin, frame, too_long)
         chunk_steps = len(prefill_steps(start.context_length, start.prefill_chunk)) - 1
         request = _Request(
             plan_id=plan.plan_id,

@@ -30,6 +30,7 @@ import trio
 
 from meshd.mesh import links
 from meshd.mesh.identity import Identity
+from meshd.mesh.security import describe_refusal
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
 from meshd.runtime.notify import Publisher
@@ -117,6 +118,7 @@ class Membership:
         self.own_state = self._build_state()
         # "The peer table or a published state changed": agreement, status watchers.
         self.changes = Publisher[None]("membership", coalesce=True)
+        self._refusals: dict[str, str] = {}  # address -> why it refused (said once)
         self.fatal: DuplicateNodeId | None = None
         self._fatal_event = trio.Event()
 
@@ -289,11 +291,32 @@ class Membership:
             except DuplicateNodeId:
                 raise
             except Exception as exc:
-                if not links.is_transient(exc) and not isinstance(exc, ConnectionError):
-                    log.exception("session to %s failed unexpectedly", address)
-                log.debug("session to %s ended: %s", address, exc)
+                self._session_failed(address, exc)
             await trio.sleep(backoff * (0.8 + 0.4 * random.random()))
             backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    def _session_failed(self, address: str, error: Exception) -> None:
+        """Log why a session ended: an unreachable peer in words (the peer's 'lost' line is
+        in the event log already), a bug with its traceback."""
+        leaves = _leaves(error)
+        bugs = [leaf for leaf in leaves if not _expected(leaf)]
+        if bugs:
+            log.error("session to %s failed unexpectedly", address, exc_info=bugs[0])
+            return
+        refusal = next(filter(None, (describe_refusal(leaf) for leaf in leaves)), None)
+        if refusal is not None:
+            self._refused(address, refusal)
+        else:
+            log.debug("session to %s ended: %s", address, _words(leaves[0]))
+
+    def _refused(self, address: str, why: str) -> None:
+        """Once per address (until it answers again): who refused whom, and why."""
+        if self._refusals.get(address) == why:
+            return
+        self._refusals[address] = why
+        self.events.add(
+            "%s is not a member of mesh %r: %s", address, self.mesh_name, why, level=logging.WARNING
+        )
 
     async def _session(self, address: str, source: str) -> None:
         bridge = self._bridge
@@ -309,13 +332,19 @@ class Membership:
             if record is None:
                 return
             record.stub = stub
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._fetch_states, stub, record)
-                nursery.start_soon(self._probe_links, stub, rpc.PeerStub(probe_channel), record)
-                await self._heartbeat(stub, record)
-                # Lost now: tell everyone before the helper tasks have wound down.
-                self._mark_lost(record)
-                nursery.cancel_scope.cancel()
+            self._refusals.pop(address, None)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._fetch_states, stub, record)
+                    nursery.start_soon(self._probe_links, stub, rpc.PeerStub(probe_channel), record)
+                    await self._heartbeat(stub, record)
+                    # Lost now: tell everyone before the helper tasks have wound down.
+                    self._mark_lost(record)
+                    nursery.cancel_scope.cancel()
+            except Exception as error:  # a call to the peer failed before its heartbeat did
+                if record.alive and not record.lost_reason:
+                    record.lost_reason = _words(_leaves(error)[0])
+                raise
         finally:
             if record is not None:
                 self._mark_lost(record)
@@ -496,6 +525,26 @@ class Membership:
             sample.bandwidth * 8 / 1e6,
         )
         self._publish()
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, or the error itself."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in _leaves(inner)]
+    return [error]
+
+
+def _expected(error: BaseException) -> bool:
+    """A failure that a lost, refusing or unreachable peer causes (not a bug here)."""
+    return links.is_transient(error) or isinstance(error, ConnectionError | PeerRefused)
+
+
+def _words(error: BaseException) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"a call to it failed: {error.code().name} {error.details() or ''}".rstrip()
+    if isinstance(error, TimeoutError | trio.TooSlowError):
+        return "a call to it timed out"
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 async def _unary(method, request, timeout: float):

@@ -306,7 +306,7 @@ class PeerStatus(_message.Message):
     def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., joined_at: _Optional[float] = ..., source: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class MeshStatus(_message.Message):
-    __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at", "agreement", "memory", "http_url")
+    __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at", "agreement", "memory", "http_url", "requests")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_NAME_FIELD_NUMBER: _ClassVar[int]
     MESH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +320,7 @@ class MeshStatus(_message.Message):
     AGREEMENT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     HTTP_URL_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     mesh_name: str
     mesh_fingerprint: str
@@ -333,7 +334,22 @@ class MeshStatus(_message.Message):
     agreement: AgreementStatus
     memory: RuntimeMemory
     http_url: str
-    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ..., agreement: _Optional[_Union[AgreementStatus, _Mapping]] = ..., memory: _Optional[_Union[RuntimeMemory, _Mapping]] = ..., http_url: _Optional[str] = ...) -> None: ...
+    requests: _containers.RepeatedCompositeFieldContainer[RequestStatus]
+    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ..., agreement: _Optional[_Union[AgreementStatus, _Mapping]] = ..., memory: _Optional[_Union[RuntimeMemory, _Mapping]] = ..., http_url: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ...) -> None: ...
+
+class RequestStatus(_message.Message):
+    __slots__ = ("request_id", "plan_id", "prompt_tokens", "max_tokens", "started_at")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    plan_id: str
+    prompt_tokens: int
+    max_tokens: int
+    started_at: float
+    def __init__(self, request_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., started_at: _Optional[float] = ...) -> None: ...
 
 class RuntimeMemory(_message.Message):
     __slots__ = ("mlx_active", "mlx_peak", "rss", "peak_rss", "budget", "planned")
