@@ -294,6 +294,20 @@ class Config:
         read=_count,
         metavar="N",
     )
+    leave_grace_s: float = setting(
+        10.0,
+        "on SIGTERM or `meshd leave`: how long this node lets the mesh plan without it and "
+        "its requests in flight move or finish before it exits (the one place this is set)",
+        read=_seconds(zero_ok=True),
+        metavar="SECONDS",
+    )
+    resume_timeout_s: float = setting(
+        60.0,
+        "how long a request whose plan lost a stage waits for the next plan to go on on "
+        "(a refusal to run the model ends it at once)",
+        read=_seconds(),
+        metavar="SECONDS",
+    )
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", read=_level, metavar="LEVEL")
 
     @property

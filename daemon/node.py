@@ -133,10 +133,14 @@ class Node:
         """The data plane lives on the asyncio thread, so it is created there; the installer
         (trio side) keeps its fencing (`committed`) up to date, the router serves the API."""
         committed = CommittedPlans(self.identity.node_id)
+        events, bridge = self.events, self.bridge
         self.plane = DataPlane(
             self.identity.node_id,
             channels.peer_channel_factory(self.credentials),
             committed.check,
+            served=committed.view,
+            resume_timeout_s=self.config.resume_timeout_s,
+            report=lambda text: bridge.call_soon_in_trio(events.add, "%s", text),
         )
         self.plans = PlanInstaller(
             self.membership,

@@ -271,21 +271,24 @@ def test_tokens_that_do_not_continue_a_request_are_ignored() -> None:
     assert middle.on_token(TokenFrame("c", "p", "r", 7, 0, Finish.NONE), None, T0) == []
 
 
-def test_a_resumed_request_prefills_prompt_and_generated_tokens_and_continues_counting() -> None:
-    """Issue 10 builds on this: a request restarted from its prompt and the tokens it had."""
+def test_a_resumed_request_replays_its_tokens_one_at_a_time_and_continues_counting() -> None:
+    """A request moved to another plan after 2 tokens: the prompt as the first run cut it,
+    then each generated token alone (decode-shaped, no sampling), then the sampler resumes
+    at position 2 with the whole context in its repetition window."""
     sampling = SamplingParams(temperature=0.7, seed=3, repetition_penalty=1.2, max_tokens=5)
     start = start_of((1, 2, 3), chunk=2, sampling=sampling, generated=(7, 8))
     core = core_on("a", plan_of("p", "a"))
     core.on_start(StartFrame("o", "p", "r", start), None, T0)
     works = []
-    while len(works) < 3:
+    while len(works) < 4:
         (work,) = core.next_batch(T0)
         works.append(work)
         if not work.head:
             core.on_computed(work, Advanced(0.1), T0)
-    assert [w.tokens for w in works] == [(1, 2), (3, 7), (8,)]
-    assert works[2].sampler.context == (1, 2, 3, 7, 8) and works[2].sampler.draws == 2
-    (token,) = core.on_computed(works[2], Sampled(9, b"", 0.1), T0)
+    assert [w.tokens for w in works] == [(1, 2), (3,), (7,), (8,)]
+    assert [w.head for w in works] == [False, False, False, True]
+    assert works[3].sampler.context == (1, 2, 3, 7, 8) and works[3].sampler.draws == 2
+    (token,) = core.on_computed(works[3], Sampled(9, b"", 0.1), T0)
     assert token.index == 2 and token.finish is Finish.NONE
     (work,) = core.next_batch(T0)
     (token,) = core.on_computed(work, Sampled(10, b"", 0.1), T0)

@@ -298,10 +298,11 @@ def _print_stream(api: str, request) -> int:
         if event.HasField("done"):
             done = event.done
             print(flush=True)  # end the generated text's line on stdout
+            moved = f"; moved {done.resumes}x, paused {done.paused_s:.1f} s" if done.resumes else ""
             print(
                 f"[{done.completion_tokens} tokens, {done.finish_reason}; first token "
                 f"{done.ttft_s * 1e3:.0f} ms, {done.decode_tokens_per_s:.1f} tokens/s; "
-                f"plan {done.plan_id[:12]}]",
+                f"plan {done.plan_id[:12]}{moved}]",
                 file=sys.stderr,
             )
         else:

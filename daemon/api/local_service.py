@@ -128,9 +128,11 @@ class LocalService(rpc.LocalServicer):
                         ttft_s=usage.ttft_s,
                         decode_tokens_per_s=usage.decode_tokens_per_s,
                         total_s=usage.total_s,
-                        plan_id=routed.plan_id,
+                        plan_id=usage.plan_id or routed.plan_id,
                         model=routed.model,
                         seed=usage.seed,
+                        resumes=usage.resumes,
+                        paused_s=usage.paused_s,
                     )
                 )
         except InferenceError as exc:

@@ -6,10 +6,11 @@ client names, or the active one; fencing: a plan this node has not committed is 
 waits (bounded) while this node is still loading it, tokenizes (with the chat template for a
 chat), and streams the data plane's events, first announcing the plan that serves the
 request (:class:`Routed`). A request started on a plan finishes on it even when a newer plan
-is committed meanwhile (the old one drains). Before its first token, a request that meets a
-stage still loading its layers is started again until the stage has loaded, and one that
-meets a stage that has moved to a newer plan is started again on the plan this node serves
-by then (a few times at most). After its first token, a failure ends the request.
+is committed meanwhile (the old one drains). A request whose plan cannot carry it on (a stage
+lost or leaving, the plan withdrawn) moves to the next plan and goes on exactly where it was
+(the origin does this, see :mod:`meshd.inference.origin`), unless the client named the plan.
+Before its first token, a request that meets a stage still loading its layers, or one that
+has moved to a newer plan, is also started again here (a few times at most).
 
 Every failure is an :class:`meshd.inference.errors.InferenceError`, raised before the first
 event or from the event stream; the API maps its kind to a status in one place.
@@ -173,9 +174,10 @@ class RequestRouter:
             started = False
             try:
                 request_id = secrets.token_hex(8)
-                async with contextlib.aclosing(
-                    self._plane.generate(chosen, tokens, fitted, request_id=request_id)
-                ) as events:
+                events_of = self._plane.generate(
+                    chosen, tokens, fitted, request_id=request_id, resume=not plan_id
+                )
+                async with contextlib.aclosing(events_of) as events:
                     async for event in events:
                         started = True
                         yield event

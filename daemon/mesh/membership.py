@@ -110,10 +110,12 @@ class Membership:
         self._bandwidth_turn = trio.Lock()  # one bandwidth probe at a time leaves this node
         self.peers: dict[str, PeerRecord] = {}
         self.links: dict[str, pb.LinkMeasurement] = {}
+        self._link_windows: dict[str, links.LinkWindow] = {}
         self._wanted: dict[str, str] = {}  # address -> source
         self._nursery: trio.Nursery | None = None
         self.profile: pb.NodeProfile = pb.NodeProfile(node_id=identity.node_id)
         self.model: pb.ModelSelection | None = None
+        self.leaving = False
         self.version = 1
         self.own_state = self._build_state()
         # "The peer table or a published state changed": agreement, status watchers.
@@ -170,6 +172,12 @@ class Membership:
         self.model = selection
         self._publish()
 
+    def set_leaving(self) -> None:
+        """Announce that this node is stopping: peers plan without it from now on."""
+        if not self.leaving:
+            self.leaving = True
+            self._publish()
+
     def _build_state(self) -> pb.NodeState:
         alive = sorted(p.node_id for p in self.peers.values() if p.alive)
         own_links = [m for dst, m in sorted(self.links.items()) if dst in alive]
@@ -180,6 +188,7 @@ class Membership:
             instance_id=self.identity.instance_id,
             alive_peers=alive,
             model=self.model,
+            leaving=self.leaving,
         )
 
     def _publish(self) -> None:
@@ -411,6 +420,7 @@ class Membership:
         record.lost_at = time.monotonic()
         record.lost_reason = reason or record.lost_reason or "heartbeat stream ended"
         self.links.pop(record.node_id, None)
+        self._link_windows.pop(record.node_id, None)
         self.events.add("peer %s lost: %s", record.node_id, record.lost_reason)
         self._publish()
 
@@ -455,16 +465,19 @@ class Membership:
     async def _probe_links(
         self, stub: rpc.PeerStub, probe_stub: rpc.PeerStub, record: PeerRecord
     ) -> None:
+        peer = record.node_id
         while True:  # no stagger needed: bandwidth probes take turns (`_bandwidth_turn`)
             sample = await self._measure_link(stub, probe_stub, record)
-            if sample is not None and self._needs_confirmation(record.node_id, sample):
-                # A first or worse sample counts only when a second probe, a moment later, agrees.
+            window = self._link_windows.setdefault(peer, links.LinkWindow())
+            if sample is not None and not window:
+                # The first plan is made from the first sample: a second probe, a moment
+                # later, keeps one starved probe from deciding it.
                 await trio.sleep(random.uniform(*CONFIRM_PAUSE_S))
                 again = await self._measure_link(stub, probe_stub, record, sample.grpc_rtt_s)
                 if again is not None:
-                    sample = links.better_of(sample, again)
+                    window.add(again)
             if sample is not None:
-                self._record_link(record.node_id, sample)
+                self._record_link(peer, sample, window.add(sample))
             await trio.sleep(self._probe_interval * random.uniform(0.9, 1.1))
 
     async def _measure_link(
@@ -497,32 +510,38 @@ class Membership:
             return None
         return links.LinkSample(tcp, rtt, bandwidth, sent, time.time())
 
-    def _needs_confirmation(self, peer: str, sample: links.LinkSample) -> bool:
-        return links.needs_confirmation(self._bucketed(peer, sample), self.links.get(peer))
-
     def _bucketed(self, peer: str, sample: links.LinkSample) -> pb.LinkMeasurement:
         """`sample` as a measurement with planning buckets relative to the published one."""
         proto = sample.to_proto(self.identity.node_id, peer)
         return links.with_planning_buckets(proto, self.links.get(peer))
 
-    def _record_link(self, peer: str, sample: links.LinkSample) -> None:
-        """Publish a link measurement only when it changed materially.
+    def _record_link(self, peer: str, sample: links.LinkSample, capacity: links.LinkSample) -> None:
+        """Publish the link's capacity (the best of its recent samples, `links.LinkWindow`)
+        only when it changed materially.
 
-        Plans hash bucketed link numbers; re-publishing every noisy sample would make
-        peers re-fetch state for nothing. A sample inside the hysteresis band of the
-        published one's buckets keeps the published one.
+        Digests hash bucketed link numbers; re-publishing every noisy sample would make
+        peers re-fetch state and re-propose for nothing. A capacity inside the hysteresis
+        band of the published one's buckets keeps the published one.
         """
         published = self.links.get(peer)
-        fresh = self._bucketed(peer, sample)
+        fresh = self._bucketed(peer, capacity)
+        log.debug(
+            "link sample to %s: rtt %.3f ms, %.1f Mbit/s; capacity %.1f Mbit/s (bucket %d)",
+            peer,
+            sample.tcp_rtt_s * 1e3,
+            sample.bandwidth * 8 / 1e6,
+            capacity.bandwidth * 8 / 1e6,
+            fresh.bandwidth_bucket,
+        )
         if not links.worth_publishing(fresh, published):
             return
         self.links[peer] = fresh
         log.info(
             "link to %s: rtt %.3f ms (grpc %.3f ms), %.1f Mbit/s",
             peer,
-            sample.tcp_rtt_s * 1e3,
-            sample.grpc_rtt_s * 1e3,
-            sample.bandwidth * 8 / 1e6,
+            capacity.tcp_rtt_s * 1e3,
+            capacity.grpc_rtt_s * 1e3,
+            capacity.bandwidth * 8 / 1e6,
         )
         self._publish()
 
