@@ -75,6 +75,7 @@ class RequestRouter:
         plan_id: str,
         chat_template: bool,
         tools: Tools = None,
+        return_logits: bool = False,
     ) -> AsyncIterator[Routed | TokenEvent | FinalEvent]:
         """Validate, pick the plan, tokenize and stream events (asyncio thread).
 
@@ -100,7 +101,9 @@ class RequestRouter:
             try:
                 request_id = secrets.token_hex(8)
                 async with contextlib.aclosing(
-                    self._plane.generate(chosen, tokens, params, request_id=request_id)
+                    self._plane.generate(
+                        chosen, tokens, params, request_id=request_id, return_logits=return_logits
+                    )
                 ) as events:
                     async for event in events:
                         started = True
