@@ -113,7 +113,9 @@ class StageRuntime:
         self._start_sweeper()
 
     def plan_loaded(self, plan_id: str) -> None:
-        self.core.plan_loaded(plan_id)
+        stage = self._stages.get(plan_id)
+        model = stage.engine.stage if stage is not None and stage.engine is not None else None
+        self.core.plan_loaded(plan_id, vocab_size=model.vocab_size if model is not None else 0)
 
     def plan_failed(self, plan_id: str, reason: str) -> None:
         self._carry_out(self.core.plan_failed(plan_id, reason))
