@@ -44,6 +44,11 @@ def test_requests_beyond_the_plans_context_are_refused_at_once(small_context_dae
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "and max_tokens (40) need" in message and f"reserves {CONTEXT} per sequence" in message
 
+    # Over the local API's 4 MiB message limit (proto/meshd.proto): gRPC refuses it itself.
+    with pytest.raises(client.GenerationFailed) as refused:
+        run(daemon, "w" * (4 * 1024 * 1024 + 1))
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
     # Unset, max_tokens is lowered to what fits after the prompt.
     done = run(daemon, "z" * 40, temperature=0.0)[-1].done
     assert done.prompt_tokens + done.completion_tokens <= CONTEXT
