@@ -36,6 +36,8 @@ DEFAULT_PEER_PORT = 52300
 DEFAULT_MESH_NAME = "home"
 ENV_PREFIX = "MESHD_"
 DEFAULT_HTTP = "127.0.0.1:52380"
+DEFAULT_TENSOR_PARALLEL_PORT = 53400  # = meshd.inference.tensor_parallel.spec.DEFAULT_BASE_PORT
+TENSOR_PARALLEL_PORT_MAX = 65535 - 1024
 
 
 class ConfigError(ValueError):
@@ -88,6 +90,24 @@ def _port(value: Any) -> int:
     port = int(value)
     if not 0 <= port <= 65535:
         raise ValueError(f"{port} is not a TCP port")
+    return port
+
+
+def _network(value: Any) -> str:
+    """A CIDR network ("192.168.7.0/24", "fd00::/64", "127.0.0.0/8"), normalised."""
+    import ipaddress
+
+    return str(ipaddress.ip_network(str(value).strip(), strict=False))
+
+
+def _runner_port(value: Any) -> int:
+    """The first port of the tensor-parallel runners' range (meshd.inference.tensor_parallel.
+    spec: 64 slots of 16 ports each above it)."""
+    port = int(value)
+    if not 1024 <= port <= TENSOR_PARALLEL_PORT_MAX:
+        raise ValueError(
+            f"use 1024-{TENSOR_PARALLEL_PORT_MAX}: the runners use the 1024 ports from it"
+        )
     return port
 
 
@@ -307,6 +327,31 @@ class Config:
         "(a refusal to run the model ends it at once)",
         read=_seconds(),
         metavar="SECONDS",
+    )
+    parallelism: str = setting(
+        "auto",
+        "kind of layout: auto takes the fastest predicted of one node, a pipeline, a "
+        "tensor-parallel group or a hybrid; the others force that kind (refused, with the "
+        "reason, where it cannot run)",
+        choices=("auto", "pipeline", "tensor", "hybrid"),
+        metavar="KIND",
+    )
+    tensor_parallel_trusted_networks: list[str] = setting(
+        list,
+        "network (CIDR) whose links may carry tensor-parallel traffic, which travels "
+        "unencrypted: only a network nobody else uses, e.g. a lab switch (repeatable; "
+        "point-to-point links such as a Thunderbolt bridge need no entry)",
+        read=_network,
+        flag="--tensor-parallel-trusted-network",
+        metavar="CIDR",
+        many=True,
+    )
+    tensor_parallel_port: int = setting(
+        DEFAULT_TENSOR_PARALLEL_PORT,
+        "first of the 1024 ports this node's tensor-parallel runners listen on for the "
+        "groups it leads",
+        read=_runner_port,
+        metavar="PORT",
     )
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", read=_level, metavar="LEVEL")
 

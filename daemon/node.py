@@ -103,6 +103,8 @@ class Node:
             heartbeat_interval_s=config.heartbeat_interval_s,
             peer_timeout_s=config.peer_timeout_s,
             link_probe_interval_s=config.link_probe_interval_s,
+            trusted_networks=tuple(config.tensor_parallel_trusted_networks),
+            tensor_parallel_port=config.tensor_parallel_port,
         )
         self.gate = ConnectionGate(
             self.secret.mesh_name,
@@ -151,6 +153,7 @@ class Node:
             committed,
             self.model_dir_for_selection,
             self.config.state_dir / PARTS_DIR,
+            mesh_secret=self.secret.secret,
         )
         plans = self.plans
         self.router = RequestRouter(self.plane, lambda: plans.snapshot, plans.progress)
@@ -235,7 +238,39 @@ class Node:
                 )
                 for info in self.router.in_flight
             ],
+            tensor_parallel_groups=self._tensor_parallel_groups(),
+            tensor_parallel_runners=self._tensor_parallel_runners(),
         )
+
+    def _tensor_parallel_groups(self) -> list[pb.TensorParallelGroup]:
+        """The active plan's tensor-parallel stages: members by rank, backend, link."""
+        from meshd.inference.tensor_parallel.groups import describe_groups
+
+        active = self.agreement.core.active
+        plan = self.agreement.plan_for(active.proposal) if active else None
+        if plan is None:
+            return []
+        return describe_groups(plan, self.agreement.states_of(active.proposal))
+
+    def _tensor_parallel_runners(self) -> list[pb.TensorParallelRunner]:
+        """This node's runner processes, as the data plane last published them."""
+        plane = getattr(self, "plane", None)  # created once the asyncio thread runs
+        return [
+            pb.TensorParallelRunner(
+                plan_id=runner["plan_id"],
+                stage=runner["stage"],
+                rank=runner["rank"],
+                size=runner["size"],
+                backend=runner["backend"],
+                link=runner["link"],
+                state=runner["state"],
+                pid=runner["pid"] or 0,
+                error=runner["error"] or "",
+                held_bytes=int(runner.get("held_bytes") or 0),
+                members=[member["node_id"] for member in runner["members"]],
+            )
+            for runner in (plane.runner_status if plane is not None else ())
+        ]
 
     def runtime_memory(self) -> pb.RuntimeMemory:
         """MLX allocator counters and RSS, next to the budget and the plan's prediction."""
@@ -320,6 +355,7 @@ class Node:
         strategy: str | None = None,
         context_length: int | None = None,
         concurrency: int | None = None,
+        parallelism: str | None = None,
     ) -> pb.ModelSelection:
         """Read the model's description (no weights) and propose it to the mesh.
 
@@ -336,6 +372,7 @@ class Node:
             strategy=strategy or self.config.strategy,
             context_length=context_length or self.config.context_length,
             concurrency=concurrency or self.config.concurrency,
+            parallelism=parallelism or self.config.parallelism,
         )
         selection = model_selection(spec, options, self.identity.node_id, str(model_dir))
         self.membership.set_model(selection)
@@ -397,9 +434,14 @@ class Node:
             return None
 
     def model_dir_for_selection(self, selection: pb.ModelSelection) -> Path:
+        """This node's full copy of the selected model: the directory it selected itself
+        (`meshd load DIR`, `--model DIR`), else its store (a peer's selection)."""
         from meshd.inference.installer import model_dir_for
 
-        return model_dir_for(selection, self.config.model, self.store_root)
+        own = self.config.model
+        if selection.set_by == self.identity.node_id and selection.path:
+            own = selection.path
+        return model_dir_for(selection, own, self.store_root)
 
     async def remeasure(self) -> None:
         await self._measure_profile(remeasure=True)

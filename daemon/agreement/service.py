@@ -65,12 +65,23 @@ SETTLE_PER_PEER_S = 0.5
 
 
 def state_digest(state: pb.NodeState) -> str:
-    """What the partitioner reads of one node, bucketed, hashed (same on every node)."""
+    """What the partitioner reads of one node, bucketed, hashed (same on every node).
+
+    Also what tensor-parallel groups are built from: each link's trust verdict and, for a
+    trusted link, the addresses its runners would use, and the node's runner port. So a change
+    of any of them is a new digest (and a new plan), and every member of a group derives the
+    group's configuration from the same state.
+    """
     profile = state.profile
     if profile.flops <= 0 or profile.mem_bandwidth <= 0 or profile.memory_budget <= 0:
         return ""
     links = sorted(
-        [m.dst, latency_bucket_index(planning_latency(m)), bucket_index(planning_bandwidth(m))]
+        [
+            m.dst,
+            latency_bucket_index(planning_latency(m)),
+            bucket_index(planning_bandwidth(m)),
+            [m.src_address, m.dst_address] if m.trusted else False,
+        ]
         for m in state.links
         if m.bandwidth > 0
     )
@@ -80,6 +91,7 @@ def state_digest(state: pb.NodeState) -> str:
         bucket_index(profile.flops),
         bucket_index(profile.mem_bandwidth),
         links,
+        int(state.tensor_parallel_port),
     ]
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
@@ -407,7 +419,9 @@ class PlanAgreement:
             len(output.members),
             layout or "?",
         )
-        self._notify(PlanChange("committed", output.plan_id, plan))
+        self._notify(
+            PlanChange("committed", output.plan_id, plan, states=self.states_of(output.proposal))
+        )
 
     def _notify(self, change: PlanChange) -> None:
         self.changes.publish(change)
@@ -454,6 +468,12 @@ class PlanAgreement:
     def peers_moved_on(self) -> bool:
         """Every live peer serves new requests on a plan without a stage here (leaving)."""
         return self.core.peers_moved_on()
+
+    def states_of(self, proposal: ag.Proposal) -> dict[str, pb.NodeState]:
+        """The node states a proposal's plan was computed from (those still cached here)."""
+        inputs = proposal.inputs
+        pairs = zip(inputs.members, inputs.digests, strict=True)
+        return {node: self._states[(node, d)] for node, d in pairs if (node, d) in self._states}
 
     def release(self, plan_id: str) -> None:
         """A draining plan has no request left here: stop serving it."""

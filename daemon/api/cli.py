@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--strategy", choices=["speed", "memory"])
     load.add_argument("--context-length", type=int)
     load.add_argument("--concurrency", type=int)
+    load.add_argument(
+        "--parallelism",
+        choices=["auto", "pipeline", "tensor", "hybrid"],
+        help="kind of layout (default: the daemon's setting, auto)",
+    )
 
     from meshd.http.keys_cli import register as register_api_key
 
@@ -380,6 +385,7 @@ def cmd_load(args: argparse.Namespace) -> int:
             strategy=args.strategy or "",
             context_length=args.context_length or 0,
             concurrency=args.concurrency or 0,
+            parallelism=args.parallelism or "",
         ),
     )
     print(f"{reply.model} ({reply.digest}): {reply.message}")

@@ -88,6 +88,7 @@ class LocalService(rpc.LocalServicer):
             model=request.model,
             plan_id=request.plan_id,
             chat_template=request.chat_template,
+            return_logits=request.return_logits,
         )
         async for reply in self._stream(events, context):
             yield reply
@@ -117,6 +118,12 @@ class LocalService(rpc.LocalServicer):
                     routed = event
                     continue
                 if not isinstance(event, FinalEvent):
+                    if event.logits is not None:
+                        logits = event.logits.astype("<f4").tobytes()
+                        token = pb.TokenLogits(
+                            token_id=event.token_id, index=event.index, logits=logits
+                        )
+                        yield pb.GenerateEvent(token=token)
                     if event.text:
                         yield pb.GenerateEvent(text=event.text)
                     continue
@@ -151,11 +158,17 @@ class LocalService(rpc.LocalServicer):
             "strategy": request.strategy or None,
             "context_length": request.context_length or None,
             "concurrency": request.concurrency or None,
+            "parallelism": request.parallelism or None,
         }
         if options["strategy"] not in (None, "speed", "memory"):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"strategy {request.strategy!r} is not speed or memory",
+            )
+        if options["parallelism"] not in (None, "auto", "pipeline", "tensor", "hybrid"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"parallelism {request.parallelism!r} is not auto, pipeline, tensor or hybrid",
             )
         try:
             selection = await self._bridge.run_in_trio(

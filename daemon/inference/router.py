@@ -101,6 +101,7 @@ class RequestRouter:
         plan_id: str,
         chat_template: bool,
         tools: Tools = None,
+        return_logits: bool = False,
     ) -> AsyncIterator[Routed | TokenEvent | FinalEvent]:
         """Validate, pick the plan, tokenize and stream events (asyncio thread).
 
@@ -114,7 +115,15 @@ class RequestRouter:
         info: RequestInfo | None = None
         try:
             async for event in self._generate(
-                client_id, prompt, messages, sampling, model, plan_id, chat_template, tools
+                client_id,
+                prompt,
+                messages,
+                sampling,
+                model,
+                plan_id,
+                chat_template,
+                tools,
+                return_logits,
             ):
                 if isinstance(event, RequestInfo):  # again after a retry: tracked, not logged
                     first, info = info is None, event
@@ -151,6 +160,7 @@ class RequestRouter:
         plan_id: str,
         chat_template: bool,
         tools: Tools,
+        return_logits: bool,
     ) -> AsyncIterator[RequestInfo | Routed | TokenEvent | FinalEvent]:
         params = sampling_params(sampling)
         if messages is None:
@@ -175,7 +185,12 @@ class RequestRouter:
             try:
                 request_id = secrets.token_hex(8)
                 events_of = self._plane.generate(
-                    chosen, tokens, fitted, request_id=request_id, resume=not plan_id
+                    chosen,
+                    tokens,
+                    fitted,
+                    request_id=request_id,
+                    resume=not plan_id,
+                    return_logits=return_logits,
                 )
                 async with contextlib.aclosing(events_of) as events:
                     async for event in events:

@@ -28,6 +28,10 @@ slower shows it in every probe of the window. Probes disturb each other too: two
 probes leaving one node share its uplink, so a node runs one bandwidth probe at a
 time (`Membership`), and the first sample of a link is confirmed by a second
 probe, keeping the better of the two (`better_of`).
+
+The TCP connect also says which addresses the link uses (this node's and the peer's), and
+each sample carries this node's verdict on whether the link may carry tensor-parallel
+collectives (:mod:`meshd.mesh.link_trust`), published with the numbers.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import socket
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 import trio
@@ -61,13 +66,21 @@ LATENCY_HYSTERESIS_BUCKETS = 1
 
 @dataclass(frozen=True)
 class LinkSample:
-    """One measurement of the directed link this node -> peer."""
+    """One measurement of the directed link this node -> peer.
+
+    src_address / dst_address: the IPs the probe's TCP connection used at each end; trusted /
+    trust_reason: this node's verdict on the link for tensor-parallel traffic.
+    """
 
     tcp_rtt_s: float
     grpc_rtt_s: float
     bandwidth: float
     probe_bytes: int
     measured_at: float
+    src_address: str = ""
+    dst_address: str = ""
+    trusted: bool = False
+    trust_reason: str = ""
 
     def to_proto(self, src: str, dst: str) -> pb.LinkMeasurement:
         return pb.LinkMeasurement(
@@ -79,26 +92,47 @@ class LinkSample:
             bandwidth=self.bandwidth,
             probe_bytes=self.probe_bytes,
             measured_at=self.measured_at,
+            trusted=self.trusted,
+            trust_reason=self.trust_reason,
+            src_address=self.src_address,
+            dst_address=self.dst_address,
         )
 
 
-async def tcp_rtt(host: str, port: int, samples: int = 5, timeout_s: float = 2.0) -> float:
-    """Minimum TCP connect time to host:port, a kernel-level RTT (SYN -> SYN-ACK).
+class TcpProbe(NamedTuple):
+    """The kernel-level round trip to a peer, and the IPs the connection used."""
+
+    rtt_s: float
+    local_address: str
+    peer_address: str
+
+
+async def tcp_rtt(host: str, port: int, samples: int = 5, timeout_s: float = 2.0) -> TcpProbe:
+    """Minimum TCP connect time to host:port, a kernel-level RTT (SYN -> SYN-ACK), and the
+    local and remote IPs of the connection (the addresses this link really uses).
 
     Timed inside a worker thread with a plain socket, so neither trio's scheduling nor
     name resolution is counted; the trio thread is never blocked.
     """
 
-    def measure() -> float:
-        best = float("inf")
+    def measure() -> TcpProbe:
+        best, local, peer = float("inf"), "", ""
         for _ in range(samples):
             start = time.perf_counter()
-            with socket.create_connection((host, port), timeout=timeout_s):
+            with socket.create_connection((host, port), timeout=timeout_s) as connection:
                 best = min(best, time.perf_counter() - start)
-        return best
+                local = _bare_ip(connection.getsockname()[0])
+                peer = _bare_ip(connection.getpeername()[0])
+        return TcpProbe(best, local, peer)
 
     # A probe of a dead link must not hold up its session's shutdown: abandon the thread.
     return await trio.to_thread.run_sync(measure, abandon_on_cancel=True)
+
+
+def _bare_ip(address: str) -> str:
+    """An IP as the socket reports it, without an IPv6 zone or the IPv4-mapped prefix."""
+    address = address.split("%", 1)[0]
+    return address.removeprefix("::ffff:") if "." in address else address
 
 
 async def grpc_rtt(stub: rpc.PeerStub, samples: int = RTT_SAMPLES) -> float:
@@ -220,19 +254,32 @@ class LinkWindow:
 def better_of(a: LinkSample, b: LinkSample) -> LinkSample:
     """What two probes of one link show it can do: the higher bandwidth, the lower RTTs."""
     best = a if a.bandwidth >= b.bandwidth else b
+    newest = a if a.measured_at >= b.measured_at else b
     return LinkSample(
         tcp_rtt_s=min(a.tcp_rtt_s, b.tcp_rtt_s),
         grpc_rtt_s=min(a.grpc_rtt_s, b.grpc_rtt_s),
         bandwidth=best.bandwidth,
         probe_bytes=best.probe_bytes,
-        measured_at=max(a.measured_at, b.measured_at),
+        measured_at=newest.measured_at,
+        src_address=newest.src_address,
+        dst_address=newest.dst_address,
+        trusted=newest.trusted,
+        trust_reason=newest.trust_reason,
     )
 
 
 def worth_publishing(new: pb.LinkMeasurement, published: pb.LinkMeasurement | None) -> bool:
-    """A new capacity is published when its planning buckets moved or its numbers changed by
-    more than half (peers re-fetch state on every publication; noise is not news)."""
+    """A new capacity is published when its planning buckets moved, its numbers changed by
+    more than half, or its trust verdict or addresses changed (peers re-fetch state on every
+    publication; noise is not news)."""
     if published is None:
+        return True
+    if (new.trusted, new.trust_reason, new.src_address, new.dst_address) != (
+        published.trusted,
+        published.trust_reason,
+        published.src_address,
+        published.dst_address,
+    ):
         return True
     if (new.bandwidth_bucket, new.latency_bucket) != (
         published.bandwidth_bucket,

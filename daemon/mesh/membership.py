@@ -9,7 +9,9 @@ here, over gRPC, never by mDNS: python-zeroconf keeps a killed peer listed for
 with a bounded backoff for as long as the address is wanted.
 
 Every node dials every peer, so each side judges liveness from its own
-outgoing stream. A node's own profile and outgoing link measurements are
+outgoing stream. Each link measurement also carries this node's verdict on whether the link
+may carry tensor-parallel collectives (`meshd.mesh.link_trust`, with the networks the user
+marked trusted). A node's own profile and outgoing link measurements are
 published as an immutable `NodeState` (`own_state`) that the peer server hands out
 as-is; every node therefore builds the same view once it has fetched all states.
 
@@ -30,6 +32,7 @@ import trio
 
 from meshd.mesh import links
 from meshd.mesh.identity import Identity
+from meshd.mesh.link_trust import mesh_link_verdict
 from meshd.mesh.security import describe_refusal
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
@@ -97,6 +100,8 @@ class Membership:
         heartbeat_interval_s: float,
         peer_timeout_s: float,
         link_probe_interval_s: float,
+        trusted_networks: tuple[str, ...] = (),
+        tensor_parallel_port: int = 0,
     ) -> None:
         self.identity = identity
         self.mesh_name = mesh_name
@@ -107,6 +112,8 @@ class Membership:
         self._interval = heartbeat_interval_s
         self._timeout = peer_timeout_s
         self._probe_interval = link_probe_interval_s
+        self._trusted_networks = tuple(trusted_networks)
+        self.tensor_parallel_port = tensor_parallel_port
         self._bandwidth_turn = trio.Lock()  # one bandwidth probe at a time leaves this node
         self.peers: dict[str, PeerRecord] = {}
         self.links: dict[str, pb.LinkMeasurement] = {}
@@ -189,6 +196,7 @@ class Membership:
             alive_peers=alive,
             model=self.model,
             leaving=self.leaving,
+            tensor_parallel_port=self.tensor_parallel_port,
         )
 
     def _publish(self) -> None:
@@ -491,7 +499,8 @@ class Membership:
 
         Round trips are measured concurrently with other peers' probes; bandwidth probes take
         turns (`_bandwidth_turn`), because probes leaving this node share its uplink. A known
-        `grpc_rtt_s` (shown, never planned with) is reused instead of measured again.
+        `grpc_rtt_s` (shown, never planned with) is reused instead of measured again. The
+        sample carries this node's verdict on the link for tensor-parallel traffic.
         """
         host, port = split_address(record.address)
         try:
@@ -508,7 +517,21 @@ class Membership:
                 raise
             log.info("measuring the link to %s failed: %s", record.node_id, exc)
             return None
-        return links.LinkSample(tcp, rtt, bandwidth, sent, time.time())
+        # Reads the interface's facts (and on macOS asks networksetup): not on the trio thread.
+        verdict = await trio.to_thread.run_sync(
+            mesh_link_verdict, tcp.local_address, tcp.peer_address, self._trusted_networks
+        )
+        return links.LinkSample(
+            tcp.rtt_s,
+            rtt,
+            bandwidth,
+            sent,
+            time.time(),
+            src_address=tcp.local_address,
+            dst_address=tcp.peer_address,
+            trusted=verdict.allowed,
+            trust_reason=verdict.reason,
+        )
 
     def _bucketed(self, peer: str, sample: links.LinkSample) -> pb.LinkMeasurement:
         """`sample` as a measurement with planning buckets relative to the published one."""
@@ -543,6 +566,8 @@ class Membership:
             capacity.grpc_rtt_s * 1e3,
             capacity.bandwidth * 8 / 1e6,
         )
+        if published is None or published.trust_reason != fresh.trust_reason:
+            log.info("link to %s for tensor-parallel traffic: %s", peer, fresh.trust_reason)
         self._publish()
 
 
