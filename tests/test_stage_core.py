@@ -514,6 +514,8 @@ def test_a_request_longer_than_the_plans_context_is_refused_at_every_stage() -> 
     refusal = only_failure(first.on_start(StartFrame("o", "p", "r1", too_long), None, T0))
     assert refusal.kind is FailureKind.BAD_REQUEST and refusal.to == "o"
     assert "need 9 tokens of context" in refusal.message and "reserves 8" in refusal.message
+    assert "(at most 3 for this prompt)" in refusal.message
+    assert "the prompt alone fills it: shorten it below 8 tokens" in plan.context_error(9, 4)
     assert first.next_batch(T0) == []
     second = core_on("b", plan)
     forwarded = start_of(
