@@ -42,7 +42,7 @@ from meshd.wire import dataplane_pb2 as dp
 from meshd.wire import pb
 
 FUZZER_ID = "fuzzer-00000001"
-CALL_TIMEOUT_S = 3.0
+CALL_TIMEOUT_S = 10.0  # generous: a loaded machine must not read as a wedged daemon
 STREAM_READ_S = 0.3
 # Statuses that answer in words. DEADLINE_EXCEEDED and CANCELLED are the fuzzer's own
 # (it ends streams that would go on: WatchStatus, Heartbeat, a Link).
