@@ -514,6 +514,8 @@ def test_a_request_longer_than_the_plans_context_is_refused_at_every_stage() -> 
     refusal = only_failure(first.on_start(StartFrame("o", "p", "r1", too_long), None, T0))
     assert refusal.kind is FailureKind.BAD_REQUEST and refusal.to == "o"
     assert "need 9 tokens of context" in refusal.message and "reserves 8" in refusal.message
+    assert "(at most 3 for this prompt)" in refusal.message
+    assert "the prompt alone fills it: shorten it below 8 tokens" in plan.context_error(9, 4)
     assert first.next_batch(T0) == []
     second = core_on("b", plan)
     forwarded = start_of(
@@ -523,3 +525,29 @@ def test_a_request_longer_than_the_plans_context_is_refused_at_every_stage() -> 
     assert "need 9 tokens" in only_failure(second.on_activation(frame, None, T0)).message
     fits = start_of(prompt=(1, 2, 3, 4, 5), sampling=SamplingParams(max_tokens=3))
     assert first.on_start(StartFrame("o", "p", "r2", fits), None, T0) == []
+
+
+# --- Token ids ----------------------------------------------------------------------------------
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_step() -> None:
+    """An embedding lookup past the vocabulary reads outside the table (MLX checks no
+    bounds: a fuzzed Start corrupted the daemon's heap). The first stage refuses a Start
+    whose prompt or generated tokens are not ids of the model, and ignores such a token
+    from the last stage, before anything is computed."""
+    core = StageCore("a")
+    core.add_plan(plan_of("p", "a", "b"))
+    core.plan_loaded("p", vocab_size=50)
+    for rid, start in (
+        ("r1", start_of((1, 2, 50))),
+        ("r2", start_of((1, 2), generated=(3, 4000))),
+    ):
+        refused = only_failure(core.on_start(StartFrame("o", "p", rid, start), None, T0))
+        assert refused.kind is FailureKind.BAD_REQUEST and refused.to == "o"
+        assert "0 <= id < 50" in refused.message, refused.message
+    assert core.next_batch(T0) == []
+    core.on_start(StartFrame("o", "p", "r3", start_of((1, 49), chunk=8)), None, T0)
+    assert [w.tokens for w in drain(core)] == [(1,), (49,)]
+    refused = only_failure(core.on_token(TokenFrame("b", "p", "r3", 50, 0, Finish.NONE), None, T0))
+    assert "token id 50" in refused.message
+    assert core.next_batch(T0) == []

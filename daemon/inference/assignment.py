@@ -138,11 +138,16 @@ class Assignment:
         needed = prompt_tokens + max_tokens
         if not self.context_length or needed <= self.context_length:
             return None
+        room = self.context_length - prompt_tokens
+        advice = (
+            f"shorten the prompt or lower max_tokens (at most {room} for this prompt)"
+            if room > 0
+            else f"the prompt alone fills it: shorten it below {self.context_length} tokens"
+        )
         return (
             f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) need "
             f"{needed} tokens of context, but plan {self.plan_id[:12]} reserves "
-            f"{self.context_length} per sequence; shorten the prompt or lower max_tokens "
-            f"(at most {max(0, self.context_length - prompt_tokens)} for this prompt)"
+            f"{self.context_length} per sequence; {advice}"
         )
 
     @property

@@ -239,7 +239,7 @@ class DataPlane:
             self.record_load_failure(assignment.plan_id, str(error))
             raise
         plan.ready.set_result(None)
-        self.stage.plan_loaded(assignment.plan_id)
+        self.stage.plan_loaded(assignment.plan_id, vocab_size=plan.vocab_size)
         log.info(
             "installed plan %s (stage %s of %d)",
             assignment.plan_id[:12],

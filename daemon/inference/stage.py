@@ -112,8 +112,9 @@ class StageRuntime:
         self.core.add_plan(assignment)
         self._start_sweeper()
 
-    def plan_loaded(self, plan_id: str) -> None:
-        self.core.plan_loaded(plan_id)
+    def plan_loaded(self, plan_id: str, vocab_size: int = 0) -> None:
+        """The plan's stage is loaded; token ids outside ``vocab_size`` are refused."""
+        self.core.plan_loaded(plan_id, vocab_size=vocab_size)
 
     def plan_failed(self, plan_id: str, reason: str) -> None:
         self._carry_out(self.core.plan_failed(plan_id, reason))

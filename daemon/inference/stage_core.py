@@ -51,6 +51,7 @@ request): the runtime runs one step per batch today; a batched forward pass can 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshd.inference.assignment import Assignment
@@ -116,6 +117,20 @@ class _Plan:
     index: int | None
     ready: bool = False
     requests: dict[str, _Request] = field(default_factory=dict)
+    vocab_size: int = 0  # the model's token ids are 0 <= id < vocab_size (0: unknown)
+
+    def token_error(self, tokens: Sequence[int]) -> str | None:
+        """Why ``tokens`` cannot be embedded (an id outside the vocabulary), or None. The
+        embedding lookup checks no bounds: an id past the table reads outside it."""
+        if not self.vocab_size:
+            return None
+        bad = next((token for token in tokens if not 0 <= token < self.vocab_size), None)
+        if bad is None:
+            return None
+        return (
+            f"token id {bad} is not a token of the model of plan {self.plan_id[:12]} "
+            f"(0 <= id < {self.vocab_size})"
+        )
 
     @property
     def plan_id(self) -> str:
@@ -160,10 +175,13 @@ class StageCore:
             self._plans[assignment.plan_id] = _Plan(assignment, index)
         self._load_failures.pop(assignment.plan_id, None)
 
-    def plan_loaded(self, plan_id: str) -> None:
+    def plan_loaded(self, plan_id: str, vocab_size: int = 0) -> None:
+        """The plan's stage is loaded here; ``vocab_size`` (when known) bounds the token ids
+        the first stage accepts."""
         plan = self._plans.get(plan_id)
         if plan is not None:
             plan.ready = True
+            plan.vocab_size = vocab_size
 
     def plan_failed(self, plan_id: str, reason: str) -> list[Action]:
         """This node cannot serve ``plan_id`` (its part could not be fetched or loaded):
@@ -282,6 +300,8 @@ class StageCore:
             return self._refuse(
                 request.origin, frame, f"token {frame.index} arrived, expected {request.next_index}"
             )
+        if bad_token := plan.token_error((frame.token_id,)):
+            return self._refuse(request.origin, frame, bad_token)
         request.next_index += 1
         request.last_activity = now
         request.inputs.append(_Input(request.next_step, tokens=(frame.token_id,)))
@@ -439,6 +459,10 @@ class StageCore:
             return self._refuse(start.origin, frame, "a request needs a prompt and a chunk size")
         if plan.is_first and len(start.prompt) != start.prompt_length:
             return self._refuse(start.origin, frame, "the first stage needs the prompt's tokens")
+        # Every stage checks: the first embeds the tokens, the last's repetition penalty
+        # indexes its logits with them.
+        if bad_token := plan.token_error(start.prompt + start.generated):
+            return self._refuse(start.origin, frame, bad_token)
         too_long = plan.assignment.context_error(start.prompt_length, start.sampling.max_tokens)
         if too_long is not None:  # no KV cache grows past what the plan reserved
             return self._refuse(start.origin, frame, too_long)
