@@ -13,8 +13,9 @@ arrays in TOML and repeatable flags. The config file is `<state_dir>/meshd.toml`
 `[meshd]` table.
 
 Several daemons can run on one machine (tests, demos) by giving each its own state
-directory: node id, mesh secret, certificates, profile cache and the local API socket all
-live there.
+directory: node id, mesh secret, certificates, profile cache, fetched model parts and the
+local API socket all live there. Models live in one store per user (`model_store`), which
+the user's daemons share.
 """
 
 from __future__ import annotations
@@ -48,6 +49,19 @@ def default_state_dir() -> Path:
     if platform.system() == "Darwin":
         return Path.home() / "Library" / "Application Support" / "meshd"
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "meshd"
+
+
+def default_model_store() -> Path:
+    """Per-user model store, shared by every daemon of the user (one copy of each model).
+
+    systemd's `CacheDirectory=` (the system unit) wins, then XDG on Linux, Caches on macOS.
+    """
+    if os.environ.get("CACHE_DIRECTORY"):
+        return Path(os.environ["CACHE_DIRECTORY"].split(":")[0])
+    if platform.system() == "Darwin":
+        return Path.home() / "Library" / "Caches" / "meshd"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "meshd"
 
 
@@ -169,6 +183,13 @@ class Config:
         read=_path,
         metavar="DIR",
     )
+    model_store: Path = setting(
+        default_model_store,
+        "directory of the model store, shared by this user's daemons (each model once per "
+        "user; the state directory keeps only what belongs to one node)",
+        read=_path,
+        metavar="DIR",
+    )
     name: str = setting(
         lambda: platform.node() or "meshd",
         "human label of this machine in the mesh (default: hostname)",
@@ -194,6 +215,13 @@ class Config:
         "port of the peer server (0 picks a free one)",
         read=_port,
         metavar="PORT",
+    )
+    peer_handshake_timeout_s: float = setting(
+        10.0,
+        "a new connection to the peer port that has not completed its TLS handshake after this "
+        "many seconds is closed",
+        read=_seconds(),
+        metavar="SECONDS",
     )
     api: str = setting(
         "",
@@ -285,6 +313,20 @@ class Config:
         "sequences decoded at once (KV cache is reserved for each)",
         read=_count,
         metavar="N",
+    )
+    leave_grace_s: float = setting(
+        10.0,
+        "on SIGTERM or `meshd leave`: how long this node lets the mesh plan without it and "
+        "its requests in flight move or finish before it exits (the one place this is set)",
+        read=_seconds(zero_ok=True),
+        metavar="SECONDS",
+    )
+    resume_timeout_s: float = setting(
+        60.0,
+        "how long a request whose plan lost a stage waits for the next plan to go on on "
+        "(a refusal to run the model ends it at once)",
+        read=_seconds(),
+        metavar="SECONDS",
     )
     parallelism: str = setting(
         "auto",

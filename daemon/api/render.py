@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
@@ -158,7 +159,21 @@ def status_text(status: pb.MeshStatus) -> str:
     groups = tensor_parallel_text(status)
     if groups:
         plan += "\n" + groups
-    return f"{head}\n\n{peers_table(status)}\n\n{plan}\n\nrecent events:\n{recent}"
+    requests = requests_text(status)
+    return f"{head}\n\n{peers_table(status)}\n\n{plan}\n\n{requests}\n\nrecent events:\n{recent}"
+
+
+def requests_text(status: pb.MeshStatus) -> str:
+    """This node's clients' requests in flight, oldest first."""
+    if not status.requests:
+        return "requests in flight here: none"
+    now = status.generated_at or time.time()
+    lines = [
+        f"  {r.request_id}  plan {r.plan_id[:12]}  {r.prompt_tokens} prompt tokens, "
+        f"max {r.max_tokens}, running {max(0.0, now - r.started_at):.1f} s"
+        for r in sorted(status.requests, key=lambda r: r.started_at)
+    ]
+    return f"requests in flight here: {len(lines)}\n" + "\n".join(lines)
 
 
 def status_to_json(status: pb.MeshStatus) -> dict[str, Any]:

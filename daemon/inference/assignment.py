@@ -114,6 +114,10 @@ class Assignment:
     plan_id: str
     model_dir: Path
     stages: tuple[StageSpec, ...]
+    # Tokens of KV cache the plan reserves per sequence (its memory prediction counts them):
+    # a request whose prompt plus max_tokens exceeds it is refused. 0: no limit (a pipeline
+    # built by hand, without a plan).
+    context_length: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -125,6 +129,21 @@ class Assignment:
         nodes = self.member_ids
         if len(set(nodes)) != len(nodes):
             raise InvalidAssignment(f"{what}: a node holds more than one stage ({list(nodes)})")
+        if self.context_length < 0:
+            raise InvalidAssignment(f"{what}: context length {self.context_length} < 0")
+
+    def context_error(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request of ``prompt_tokens`` and ``max_tokens`` does not fit the context the
+        plan reserves per sequence, or None when it fits (or the plan sets no limit)."""
+        needed = prompt_tokens + max_tokens
+        if not self.context_length or needed <= self.context_length:
+            return None
+        return (
+            f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) need "
+            f"{needed} tokens of context, but plan {self.plan_id[:12]} reserves "
+            f"{self.context_length} per sequence; shorten the prompt or lower max_tokens "
+            f"(at most {max(0, self.context_length - prompt_tokens)} for this prompt)"
+        )
 
     @property
     def node_ids(self) -> tuple[str, ...]:
@@ -173,7 +192,12 @@ class Assignment:
                     ),
                 )
             )
-        return cls(plan_id=plan.plan_id, model_dir=Path(model_dir), stages=tuple(stages))
+        return cls(
+            plan_id=plan.plan_id,
+            model_dir=Path(model_dir),
+            stages=tuple(stages),
+            context_length=int(getattr(plan, "context_length", 0) or 0),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -187,6 +211,7 @@ class Assignment:
                 }
                 for stage in self.stages
             ],
+            "context_length": self.context_length,
         }
 
     @classmethod
@@ -195,4 +220,5 @@ class Assignment:
             plan_id=data["plan_id"],
             model_dir=Path(data["model_dir"]),
             stages=tuple(StageSpec(**stage) for stage in data["stages"]),
+            context_length=int(data.get("context_length", 0)),
         )

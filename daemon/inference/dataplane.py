@@ -72,9 +72,14 @@ import psutil
 from meshd.inference.assignment import Assignment
 from meshd.inference.engine import StageEngine, StageKey
 from meshd.inference.errors import ErrorKind, InferenceError
-from meshd.inference.fencing import FenceCheck
+from meshd.inference.fencing import FenceCheck, ServedSource
 from meshd.inference.installed import InstalledPlan
-from meshd.inference.origin import DEFAULT_PREFILL_CHUNK, GenerationEvent, Origin
+from meshd.inference.origin import (
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_RESUME_TIMEOUT_S,
+    GenerationEvent,
+    Origin,
+)
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.stage import StageRuntime
 from meshd.inference.tensor_parallel.engine import TensorParallelEngine
@@ -98,8 +103,10 @@ class DataPlane:
     ``channel_factory(address)`` makes a mutual-TLS grpc.aio channel to a peer (see
     :func:`meshd.mesh.channels.peer_channel_factory`); ``check_serving(plan_id)``
     raises (any exception, with a message naming the plan and node) when the plan is not
-    committed here. Everything runs on the asyncio thread that calls it; MLX runs on
-    ``compute`` (one thread per node, created here unless given).
+    committed here; ``served()`` (optional) says which plan is active, so that the origin can
+    move its requests to the next plan when theirs cannot carry them on (see
+    :mod:`meshd.inference.origin`). Everything runs on the asyncio thread that calls it; MLX
+    runs on ``compute`` (one thread per node, created here unless given).
     """
 
     def __init__(
@@ -115,6 +122,9 @@ class DataPlane:
         first_token_timeout_s: float = 300.0,
         token_timeout_s: float = 60.0,
         stage_idle_timeout_s: float = 600.0,
+        served: ServedSource | None = None,
+        resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S,
+        report: Callable[[str], None] | None = None,
         runners: RunnerSupervisor | None = None,
     ) -> None:
         self.node_id = node_id
@@ -129,9 +139,12 @@ class DataPlane:
             self.transport,
             self._plans,
             check_serving,
+            served=served,
             prefill_chunk=prefill_chunk,
             first_token_timeout_s=first_token_timeout_s,
             token_timeout_s=token_timeout_s,
+            resume_timeout_s=resume_timeout_s,
+            report=report,
         )
         self.stage = StageRuntime(
             node_id,
@@ -334,6 +347,20 @@ class DataPlane:
             )
         return plan.tokenizer
 
+    def context_length(self, plan_id: str) -> int:
+        """Tokens of KV cache an installed plan reserves per sequence (0: no limit)."""
+        return self._installed(plan_id).assignment.context_length
+
+    def context_error(self, plan_id: str, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why such a request does not fit the plan's context, or None when it fits."""
+        return self._installed(plan_id).assignment.context_error(prompt_tokens, max_tokens)
+
+    def _installed(self, plan_id: str) -> InstalledPlan:
+        plan = self._plans.get(plan_id)
+        if plan is None:
+            raise InferenceError(ErrorKind.NO_PLAN, f"plan {plan_id} is not installed here")
+        return plan
+
     def model_config(self, plan_id: str) -> Mapping[str, Any]:
         """The config.json of an installed plan's model (architecture, sizes)."""
         plan = self._plans.get(plan_id)
@@ -376,6 +403,7 @@ class DataPlane:
         return_logits: bool = False,
         prefill_chunk: int | None = None,
         ignore_eos: bool = False,
+        resume: bool = True,
     ) -> AsyncIterator[GenerationEvent]:
         """Generate on the mesh; an async iterator of TokenEvents ending with one FinalEvent.
 
@@ -383,7 +411,8 @@ class DataPlane:
         cannot be served raises InferenceError from the iterator. Closing the iterator
         early (the client went away) cancels the request on every stage.
         ``return_logits`` (debug, tests) attaches the last stage's logits to each token;
-        ``ignore_eos`` (benchmarks) generates exactly ``max_tokens`` tokens.
+        ``ignore_eos`` (benchmarks) generates exactly ``max_tokens`` tokens; ``resume=False``
+        keeps the request on ``plan_id`` (it fails instead of moving to the next plan).
         """
         return self.origin.generate(
             plan_id,
@@ -393,6 +422,7 @@ class DataPlane:
             return_logits=return_logits,
             prefill_chunk=prefill_chunk,
             ignore_eos=ignore_eos,
+            resume=resume,
         )
 
     def cancel(self, request_id: str) -> bool:

@@ -129,7 +129,7 @@ class PlanInstaller:
             selection.name if selection else "",
             self._agreement.last_refusal or "",
         )
-        self._committed.replace(served.ids)
+        self._committed.replace(served.ids, served.active, self._agreement.last_refusal or "")
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Apply the agreement's changes in order; start it before the agreement runs, so
