@@ -42,17 +42,23 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import MODEL_REMAPPING, load_model
 
-from meshd.inference.stage_model import (
+from meshd.runtime.lazy_imports import import_model_runtime
+
+# Any thread may import this module first: mlx-lm's own import web runs once, under one
+# lock (concurrent first imports fail with "deadlock detected by _ModuleLock").
+import_model_runtime()
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from mlx_lm.utils import MODEL_REMAPPING, load_model  # noqa: E402
+
+from meshd.inference.stage_model import (  # noqa: E402
     StageLoadError,
     StageModel,
     StageRecipe,
     UnsupportedModel,
     _TextModel,
 )
-from meshd.models.safetensors import ModelInfoError, load_stage_tensors
+from meshd.models.safetensors import ModelInfoError, load_stage_tensors  # noqa: E402
 
 # Files next to config.json that mlx-lm's load_model reads besides the weights.
 _CONFIG_FILES = ("config.json", "generation_config.json", "hf_quant_config.json")

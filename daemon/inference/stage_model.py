@@ -28,8 +28,14 @@ from typing import Any, Literal
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from meshd.runtime.lazy_imports import import_model_runtime
+
+# Any thread may import this module first: mlx-lm's own import web runs once, under one
+# lock (concurrent first imports fail with "deadlock detected by _ModuleLock").
+import_model_runtime()
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask  # noqa: E402
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache  # noqa: E402
 
 MAX_OPEN_REQUESTS = 64
 
