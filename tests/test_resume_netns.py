@@ -2,8 +2,9 @@
 
 Three daemons in network namespaces split the real default model (SmolLM2-135M, a third of
 the layers each). A greedy answer of up to 40 tokens streams from one node; after 12 text
-pieces the first, a middle or the last stage is killed with SIGKILL, or its veth is cut. The
-survivors commit a plan without it, the origin replays the request there (the prompt as the
+pieces the first, a middle or the last stage is killed with SIGKILL, or its veth is cut, or
+it is stopped with SIGTERM (it leaves gracefully and exits 0). The survivors commit a plan
+without it, the origin replays the request there (the prompt as the
 first run cut it, then each generated token alone) and the stream goes on: no error, the
 same text as a run nobody disturbed, one resume in the final event. The lost node then comes
 back (restart or link up) and the mesh returns to three stages for the next case.
@@ -12,6 +13,7 @@ back (restart or link up) and the mesh returns to three stages for the next case
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Callable, Iterator
 
@@ -119,17 +121,20 @@ def restore(hosts: ThreeHosts, case: str, victim: DaemonProcess) -> None:
     if case == "cut":
         hosts.netns_mesh.link_up(hosts.daemons.index(victim))
     else:
+        if case == "sigterm":
+            assert victim.proc is not None
+            assert victim.proc.wait(30) == 0, victim.log_tail()  # it left, then exited 0
         victim.start()
     hosts.wait_for_three()
 
 
-@pytest.mark.parametrize("case", ["first", "middle", "last", "cut"])
+@pytest.mark.parametrize("case", ["first", "middle", "last", "cut", "sigterm"])
 def test_a_lost_stage_does_not_change_the_text(
     hosts: ThreeHosts, uninterrupted: str, case: str
 ) -> None:
     order = hosts.wait_for_three()
     before = order[0].status().agreement.active_plan_id
-    victim = {"first": order[0], "middle": order[1], "last": order[2], "cut": order[1]}[case]
+    victim = {"first": order[0], "last": order[2]}.get(case, order[1])
     origin = order[2] if victim is order[0] else order[0]
     lost_at: list[float] = []
 
@@ -138,6 +143,9 @@ def test_a_lost_stage_does_not_change_the_text(
             return
         if case == "cut":
             hosts.netns_mesh.link_down(hosts.daemons.index(victim))
+        elif case == "sigterm":  # a service stop: the node leaves, its requests move
+            assert victim.proc is not None
+            victim.proc.send_signal(signal.SIGTERM)
         else:
             victim.kill()
         lost_at.append(time.monotonic())

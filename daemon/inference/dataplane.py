@@ -333,6 +333,16 @@ class DataPlane:
         if plan is not None:
             log.info("uninstalled plan %s: %s", plan_id[:12], reason)
 
+    async def hand_over_stages(self, reason: str) -> list[str]:
+        """This node is leaving and the mesh serves new requests without it: every plan with a
+        stage here is uninstalled, so the requests running through that stage end with a
+        ``FENCED`` failure naming ``reason`` and their origins move them to the plan they serve
+        now (replaying their tokens there). Returns the plan ids handed over."""
+        held = [plan_id for plan_id, plan in self._plans.items() if plan.index is not None]
+        for plan_id in held:
+            await self.uninstall(plan_id, reason)
+        return held
+
     def active_requests(self, plan_id: str) -> int:
         """Requests of ``plan_id`` open on this node (as origin or as stage); the daemon can
         release a draining plan once this is 0 on every node."""

@@ -49,6 +49,7 @@ from meshd.wire import pb
 log = logging.getLogger("meshd.inference")
 
 DRAIN_CHECK_S = 0.5
+LOADED_PLANS_PUBLISHED = 4  # the newest plans this node says it has loaded
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,15 @@ class PlanInstaller:
             await self._bridge.run(self._plane.uninstall, change.plan_id, change.reason)
             await self._bridge.run(self.progress.forget, change.plan_id)
             self._plan_parts.pop(change.plan_id, None)
+            self._publish_loaded(change.plan_id, loaded=False)
+
+    def _publish_loaded(self, plan_id: str, *, loaded: bool) -> None:
+        """Tell the peers (gossiped NodeState) which plans this node has loaded: a leaving
+        peer waits for the stages of the plan without it before it hands requests over."""
+        plans = [held for held in self._membership.loaded_plans if held != plan_id]
+        if loaded:
+            plans.append(plan_id)
+        self._membership.set_loaded_plans(tuple(plans[-LOADED_PLANS_PUBLISHED:]))
 
     async def _install(self, change: PlanChange) -> None:
         plan = change.plan
@@ -206,6 +216,7 @@ class PlanInstaller:
             self._events.add("%s", reason, level=logging.ERROR)
             return
         await self._bridge.run(self.progress.mark_loaded, plan.plan_id)
+        self._publish_loaded(plan.plan_id, loaded=True)
         node = self._membership.identity.node_id
         stage = plan.stage_of(node)
         where = "no layers (origin only)"
