@@ -244,7 +244,26 @@ class Node:
             ],
             tensor_parallel_groups=self._tensor_parallel_groups(),
             tensor_parallel_runners=self._tensor_parallel_runners(),
+            transitions=self._transitions(),
         )
+
+    def _transitions(self) -> pb.PlanTransitions:
+        """What this node loaded, kept and is loading now, and the requests it moved."""
+        plane = getattr(self, "plane", None)  # created once the asyncio thread runs
+        out = pb.PlanTransitions(
+            moving=self.plans.moving if plane is not None else "",
+            leaving=self.membership.leaving,
+        )
+        if plane is not None:
+            loads = plane.loads
+            out.stage_loads = loads.stage_loads
+            out.layers_loaded = loads.layers_loaded
+            out.layers_kept = loads.layers_kept
+            out.bytes_loaded = loads.bytes_loaded
+            out.last_install = self.plans.last_install
+            out.requests_resumed = plane.origin.requests_resumed
+            out.last_pause_s = plane.origin.last_pause_s
+        return out
 
     def _tensor_parallel_groups(self) -> list[pb.TensorParallelGroup]:
         """The active plan's tensor-parallel stages: members by rank, backend, link."""

@@ -227,3 +227,29 @@ def test_a_client_that_named_its_plan_is_not_moved(mesh: Mesh, model_dir: Path) 
         assert "withdrawn" in str(error)
     finally:
         mesh.uninstall(after.plan_id)
+
+
+def test_a_plan_that_keeps_a_nodes_layers_does_not_reload_them(mesh: Mesh, model_dir: Path) -> None:
+    """n1 holds layers 0-2 in both plans (only its neighbour changes): installing the second
+    plan adopts the weights the first holds (no stage built, nothing read), and a request
+    moved from the first to the second gives the same bits."""
+    before = mesh.assignment_for(model_dir, [("n1", (0, 3)), ("n2", (3, 6))])
+    after = mesh.assignment_for(model_dir, [("n1", (0, 3)), ("n3", (3, 6))])
+    mesh.install(before)
+    loads = {name: node.plane.loads for name, node in mesh.nodes.items()}
+
+    async def switch() -> None:
+        await mesh.install_async(after)
+        await mesh.uninstall_async(before.plan_id, "withdrawn: the mesh re-planned")
+
+    tokens, outcome, _ = run_and_switch(mesh, "n2", before, after, GREEDY, switch=switch)
+    try:
+        assert isinstance(outcome, FinalEvent) and outcome.usage.resumes == 1, outcome
+        assert_exact(model_dir, tokens, GREEDY)
+        kept, n3 = mesh.nodes["n1"].plane.loads, mesh.nodes["n3"].plane.loads
+        assert kept.stage_loads == loads["n1"].stage_loads  # n1 built no stage
+        assert kept.bytes_loaded == loads["n1"].bytes_loaded and kept.layers_kept >= 3
+        assert n3.stage_loads == loads["n3"].stage_loads + 1  # n3 loaded its new range
+        assert n3.layers_loaded == loads["n3"].layers_loaded + 3 and n3.bytes_loaded > 0
+    finally:
+        mesh.uninstall(after.plan_id)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from meshd.api import client
+from meshd.api import client, render
 from meshd.api.launcher import DaemonProcess
 from meshd.models.store import ModelStore
 from meshd.wire import pb
@@ -157,5 +157,9 @@ def test_a_lost_stage_does_not_change_the_text(
         assert text == uninterrupted
         assert done.resumes == 1, done
         assert done.plan_id != before  # it finished on the survivors' plan
+        status = origin.status()  # the move is visible: counted, and said in the event log
+        assert status.transitions.requests_resumed >= 1
+        assert any("resumed after" in line for line in status.events), status.events
+        assert "requests moved to another plan and resumed" in render.status_text(status)
     finally:
         restore(hosts, case, victim)

@@ -64,6 +64,7 @@ import logging
 import resource
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,9 @@ class DataPlane:
         )
         self.runners = runners or RunnerSupervisor(node_id)
         self.runners.set_on_change(self._publish_runners)
+        # How this node moved between plans (`meshd status`): replaced whole after each load,
+        # read from the trio thread.
+        self.loads = StageLoads()
         # What `meshd status` shows of this node's runners: replaced whole on every change,
         # read from the trio thread (never mutated once published).
         self.runner_status: tuple[dict[str, Any], ...] = ()
@@ -281,6 +285,17 @@ class DataPlane:
             None,
         )
         await self._compute.run(_load_sharing, engine, twin)
+        layers = engine.key.layer_end - engine.key.layer_start
+        done = self.loads
+        if twin is not None:
+            self.loads = replace(done, layers_kept=done.layers_kept + layers)
+        else:
+            self.loads = replace(
+                done,
+                stage_loads=done.stage_loads + 1,
+                layers_loaded=done.layers_loaded + layers,
+                bytes_loaded=done.bytes_loaded + engine.weight_bytes,
+            )
 
     async def _start_runner(self, spec: TensorParallelSpec, engine: StageEngine | None) -> None:
         """Start this node's rank of a tensor-parallel stage; rank 0's engine runs on it.
@@ -497,6 +512,17 @@ class DataPlane:
         await self.transport.close()
         if self._owns_compute:
             await self._compute.close()
+
+
+@dataclass(frozen=True)
+class StageLoads:
+    """Stages this node built since it started, and what they read or kept (a stage whose
+    layers an installed plan already holds adopts them: nothing is read again)."""
+
+    stage_loads: int = 0
+    layers_loaded: int = 0
+    bytes_loaded: int = 0
+    layers_kept: int = 0
 
 
 def _load_sharing(engine: StageEngine, twin: StageEngine | None) -> None:

@@ -120,6 +120,8 @@ class PlanInstaller:
         self._plan_parts: dict[str, Path] = {}  # plan id -> the fetched part it runs on
         self.snapshot = ServingSnapshot()
         self.progress = InstallProgress()
+        self.moving = ""  # what is being installed now, in words (`meshd status`)
+        self.last_install = ""  # the last plan installed here, in words
 
     def _refresh_snapshot(self) -> None:
         served = self._agreement.served()
@@ -200,23 +202,6 @@ class PlanInstaller:
         selection = self._agreement.selection
         if selection is None:
             return
-        try:
-            model_dir = await self._model_dir_or_fetch(selection, plan)
-            if model_dir.parent == self._parts_root:
-                self._plan_parts[plan.plan_id] = model_dir
-                await trio.to_thread.run_sync(mark_used, model_dir)
-            assignment = Assignment.from_plan(plan, model_dir, self._addresses())
-            colocated = self._colocated_stages(plan)
-            group = self._group_spec(assignment, change)
-            await self._bridge.run(_install, self._plane, assignment, colocated, group)
-        except Exception as exc:
-            reason = f"cannot serve plan {plan.plan_id[:12]} here: {exc}"
-            await self._bridge.run(self.progress.mark_failed, plan.plan_id, reason)
-            await self._bridge.run(_record_load_failure, self._plane, plan.plan_id, str(exc))
-            self._events.add("%s", reason, level=logging.ERROR)
-            return
-        await self._bridge.run(self.progress.mark_loaded, plan.plan_id)
-        self._publish_loaded(plan.plan_id, loaded=True)
         node = self._membership.identity.node_id
         stage = plan.stage_of(node)
         where = "no layers (origin only)"
@@ -228,6 +213,27 @@ class PlanInstaller:
                     f" as rank {held.nodes.index(node)} of tensor-parallel group "
                     f"{'+'.join(held.nodes)}"
                 )
+        self.moving = f"loading plan {plan.plan_id[:12]}: {where}"
+        try:
+            model_dir = await self._model_dir_or_fetch(selection, plan)
+            if model_dir.parent == self._parts_root:
+                self._plan_parts[plan.plan_id] = model_dir
+                await trio.to_thread.run_sync(mark_used, model_dir)
+            assignment = Assignment.from_plan(plan, model_dir, self._addresses())
+            colocated = self._colocated_stages(plan)
+            group = self._group_spec(assignment, change)
+            await self._bridge.run(_install, self._plane, assignment, colocated, group)
+        except Exception as exc:
+            self.moving = ""
+            reason = f"cannot serve plan {plan.plan_id[:12]} here: {exc}"
+            await self._bridge.run(self.progress.mark_failed, plan.plan_id, reason)
+            await self._bridge.run(_record_load_failure, self._plane, plan.plan_id, str(exc))
+            self._events.add("%s", reason, level=logging.ERROR)
+            return
+        await self._bridge.run(self.progress.mark_loaded, plan.plan_id)
+        self._publish_loaded(plan.plan_id, loaded=True)
+        self.moving = ""
+        self.last_install = f"plan {plan.plan_id[:12]}: {where} of {selection.name}"
         self._events.add("plan %s ready here: %s of %s", plan.plan_id[:12], where, selection.name)
         await self._prune_parts()
 
