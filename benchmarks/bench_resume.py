@@ -94,6 +94,7 @@ def story(daemon: DaemonProcess, disturb=None) -> dict:
     except client.GenerationFailed as error:
         outcome["error"] = str(error)[:300]
     if disturbed_at:
+        outcome["disturbed_after_pieces"] = DISTURB_AFTER
         after = [t for t in arrivals if t > disturbed_at[0]]
         outcome["next_piece_s"] = round(after[0] - disturbed_at[0], 3) if after else None
         outcome["error_after_s"] = (
@@ -127,6 +128,12 @@ def disturbance_round(kind: str, root: Path, token: str, profile: Path, model: P
         try:
             order = stage_order(daemons)
             reference = story(order[0])
+            for _ in range(10):  # an older tree may still be switching plans right after start
+                if "error" not in reference:
+                    break
+                time.sleep(3)
+                order = stage_order(daemons)
+                reference = story(order[0])
             victim = order[1]
             sig = signal.SIGKILL if kind == "kill" else signal.SIGTERM
 
@@ -139,8 +146,10 @@ def disturbance_round(kind: str, root: Path, token: str, profile: Path, model: P
 
             disturbed = story(order[0], disturb)
             disturbed["same_text"] = disturbed.pop("text") == reference["text"]
+            disturbed["reference_error"] = reference.get("error")
             disturbed["reference_tokens"] = reference.get("tokens")
-            if sig == signal.SIGTERM and victim.proc is not None:
+            disturbed["disturbed"] = "disturbed_after_pieces" in disturbed
+            if sig == signal.SIGTERM and victim.proc is not None and disturbed["disturbed"]:
                 disturbed["exit_code"] = victim.proc.wait(30)
             return disturbed
         finally:
