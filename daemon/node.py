@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -46,6 +47,7 @@ from partitioner.humanize import format_bytes, format_flops, format_rate
 log = logging.getLogger("meshd.node")
 
 SERVER_GRACE_S = 0.5
+LEAVE_POLL_S = 0.05
 PARTS_DIR = "parts"  # model parts fetched from peers: per node, in the state directory
 DISCOVERY_PEER_SOURCE = "mdns"
 
@@ -58,6 +60,8 @@ class NodeInfo:
     peer_port: int
     api_address: str
     http_url: str = ""
+    # Leave the mesh gracefully (SIGTERM): see Node.leave. Returns once it may exit.
+    leave: Callable[[], Awaitable[None]] | None = field(default=None, compare=False, repr=False)
 
 
 def resolve_secret(config: Config) -> security.MeshSecret:
@@ -241,7 +245,26 @@ class Node:
             ],
             tensor_parallel_groups=self._tensor_parallel_groups(),
             tensor_parallel_runners=self._tensor_parallel_runners(),
+            transitions=self._transitions(),
         )
+
+    def _transitions(self) -> pb.PlanTransitions:
+        """What this node loaded, kept and is loading now, and the requests it moved."""
+        plane = getattr(self, "plane", None)  # created once the asyncio thread runs
+        out = pb.PlanTransitions(
+            moving=self.plans.moving if plane is not None else "",
+            leaving=self.membership.leaving,
+        )
+        if plane is not None:
+            loads = plane.loads
+            out.stage_loads = loads.stage_loads
+            out.layers_loaded = loads.layers_loaded
+            out.layers_kept = loads.layers_kept
+            out.bytes_loaded = loads.bytes_loaded
+            out.last_install = self.plans.last_install
+            out.requests_resumed = plane.origin.requests_resumed
+            out.last_pause_s = plane.origin.last_pause_s
+        return out
 
     def _tensor_parallel_groups(self) -> list[pb.TensorParallelGroup]:
         """The active plan's tensor-parallel stages: members by rank, backend, link."""
@@ -517,6 +540,7 @@ class Node:
                             self.peer_port,
                             self.config.api_address,
                             self.http_url,
+                            leave=self.leave,
                         )
                     )
                     notify_ready(self.config.api_address)  # systemd Type=notify; no-op elsewhere
@@ -527,6 +551,65 @@ class Node:
                     await self.bridge.run(_stop_servers, peer_server, api_server)
                     await self.bridge.run(self.plane.close)
                     _remove_socket(self.config.api_address)
+
+    async def leave(self) -> None:
+        """Leave the mesh without losing a request (SIGTERM; bounded by ``leave_grace_s``).
+
+        This node stops taking requests and publishes ``leaving`` in its gossiped state; the
+        peers commit a plan without it and load it (:meth:`PlanAgreement.peers_ready_without`),
+        while this node's stages keep serving the requests running through them. Then the plans
+        with a stage here are uninstalled: the requests running through it end here with a
+        failure its origins move them on (they replay their tokens on the plan they serve
+        now). Requests this node is the origin of get the rest of the grace to finish.
+        Returns when all that is done or the grace is over; the caller then stops the node.
+        """
+        grace = self.config.leave_grace_s
+        deadline = trio.current_time() + grace
+        reason = f"node {self.identity.node_id} is leaving the mesh"
+        await self.bridge.run(self.router.stop_taking_requests, reason + ": ask another node")
+        self.membership.set_leaving()
+        self.events.add("leaving the mesh: new requests are refused (grace %.1f s)", grace)
+        # Keep serving until the peers' plan without this node is loaded on its stages: the
+        # requests that move then wait for no load, only for their replay.
+        with trio.move_on_at(deadline):
+            while not self.agreement.peers_ready_without(self._loaded_plans_of):
+                await trio.sleep(LEAVE_POLL_S)
+        if not self.agreement.peers_ready_without(self._loaded_plans_of):
+            self.events.add(
+                "leaving: the peers did not re-plan and load without this node within %.1f s; "
+                "its requests move now",
+                grace,
+                level=logging.WARNING,
+            )
+        handed = await self.bridge.run(self.plane.hand_over_stages, reason)
+        if handed:
+            self.events.add(
+                "leaving: handed over the requests of plan(s) %s",
+                ", ".join(plan_id[:12] for plan_id in handed),
+            )
+        with trio.move_on_at(deadline):
+            while self.router.in_flight:
+                await trio.sleep(LEAVE_POLL_S)
+        left = len(self.router.in_flight)
+        if left:
+            self.events.add(
+                "leaving: %d request(s) this node is the origin of did not finish within "
+                "%.1f s; their clients lose their connection",
+                left,
+                grace,
+                level=logging.WARNING,
+            )
+        else:
+            self.events.add("left the mesh")
+
+    def _loaded_plans_of(self, node_id: str) -> tuple[str, ...]:
+        """The plans a node says (gossiped NodeState) it has loaded; this node's own too."""
+        if node_id == self.identity.node_id:
+            return self.membership.loaded_plans
+        record = self.membership.peers.get(node_id)
+        if record is None or record.state is None:
+            return ()
+        return tuple(record.state.loaded_plans)
 
     async def _measure_profile_task(self) -> None:
         await self._measure_profile(remeasure=False)

@@ -2,7 +2,8 @@
 
 Three loopback daemons split the embedded SmolLM2-135M-Instruct (memory strategy: a third
 of the layers each); every client talks to one node's HTTP port, and the answers go through
-the same request path as the gRPC API. The last test kills a stage while a stream runs.
+the same request path as the gRPC API. The last test kills a stage while a stream runs:
+the stream goes on on the survivors.
 """
 
 from __future__ import annotations
@@ -241,45 +242,37 @@ def test_requests_from_other_sites_and_foreign_hosts_are_refused(mesh) -> None:
     assert httpx.get(url + "/v1/models").status_code == 200
 
 
-def test_a_stage_killed_mid_stream_ends_the_stream_cleanly(mesh) -> None:
-    """Kill a stage while a long answer streams from another node: the client gets a
-    complete SSE stream that ends with an error frame (or finishes), quickly; then new
-    requests get a clean 503 or an answer from the re-planned survivors. Kills mesh[2]."""
+def test_a_stage_killed_mid_stream_does_not_interrupt_the_stream(mesh) -> None:
+    """Kill a stage while an answer streams from another node: the origin moves the request
+    to the survivors' plan and the client's SSE stream goes on to its end with no error frame
+    (tests/test_resume_netns.py checks that the text is the uninterrupted run's); a request
+    right after is answered by the survivors at once. Kills mesh[2]."""
     origin = url_of(mesh[0])
     story = [{"role": "user", "content": "Write a long story about a lighthouse."}]
-    body = {"stream": True, "max_tokens": 400, "temperature": 0, "messages": story}
+    body = {"stream": True, "max_tokens": 48, "temperature": 0, "messages": story}
     raw = bytearray()
-    killed_at = None
-    with httpx.stream("POST", origin + "/v1/chat/completions", json=body, timeout=30) as reply:
+    killed_at = resumed_at = None
+    with httpx.stream("POST", origin + "/v1/chat/completions", json=body, timeout=60) as reply:
         assert reply.status_code == 200
         for chunk in reply.iter_raw():
             raw += chunk
             if killed_at is None and raw.count(b"\n\n") >= 5:
                 mesh[2].kill()
                 killed_at = time.monotonic()
-    ended_after = time.monotonic() - killed_at
-    assert ended_after < 10, f"the stream took {ended_after:.1f} s to end after the kill"
+            elif killed_at is not None and resumed_at is None:
+                resumed_at = time.monotonic()
+    assert killed_at is not None and resumed_at is not None, bytes(raw)
     frames = bytes(raw).decode().split("\n\n")
     assert frames[-1] == "", "the stream ended inside a frame"
-    payloads = [f.removeprefix("data: ") for f in frames[:-1]]
     assert all(f.startswith("data: ") for f in frames[:-1])
-    last = payloads[-1]
-    if last != "[DONE]":
-        error = json.loads(last)["error"]
-        assert error["code"] == "service_unavailable" and error["message"], error
-    # New requests right after: a clean 503 in OpenAI's shape, or an answer on the new plan.
-    deadline = time.monotonic() + 20
-    statuses = []
-    while time.monotonic() < deadline:
-        answer = httpx.post(origin + "/v1/chat/completions", timeout=30, json={
-            "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 16})  # fmt: skip
-        statuses.append(answer.status_code)
-        if answer.status_code == 200:
-            assert "Paris" in answer.json()["choices"][0]["message"]["content"]
-            break
-        assert answer.status_code == 503, answer.text
-        assert answer.json()["error"]["type"] == "server_error"
-        time.sleep(0.3)
-    assert statuses[-1] == 200, f"the survivors never answered: {statuses}"
-    ending = "an error frame" if last != "[DONE]" else "[DONE]"
-    print(f"stream ended with {ending} {ended_after:.2f} s after the kill; then {statuses}")
+    payloads = [f.removeprefix("data: ") for f in frames[:-1]]
+    assert payloads[-1] == "[DONE]", payloads[-1]
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert not [c for c in chunks if "error" in c], chunks
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    # The survivors' plan serves the stream already: a new request is answered at once.
+    answer = httpx.post(origin + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 16})  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    assert "Paris" in answer.json()["choices"][0]["message"]["content"]
+    print(f"the stream paused {resumed_at - killed_at:.2f} s at the kill and went on")

@@ -227,3 +227,66 @@ def test_a_client_that_named_its_plan_is_not_moved(mesh: Mesh, model_dir: Path) 
         assert "withdrawn" in str(error)
     finally:
         mesh.uninstall(after.plan_id)
+
+
+def test_a_plan_that_keeps_a_nodes_layers_does_not_reload_them(mesh: Mesh, model_dir: Path) -> None:
+    """n1 holds layers 0-2 in both plans (only its neighbour changes): installing the second
+    plan adopts the weights the first holds (no stage built, nothing read), and a request
+    moved from the first to the second gives the same bits."""
+    before = mesh.assignment_for(model_dir, [("n1", (0, 3)), ("n2", (3, 6))])
+    after = mesh.assignment_for(model_dir, [("n1", (0, 3)), ("n3", (3, 6))])
+    mesh.install(before)
+    loads = {name: node.plane.loads for name, node in mesh.nodes.items()}
+
+    async def switch() -> None:
+        await mesh.install_async(after)
+        await mesh.uninstall_async(before.plan_id, "withdrawn: the mesh re-planned")
+
+    tokens, outcome, _ = run_and_switch(mesh, "n2", before, after, GREEDY, switch=switch)
+    try:
+        assert isinstance(outcome, FinalEvent) and outcome.usage.resumes == 1, outcome
+        assert_exact(model_dir, tokens, GREEDY)
+        kept, n3 = mesh.nodes["n1"].plane.loads, mesh.nodes["n3"].plane.loads
+        assert kept.stage_loads == loads["n1"].stage_loads  # n1 built no stage
+        assert kept.bytes_loaded == loads["n1"].bytes_loaded and kept.layers_kept >= 3
+        assert n3.stage_loads == loads["n3"].stage_loads + 1  # n3 loaded its new range
+        # n3 built its new range, reading it or taking it from the stage a plan left there
+        gained = (n3.layers_loaded + n3.layers_kept) - (
+            loads["n3"].layers_loaded + loads["n3"].layers_kept
+        )
+        assert gained == 3
+    finally:
+        mesh.uninstall(after.plan_id)
+
+
+def test_a_moved_boundary_reads_only_the_layers_a_node_gains(mesh: Mesh, model_dir: Path) -> None:
+    """Plan A (n1: 0-2, n2: 3-5) is replaced by plan B (n1: 0-3, n3: 4-5), with A withdrawn
+    first, as after a lost member: n1 takes layers 0-2 and the embedding over from the stage
+    A left and reads only layer 3; n3 reads its two layers. The request moved onto B gives
+    the bits of one mlx-lm run."""
+    before = mesh.assignment_for(model_dir, [("n1", (0, 3)), ("n2", (3, 6))])
+    after = mesh.assignment_for(model_dir, [("n1", (0, 4)), ("n3", (4, 6))])
+    mesh.install(before)
+    loads = {name: node.plane.loads for name, node in mesh.nodes.items()}
+
+    async def switch() -> None:
+        await mesh.uninstall_async(before.plan_id, "member n2 was lost")
+        await mesh.install_async(after)
+
+    tokens, outcome, _ = run_and_switch(mesh, "n2", before, after, GREEDY, switch=switch)
+    try:
+        assert isinstance(outcome, FinalEvent) and outcome.usage.resumes == 1, outcome
+        assert_exact(model_dir, tokens, GREEDY)
+        n1, n3 = mesh.nodes["n1"].plane.loads, mesh.nodes["n3"].plane.loads
+        assert n1.stage_loads == loads["n1"].stage_loads + 1
+        assert n1.layers_loaded == loads["n1"].layers_loaded + 1  # layer 3 only
+        assert n1.layers_kept == loads["n1"].layers_kept + 3
+        # one layer's bytes: no more than n1 read per layer before (those loads had embeddings)
+        per_layer_before = loads["n1"].bytes_loaded / loads["n1"].layers_loaded
+        assert 0 < n1.bytes_loaded - loads["n1"].bytes_loaded <= per_layer_before
+        gained = (n3.layers_loaded + n3.layers_kept) - (
+            loads["n3"].layers_loaded + loads["n3"].layers_kept
+        )
+        assert gained == 2  # read, or taken from the stage an earlier plan left on n3
+    finally:
+        mesh.uninstall(after.plan_id)

@@ -214,6 +214,16 @@ class AgreementNode:
                 return False
         return True
 
+    def peers_active(self) -> dict[NodeId, Plan | None]:
+        """The plan each peer seen alive serves new requests on, by its newest message (None:
+        no plan, or no message yet): a leaving node hands its requests over once the stages
+        of those plans are loaded."""
+        out: dict[NodeId, Plan | None] = {}
+        for peer in self._alive:
+            message = self._latest.get(peer)
+            out[peer] = message.active if message is not None else None
+        return out
+
     def check_serving(self, plan_id: str) -> None:
         """Fencing: raise `PlanNotCommittedError` unless `plan_id` is served here."""
         if not self.is_serving(plan_id):

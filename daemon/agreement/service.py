@@ -475,6 +475,20 @@ class PlanAgreement:
         pairs = zip(inputs.members, inputs.digests, strict=True)
         return {node: self._states[(node, d)] for node, d in pairs if (node, d) in self._states}
 
+    def peers_ready_without(self, loaded: Callable[[str], tuple[str, ...]]) -> bool:
+        """Every live peer serves new requests on a plan without a stage here, and every stage
+        member of that plan has loaded it (``loaded(node)``: the plans a node says it has
+        loaded): a leaving node's requests then move with no wait for a load."""
+        if not self.core.peers_moved_on():
+            return False
+        for plan in self.core.peers_active().values():
+            if plan is None:
+                continue
+            for member in plan.stage_members:
+                if plan.plan_id not in loaded(member):
+                    return False
+        return True
+
     def release(self, plan_id: str) -> None:
         """A draining plan has no request left here: stop serving it."""
         self._apply(self.core.release_draining(plan_id))

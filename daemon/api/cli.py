@@ -169,9 +169,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     _setup_logging(config.log_level)
 
     async def main() -> None:
+        leave: list = []  # the node's graceful leave, once it has started
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
-            await nursery.start(run_node, config)
+            nursery.start_soon(_stop_on_signal, nursery.cancel_scope, leave)
+            info = await nursery.start(run_node, config)
+            if info.leave is not None:
+                leave.append(info.leave)
 
     exit_code = 0
     try:
@@ -197,16 +200,32 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     return out
 
 
-async def _stop_on_signal(scope) -> None:
+async def _stop_on_signal(scope, leave: list) -> None:
+    """SIGTERM (a service stop or restart): leave the mesh gracefully, bounded by
+    ``leave_grace_s`` (requests move or finish), then stop. SIGINT (Ctrl-C), a SIGTERM while
+    the node is still starting, or a second signal while leaving: stop now."""
     import trio
 
+    log = logging.getLogger("meshd")
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
-            logging.getLogger("meshd").info(
-                "received %s, shutting down", signal.Signals(signum).name
-            )
-            scope.cancel()
-            return
+            name = signal.Signals(signum).name
+            if signum != signal.SIGTERM or not leave:
+                log.info("received %s, shutting down", name)
+                scope.cancel()
+                return
+            log.info("received %s, leaving the mesh (send it again to stop at once)", name)
+            async with trio.open_nursery() as leaving:
+
+                async def leave_then_stop() -> None:
+                    await leave[0]()
+                    scope.cancel()
+
+                leaving.start_soon(leave_then_stop)
+                async for again in signals:
+                    log.info("received %s while leaving: stopping now", signal.Signals(again).name)
+                    scope.cancel()
+                    return
 
 
 def _state_dir(args: argparse.Namespace) -> Path:

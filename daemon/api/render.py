@@ -159,8 +159,29 @@ def status_text(status: pb.MeshStatus) -> str:
     groups = tensor_parallel_text(status)
     if groups:
         plan += "\n" + groups
+    plan += "\n" + transitions_text(status.transitions)
     requests = requests_text(status)
     return f"{head}\n\n{peers_table(status)}\n\n{plan}\n\n{requests}\n\nrecent events:\n{recent}"
+
+
+def transitions_text(moves: pb.PlanTransitions) -> str:
+    """How this node moved between plans: what it is loading, what it loaded and kept, and
+    the requests it moved."""
+    lines = []
+    if moves.leaving:
+        lines.append("leaving the mesh: new requests are refused, running ones move or finish")
+    lines.append(f"moving now: {moves.moving}" if moves.moving else "moving now: nothing")
+    lines.append(
+        f"stages loaded since start: {moves.stage_loads} ({moves.layers_loaded} layers, "
+        f"{format_bytes(moves.bytes_loaded)} read), {moves.layers_kept} layers kept across plans"
+        + (f"; last: {moves.last_install}" if moves.last_install else "")
+    )
+    if moves.requests_resumed:
+        lines.append(
+            f"requests moved to another plan and resumed: {moves.requests_resumed} "
+            f"(the last paused {moves.last_pause_s:.2f} s)"
+        )
+    return "\n".join(lines)
 
 
 def requests_text(status: pb.MeshStatus) -> str:

@@ -64,8 +64,9 @@ import logging
 import resource
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -90,7 +91,12 @@ from meshd.runtime.compute import ComputeExecutor
 from meshd.runtime.lazy_imports import import_model_runtime
 from meshd.wire import dataplane_pb2 as dp
 
+if TYPE_CHECKING:  # the stage model imports mlx-lm: only where a stage is loaded
+    from meshd.inference.stage_model import StageModel
+
 log = logging.getLogger("meshd.dataplane")
+
+SPARE_KEEP_S = 20.0  # how long an uninstalled plan's stage waits for a plan to take it over
 
 
 class DataPlaneError(RuntimeError):
@@ -156,6 +162,11 @@ class DataPlane:
         )
         self.runners = runners or RunnerSupervisor(node_id)
         self.runners.set_on_change(self._publish_runners)
+        # How this node moved between plans (`meshd status`): replaced whole after each load,
+        # read from the trio thread.
+        self.loads = StageLoads()
+        self._spare: tuple[StageModel, Path] | None = None  # see _keep_spare
+        self._spare_timer: asyncio.TimerHandle | None = None
         # What `meshd status` shows of this node's runners: replaced whole on every change,
         # read from the trio thread (never mutated once published).
         self.runner_status: tuple[dict[str, Any], ...] = ()
@@ -280,7 +291,63 @@ class DataPlane:
             ),
             None,
         )
-        await self._compute.run(_load_sharing, engine, twin)
+        # The stage a just-uninstalled plan left (see uninstall) serves this load or none:
+        # either way this node stops holding it now.
+        spare, self._spare = self._spare, None
+        donors = [] if twin is not None else self._donor_for(engine.key, spare)
+        del spare
+        await self._compute.run(_load_sharing, engine, twin, donors)
+        layers = engine.key.layer_end - engine.key.layer_start
+        done = self.loads
+        if twin is not None:
+            self.loads = replace(done, layers_kept=done.layers_kept + layers)
+        else:
+            assert engine.stage is not None
+            kept, kept_bytes = engine.stage.adopted_layers, engine.stage.adopted_bytes
+            self.loads = replace(
+                done,
+                stage_loads=done.stage_loads + 1,
+                layers_loaded=done.layers_loaded + layers - kept,
+                bytes_loaded=done.bytes_loaded + engine.weight_bytes - kept_bytes,
+                layers_kept=done.layers_kept + kept,
+            )
+
+    def _donor_for(self, key: StageKey, spare: tuple[StageModel, Path] | None) -> list[StageModel]:
+        """The loaded stage of the same model that shares the most layers with ``key`` (an
+        installed plan's, or ``spare``, the one an uninstalled plan left), as a one-element
+        list for load_stage to take its common layers from (empty: none shares any)."""
+        candidates = [
+            (p.engine.stage, p.engine.key.model_dir)
+            for p in self._plans.values()
+            if p.engine is not None
+            and p.engine.stage is not None
+            and not isinstance(p.engine, TensorParallelEngine)
+        ]
+        if spare is not None:
+            candidates.append(spare)
+        best_common, best = 0, None
+        for stage, model_dir in candidates:
+            if model_dir != key.model_dir:
+                continue
+            common = min(key.layer_end, stage.layer_end) - max(key.layer_start, stage.layer_start)
+            if common > best_common:
+                best_common, best = common, stage
+        return [best] if best is not None else []
+
+    def _keep_spare(self, plan: InstalledPlan) -> None:
+        """An uninstalled plan's loaded stage stays (briefly) for the next plan to take its
+        layers from: a lost member withdraws a plan a moment before the next one commits."""
+        engine = plan.engine
+        if engine is None or engine.stage is None or isinstance(engine, TensorParallelEngine):
+            return
+        self._spare = (engine.stage, engine.key.model_dir)
+        if self._spare_timer is not None:
+            self._spare_timer.cancel()
+        self._spare_timer = asyncio.get_running_loop().call_later(SPARE_KEEP_S, self._drop_spare)
+
+    def _drop_spare(self) -> None:
+        self._spare = None
+        self._spare_timer = None
 
     async def _start_runner(self, spec: TensorParallelSpec, engine: StageEngine | None) -> None:
         """Start this node's rank of a tensor-parallel stage; rank 0's engine runs on it.
@@ -324,6 +391,8 @@ class DataPlane:
         """Stop serving ``plan_id``: its requests end now with ``reason`` (e.g. "stage n3
         lost; the mesh is re-planning, retry"), its caches and weights are released."""
         plan = self._plans.pop(plan_id, None)
+        if plan is not None:
+            self._keep_spare(plan)
         self.origin.on_plan_removed(plan_id, reason)
         # The stage's requests end first (remove_plan's first, synchronous part), then the
         # runners stop, which also ends a step the compute thread may be waiting on.
@@ -332,6 +401,16 @@ class DataPlane:
         )
         if plan is not None:
             log.info("uninstalled plan %s: %s", plan_id[:12], reason)
+
+    async def hand_over_stages(self, reason: str) -> list[str]:
+        """This node is leaving and the mesh serves new requests without it: every plan with a
+        stage here is uninstalled, so the requests running through that stage end with a
+        ``FENCED`` failure naming ``reason`` and their origins move them to the plan they serve
+        now (replaying their tokens there). Returns the plan ids handed over."""
+        held = [plan_id for plan_id, plan in self._plans.items() if plan.index is not None]
+        for plan_id in held:
+            await self.uninstall(plan_id, reason)
+        return held
 
     def active_requests(self, plan_id: str) -> int:
         """Requests of ``plan_id`` open on this node (as origin or as stage); the daemon can
@@ -481,6 +560,9 @@ class DataPlane:
             return
         for plan_id in list(self._plans):
             await self.uninstall(plan_id, f"node {self.node_id} is shutting down")
+        if self._spare_timer is not None:
+            self._spare_timer.cancel()
+        self._drop_spare()
         self._closed = True
         await self.runners.close()
         await self.stage.close()
@@ -489,9 +571,21 @@ class DataPlane:
             await self._compute.close()
 
 
-def _load_sharing(engine: StageEngine, twin: StageEngine | None) -> None:
-    """Compute thread: load ``engine``, adopting ``twin``'s weights when it has them."""
-    engine.load(twin.stage if twin is not None else None)
+@dataclass(frozen=True)
+class StageLoads:
+    """Stages this node built since it started, and what they read or kept (a stage whose
+    layers an installed plan already holds adopts them: nothing is read again)."""
+
+    stage_loads: int = 0
+    layers_loaded: int = 0
+    bytes_loaded: int = 0
+    layers_kept: int = 0
+
+
+def _load_sharing(engine: StageEngine, twin: StageEngine | None, donors: list[StageModel]) -> None:
+    """Compute thread: load ``engine``, adopting ``twin``'s weights when it has them, else
+    taking the layers it shares with ``donors`` (emptied by the load)."""
+    engine.load(twin.stage if twin is not None else None, donors)
 
 
 def _retrieve_exception(future: asyncio.Future[Any]) -> None:

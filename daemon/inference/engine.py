@@ -136,8 +136,12 @@ class StageEngine:
     _caches: RequestCaches | None = None
     _samplers: dict[str, _SamplerState] = field(default_factory=dict)
 
-    def load(self, shared: StageModel | None = None) -> None:
-        """Load the stage's weights (or adopt ``shared``, identical weights already loaded)."""
+    def load(
+        self, shared: StageModel | None = None, donors: list[StageModel] | None = None
+    ) -> None:
+        """Load the stage's weights (or adopt ``shared``, identical weights already loaded;
+        ``donors``: a stage of the same model whose common layers are taken over, see
+        :func:`meshd.inference.shard.load_stage`)."""
         from meshd.inference.shard import load_stage
         from meshd.inference.stage_model import RequestCaches
 
@@ -147,6 +151,7 @@ class StageEngine:
             self.key.layer_end,
             has_embedding=self.key.has_embedding,
             has_head=self.key.has_head,
+            donors=donors,
         )
         self._caches = RequestCaches(self.stage, self.max_requests)
         self.weight_bytes = self.stage.nbytes

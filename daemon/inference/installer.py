@@ -49,6 +49,7 @@ from meshd.wire import pb
 log = logging.getLogger("meshd.inference")
 
 DRAIN_CHECK_S = 0.5
+LOADED_PLANS_PUBLISHED = 4  # the newest plans this node says it has loaded
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,8 @@ class PlanInstaller:
         self._plan_parts: dict[str, Path] = {}  # plan id -> the fetched part it runs on
         self.snapshot = ServingSnapshot()
         self.progress = InstallProgress()
+        self.moving = ""  # what is being installed now, in words (`meshd status`)
+        self.last_install = ""  # the last plan installed here, in words
 
     def _refresh_snapshot(self) -> None:
         served = self._agreement.served()
@@ -183,6 +186,15 @@ class PlanInstaller:
             await self._bridge.run(self._plane.uninstall, change.plan_id, change.reason)
             await self._bridge.run(self.progress.forget, change.plan_id)
             self._plan_parts.pop(change.plan_id, None)
+            self._publish_loaded(change.plan_id, loaded=False)
+
+    def _publish_loaded(self, plan_id: str, *, loaded: bool) -> None:
+        """Tell the peers (gossiped NodeState) which plans this node has loaded: a leaving
+        peer waits for the stages of the plan without it before it hands requests over."""
+        plans = [held for held in self._membership.loaded_plans if held != plan_id]
+        if loaded:
+            plans.append(plan_id)
+        self._membership.set_loaded_plans(tuple(plans[-LOADED_PLANS_PUBLISHED:]))
 
     async def _install(self, change: PlanChange) -> None:
         plan = change.plan
@@ -190,22 +202,6 @@ class PlanInstaller:
         selection = self._agreement.selection
         if selection is None:
             return
-        try:
-            model_dir = await self._model_dir_or_fetch(selection, plan)
-            if model_dir.parent == self._parts_root:
-                self._plan_parts[plan.plan_id] = model_dir
-                await trio.to_thread.run_sync(mark_used, model_dir)
-            assignment = Assignment.from_plan(plan, model_dir, self._addresses())
-            colocated = self._colocated_stages(plan)
-            group = self._group_spec(assignment, change)
-            await self._bridge.run(_install, self._plane, assignment, colocated, group)
-        except Exception as exc:
-            reason = f"cannot serve plan {plan.plan_id[:12]} here: {exc}"
-            await self._bridge.run(self.progress.mark_failed, plan.plan_id, reason)
-            await self._bridge.run(_record_load_failure, self._plane, plan.plan_id, str(exc))
-            self._events.add("%s", reason, level=logging.ERROR)
-            return
-        await self._bridge.run(self.progress.mark_loaded, plan.plan_id)
         node = self._membership.identity.node_id
         stage = plan.stage_of(node)
         where = "no layers (origin only)"
@@ -217,6 +213,27 @@ class PlanInstaller:
                     f" as rank {held.nodes.index(node)} of tensor-parallel group "
                     f"{'+'.join(held.nodes)}"
                 )
+        self.moving = f"loading plan {plan.plan_id[:12]}: {where}"
+        try:
+            model_dir = await self._model_dir_or_fetch(selection, plan)
+            if model_dir.parent == self._parts_root:
+                self._plan_parts[plan.plan_id] = model_dir
+                await trio.to_thread.run_sync(mark_used, model_dir)
+            assignment = Assignment.from_plan(plan, model_dir, self._addresses())
+            colocated = self._colocated_stages(plan)
+            group = self._group_spec(assignment, change)
+            await self._bridge.run(_install, self._plane, assignment, colocated, group)
+        except Exception as exc:
+            self.moving = ""
+            reason = f"cannot serve plan {plan.plan_id[:12]} here: {exc}"
+            await self._bridge.run(self.progress.mark_failed, plan.plan_id, reason)
+            await self._bridge.run(_record_load_failure, self._plane, plan.plan_id, str(exc))
+            self._events.add("%s", reason, level=logging.ERROR)
+            return
+        await self._bridge.run(self.progress.mark_loaded, plan.plan_id)
+        self._publish_loaded(plan.plan_id, loaded=True)
+        self.moving = ""
+        self.last_install = f"plan {plan.plan_id[:12]}: {where} of {selection.name}"
         self._events.add("plan %s ready here: %s of %s", plan.plan_id[:12], where, selection.name)
         await self._prune_parts()
 

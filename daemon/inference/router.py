@@ -80,9 +80,15 @@ class RequestRouter:
         self._serving = serving
         self._progress = progress
         self._open: dict[str, RequestInfo] = {}
+        self._refusing = ""  # why this node takes no new requests ("" while it does)
         # Published whole on every change (the trio side's status reads it, see
         # docs/architecture.md "published immutable values").
         self.in_flight: tuple[RequestInfo, ...] = ()
+
+    async def stop_taking_requests(self, reason: str) -> None:
+        """From now on every new request is refused with ``reason`` (UNAVAILABLE: a client or
+        load balancer tries another node); requests already running go on."""
+        self._refusing = reason
 
     def _track(self, info: RequestInfo | None, request_id: str) -> None:
         if info is None:
@@ -110,6 +116,8 @@ class RequestRouter:
         plan: then it goes to the plan this node serves by then, and a second
         :class:`Routed` names it.
         """
+        if self._refusing:
+            raise InferenceError(ErrorKind.UNAVAILABLE, self._refusing)
         client_id = secrets.token_hex(8)
         outcome = "cancelled (the client went away)"
         info: RequestInfo | None = None

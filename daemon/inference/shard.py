@@ -42,17 +42,23 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import MODEL_REMAPPING, load_model
 
-from meshd.inference.stage_model import (
+from meshd.runtime.lazy_imports import import_model_runtime
+
+# Any thread may import this module first: mlx-lm's own import web runs once, under one
+# lock (concurrent first imports fail with "deadlock detected by _ModuleLock").
+import_model_runtime()
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from mlx_lm.utils import MODEL_REMAPPING, load_model  # noqa: E402
+
+from meshd.inference.stage_model import (  # noqa: E402
     StageLoadError,
     StageModel,
     StageRecipe,
     UnsupportedModel,
     _TextModel,
 )
-from meshd.models.safetensors import ModelInfoError, load_stage_tensors
+from meshd.models.safetensors import ModelInfoError, load_stage_tensors  # noqa: E402
 
 # Files next to config.json that mlx-lm's load_model reads besides the weights.
 _CONFIG_FILES = ("config.json", "generation_config.json", "hf_quant_config.json")
@@ -108,6 +114,7 @@ def load_stage(
     has_embedding: bool,
     has_head: bool,
     prepare: Callable[[nn.Module, list[nn.Module]], None] | None = None,
+    donors: list[StageModel] | None = None,
 ) -> StageModel:
     """Load layers ``[layer_start, layer_end)`` of the model in ``model_dir`` as one stage.
 
@@ -121,6 +128,12 @@ def load_stage(
     ``prepare(model, stage_layers)``, when given, runs on the pruned model while its weights are
     still lazy, just before they are evaluated: a tensor-parallel stage shards its layers there
     (``meshd.inference.tensor_parallel``), so each rank only ever holds its part of them.
+
+    ``donors``: at most one loaded stage of the same model (a plan being replaced): the layers
+    (and the embedding) both stages run are taken over from it, already evaluated, so only
+    the rest is read from disk (an incremental re-plan). The list is emptied before the new
+    tensors are read, so what only the donor held can be freed first: a node that moves a
+    boundary never holds the old and the new stage whole at once.
     """
     model_dir = Path(model_dir)
     check_model_type(model_dir)
@@ -152,10 +165,13 @@ def load_stage(
     )
     checkpoint.check_stage(model, (layer_start, layer_end))
     checkpoint.release()
+    adopted: tuple[int, int] = (0, 0)
+    if donors and prepare is None:
+        adopted = _adopt(_TextModel.locate(model).inner, donors.pop(), layer_start, layer_end)
     if prepare is not None:
         prepare(model, list(_TextModel.locate(model).inner.layers[layer_start:layer_end]))
     mx.eval(model.parameters())
-    return StageModel(
+    stage = StageModel(
         model,
         config,
         (layer_start, layer_end),
@@ -166,6 +182,24 @@ def load_stage(
         architecture=architecture,
         recipe=ARCHITECTURES.get(architecture, StageRecipe()),
     )
+    stage.adopted_layers, stage.adopted_bytes = adopted
+    return stage
+
+
+def _adopt(inner: nn.Module, donor: StageModel, start: int, end: int) -> tuple[int, int]:
+    """Put the donor's evaluated modules in place of the lazy, unread ones for the layers (and
+    the embedding) both stages hold; returns (layers, bytes) taken over. The lazy arrays they
+    replace are dropped unread."""
+    taken: list[nn.Module] = []
+    for index in range(max(start, donor.layer_start), min(end, donor.layer_end)):
+        inner.layers[index] = donor.layer_module(index)
+        taken.append(inner.layers[index])
+    layers = len(taken)
+    embedding = donor.embedding
+    if "embed_tokens" in inner and embedding is not None:
+        inner.embed_tokens = embedding
+        taken.append(embedding)
+    return layers, sum(v.nbytes for m in taken for _, v in tree_flatten(m.parameters()))
 
 
 @contextmanager

@@ -28,8 +28,14 @@ from typing import Any, Literal
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from meshd.runtime.lazy_imports import import_model_runtime
+
+# Any thread may import this module first: mlx-lm's own import web runs once, under one
+# lock (concurrent first imports fail with "deadlock detected by _ModuleLock").
+import_model_runtime()
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask  # noqa: E402
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache  # noqa: E402
 
 MAX_OPEN_REQUESTS = 64
 
@@ -167,6 +173,9 @@ class StageModel:
                 f"stage {layer_range}."
             )
         self._empty_caches = empty_caches
+        # What load_stage took over from an earlier stage instead of reading it (see there).
+        self.adopted_layers = 0
+        self.adopted_bytes = 0
         self._kinds = [
             _LayerKind.of(cache, layer_range[0] + offset)
             for offset, cache in enumerate(empty_caches)
@@ -223,6 +232,18 @@ class StageModel:
             if mx.issubdtype(value.dtype, mx.floating):
                 return value.dtype
         raise StageLoadError("The stage holds no floating-point parameters.")
+
+    def layer_module(self, index: int) -> nn.Module:
+        """Layer ``index`` of the full model (within this stage's range): a newer stage of the
+        same model that also runs it adopts the module instead of reading it again."""
+        if not self.layer_start <= index < self.layer_end:
+            raise IndexError(f"layer {index} is not in stage {self._layer_range}")
+        return self._layers[index - self.layer_start]
+
+    @property
+    def embedding(self) -> nn.Module | None:
+        """The token embedding, when this stage holds it (first stage, or a tied head)."""
+        return self._inner.get("embed_tokens")
 
     @property
     def nbytes(self) -> int:

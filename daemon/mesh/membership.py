@@ -123,6 +123,7 @@ class Membership:
         self.profile: pb.NodeProfile = pb.NodeProfile(node_id=identity.node_id)
         self.model: pb.ModelSelection | None = None
         self.leaving = False
+        self.loaded_plans: tuple[str, ...] = ()  # plans whose stage is loaded here
         self.version = 1
         self.own_state = self._build_state()
         # "The peer table or a published state changed": agreement, status watchers.
@@ -179,6 +180,12 @@ class Membership:
         self.model = selection
         self._publish()
 
+    def set_loaded_plans(self, plan_ids: tuple[str, ...]) -> None:
+        """Publish the plans this node has loaded (a leaving peer waits for them)."""
+        if plan_ids != self.loaded_plans:
+            self.loaded_plans = plan_ids
+            self._publish()
+
     def set_leaving(self) -> None:
         """Announce that this node is stopping: peers plan without it from now on."""
         if not self.leaving:
@@ -197,6 +204,7 @@ class Membership:
             model=self.model,
             leaving=self.leaving,
             tensor_parallel_port=self.tensor_parallel_port,
+            loaded_plans=self.loaded_plans,
         )
 
     def _publish(self) -> None:

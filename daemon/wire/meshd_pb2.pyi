@@ -96,7 +96,7 @@ class LinkMeasurement(_message.Message):
     def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., tcp_rtt_s: _Optional[float] = ..., grpc_rtt_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., bandwidth: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., measured_at: _Optional[float] = ..., latency_bucket: _Optional[int] = ..., bandwidth_bucket: _Optional[int] = ..., trusted: _Optional[bool] = ..., trust_reason: _Optional[str] = ..., src_address: _Optional[str] = ..., dst_address: _Optional[str] = ...) -> None: ...
 
 class NodeState(_message.Message):
-    __slots__ = ("profile", "links", "version", "instance_id", "alive_peers", "model", "leaving", "tensor_parallel_port")
+    __slots__ = ("profile", "links", "version", "instance_id", "alive_peers", "model", "leaving", "tensor_parallel_port", "loaded_plans")
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class NodeState(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_PORT_FIELD_NUMBER: _ClassVar[int]
+    LOADED_PLANS_FIELD_NUMBER: _ClassVar[int]
     profile: NodeProfile
     links: _containers.RepeatedCompositeFieldContainer[LinkMeasurement]
     version: int
@@ -113,7 +114,8 @@ class NodeState(_message.Message):
     model: ModelSelection
     leaving: bool
     tensor_parallel_port: int
-    def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., version: _Optional[int] = ..., instance_id: _Optional[str] = ..., alive_peers: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelSelection, _Mapping]] = ..., leaving: _Optional[bool] = ..., tensor_parallel_port: _Optional[int] = ...) -> None: ...
+    loaded_plans: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., version: _Optional[int] = ..., instance_id: _Optional[str] = ..., alive_peers: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelSelection, _Mapping]] = ..., leaving: _Optional[bool] = ..., tensor_parallel_port: _Optional[int] = ..., loaded_plans: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelSelection(_message.Message):
     __slots__ = ("name", "digest", "spec_json", "options_json", "set_at", "set_by", "path")

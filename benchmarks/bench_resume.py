@@ -1,0 +1,212 @@
+"""Requests through a lost or leaving stage, and plan churn, on real `meshd run` daemons.
+
+Three daemons in network namespaces (run as root) split the embedded SmolLM2-135M (memory
+strategy: a third of the layers each). Reports:
+
+  * kill -9: a greedy answer of up to 200 tokens streams from the first stage's node; after
+    20 pieces the middle stage is killed. The pause (kill -> next piece on the client), the
+    resumes and whether the text equals the undisturbed run's (goal: no error, pause < 3 s).
+  * SIGTERM: the same with a SIGTERM (the node leaves gracefully; goal: pause < 1 s).
+  * churn: committed plans on a static mesh with link probes every 5 s over --static-s
+    seconds, after the first plan (goal: none; the issue's measure: 1 per 10 minutes).
+
+    .venv/bin/python benchmarks/bench_resume.py [--static-s 120] [--json out.json]
+
+To measure an older commit, put its tree (with a ``meshd`` link to its ``daemon/``) first on
+PYTHONPATH: the daemons then run that code (``--label`` names it in the output). Everything
+runs inside namespaces this script creates and removes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from meshd.api import client
+from meshd.api.launcher import DaemonProcess
+from meshd.mesh import security
+from meshd.mesh.profiling import load_or_measure_profile
+from meshd.models.store import ModelStore
+from meshd.wire import pb
+from tests.netns import Mesh, cleanup_stale, require_root_and_netns
+
+STORY = "Write a long story about a lighthouse keeper and a storm."
+MAX_TOKENS = 200
+DISTURB_AFTER = 20
+COMMITTED = re.compile(r"committed plan ([0-9a-f]{12})")
+
+
+def committed_over(n: int):
+    def check(status: pb.MeshStatus) -> bool:
+        view = status.agreement
+        return bool(view.active_plan_id and view.plan_json) and len(view.members) == n
+
+    return check
+
+
+def stage_order(daemons: list[DaemonProcess]) -> list[DaemonProcess]:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        statuses = [d.status() for d in daemons]
+        ids = {s.agreement.active_plan_id for s in statuses}
+        if len(ids) == 1 and all(committed_over(len(daemons))(s) for s in statuses):
+            stages = json.loads(statuses[0].agreement.plan_json)["stages"]
+            by_id = {s.node_id: d for s, d in zip(statuses, daemons, strict=True)}
+            return [by_id[stage["nodes"][0]] for stage in stages]
+        time.sleep(0.2)
+    raise TimeoutError("the daemons did not agree on one plan over all of them")
+
+
+def story(daemon: DaemonProcess, disturb=None) -> dict:
+    """Stream the story; ``disturb()`` runs (in a thread) after DISTURB_AFTER pieces."""
+    request = pb.ChatRequest(
+        messages=[pb.ChatMessage(role="user", content=STORY)],
+        sampling=pb.Sampling(max_tokens=MAX_TOKENS, temperature=0.0),
+    )
+    pieces: list[str] = []
+    arrivals: list[float] = []
+    disturbed_at: list[float] = []
+    outcome: dict = {}
+    try:
+        for event in client.stream_generation(daemon.api, request, timeout_s=600):
+            if event.HasField("done"):
+                # (an older daemon's GenerationDone has neither field)
+                outcome["resumes"] = getattr(event.done, "resumes", None)
+                outcome["paused_s"] = round(getattr(event.done, "paused_s", 0.0), 3)
+                outcome["tokens"] = event.done.completion_tokens
+                continue
+            pieces.append(event.text)
+            arrivals.append(time.monotonic())
+            if disturb is not None and len(pieces) == DISTURB_AFTER:
+                disturbed_at.append(time.monotonic())
+                threading.Thread(target=disturb, daemon=True).start()
+    except client.GenerationFailed as error:
+        outcome["error"] = str(error)[:300]
+    if disturbed_at:
+        outcome["disturbed_after_pieces"] = DISTURB_AFTER
+        after = [t for t in arrivals if t > disturbed_at[0]]
+        outcome["next_piece_s"] = round(after[0] - disturbed_at[0], 3) if after else None
+        outcome["error_after_s"] = (
+            round(time.monotonic() - disturbed_at[0], 3) if "error" in outcome else None
+        )
+    outcome["text"] = "".join(pieces)
+    return outcome
+
+
+def start(mesh: Mesh, root: Path, token: str, profile: Path, model: Path, probe_s: float):
+    daemons = []
+    for i, node in enumerate(mesh.nodes):
+        state = root / f"host{i}"
+        state.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(profile, state / "profile.json")
+        args = ["--interface", "eth0", "--join", token, "--model", str(model)]
+        args += ["--strategy", "memory", "--link-probe-interval", str(probe_s)]
+        daemons.append(DaemonProcess(state, args, netns=node.ns).start())
+    for daemon in daemons:
+        daemon.wait_for(committed_over(len(daemons)), 120, "a committed plan over all nodes")
+    return daemons
+
+
+def commits_in(daemon: DaemonProcess) -> list[str]:
+    return COMMITTED.findall(daemon.log_path.read_text(errors="replace"))
+
+
+def disturbance_round(kind: str, root: Path, token: str, profile: Path, model: Path) -> dict:
+    with Mesh(3) as mesh:
+        daemons = start(mesh, root / kind, token, profile, model, 30)
+        try:
+            order = stage_order(daemons)
+            reference = story(order[0])
+            for _ in range(10):  # an older tree may still be switching plans right after start
+                if "error" not in reference:
+                    break
+                time.sleep(3)
+                order = stage_order(daemons)
+                reference = story(order[0])
+            victim = order[1]
+            sig = signal.SIGKILL if kind == "kill" else signal.SIGTERM
+
+            def disturb() -> None:
+                if sig == signal.SIGKILL:
+                    victim.kill()
+                else:
+                    assert victim.proc is not None
+                    victim.proc.send_signal(sig)
+
+            disturbed = story(order[0], disturb)
+            disturbed["same_text"] = disturbed.pop("text") == reference["text"]
+            disturbed["reference_error"] = reference.get("error")
+            disturbed["reference_tokens"] = reference.get("tokens")
+            disturbed["disturbed"] = "disturbed_after_pieces" in disturbed
+            if sig == signal.SIGTERM and victim.proc is not None and disturbed["disturbed"]:
+                disturbed["exit_code"] = victim.proc.wait(30)
+            return disturbed
+        finally:
+            for daemon in daemons:
+                daemon.kill()
+
+
+def churn_round(seconds: float, root: Path, token: str, profile: Path, model: Path) -> dict:
+    with Mesh(3) as mesh:
+        daemons = start(mesh, root / "static", token, profile, model, 5)
+        try:
+            before = [len(commits_in(d)) for d in daemons]
+            time.sleep(seconds)
+            after = [commits_in(d) for d in daemons]
+            extra = [len(a) - b for a, b in zip(after, before, strict=True)]
+            return {
+                "seconds": seconds,
+                "commits_after_first_plan": extra,
+                "per_10_min": [round(e * 600 / seconds, 1) for e in extra],
+                "plan_ids": sorted({p for a in after for p in a}),
+            }
+        finally:
+            for daemon in daemons:
+                daemon.kill()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--static-s", type=float, default=120.0)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["kill", "term", "churn"])
+    parser.add_argument("--label", default="this tree")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    require_root_and_netns()
+    cleanup_stale()
+    root = Path(tempfile.mkdtemp(prefix="bench-resume-"))
+    token = security.encode_join_token(security.create_mesh_secret("bench-resume"))
+    load_or_measure_profile(root / "profile", memory_budget_override=None)
+    profile = root / "profile" / "profile.json"
+    model = ModelStore(root / "store").ensure_default().path
+    results: dict = {"label": args.label, "pythonpath": os.environ.get("PYTHONPATH", "")}
+    try:
+        if "kill" not in args.skip:
+            results["kill9_middle_stage"] = disturbance_round("kill", root, token, profile, model)
+            print("kill -9:", results["kill9_middle_stage"], flush=True)
+        if "term" not in args.skip:
+            results["sigterm_middle_stage"] = disturbance_round("term", root, token, profile, model)
+            print("SIGTERM:", results["sigterm_middle_stage"], flush=True)
+        if "churn" not in args.skip:
+            results["static_mesh"] = churn_round(args.static_s, root, token, profile, model)
+            print("static mesh, 5 s probes:", results["static_mesh"], flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
