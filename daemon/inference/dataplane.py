@@ -136,6 +136,7 @@ class DataPlane:
             "token": self._on_token,
             "end": self.stage.on_end,
             "failure": self.origin.on_failure,
+            "bundle": self._on_bundle,
         }
 
     def servicer(self) -> DataPlaneServicer:
@@ -327,6 +328,17 @@ class DataPlane:
             return
         handler(sender, frame)
 
+    def _on_bundle(self, sender: str, frame: dp.Frame) -> None:
+        """The frames of one batched step, handled in order; the stage decides what to
+        compute next only after the last (so the batch's rows can run together here)."""
+        with self.stage.holding_steps():
+            for inner in frame.bundle.frames:
+                kind = inner.WhichOneof("body")
+                if kind == "bundle":
+                    log.warning("a bundle from %s holds a bundle: ignored", sender)
+                    continue
+                self.on_frame(sender, inner)
+
     def _on_token(self, sender: str, frame: dp.Frame) -> None:
         self.origin.on_token(sender, frame)
         self.stage.on_token(sender, frame)
@@ -360,6 +372,7 @@ class DataPlane:
                     weight_bytes=plan.engine.weight_bytes if plan.engine else 0,
                     open_requests=self.stage.caches_held(plan.plan_id),
                     origin_requests=self.origin.count(plan.plan_id),
+                    batched_rows=plan.engine.batched_rows if plan.engine else 0,
                 )
             )
         return reply

@@ -43,7 +43,7 @@ whose next input has arrived wait in one round-robin queue: after each step hand
 request goes to the back, so a long prompt's prefill chunks interleave with other requests'
 steps and a short request's first token never waits for a long prompt to finish.
 :meth:`StageCore.next_batch` may hand out steps of several requests at once (one per
-request): the runtime runs one step per batch today; a batched forward pass can take more.
+request): the runtime runs the decode steps among them in one batched forward pass.
 """
 
 from __future__ import annotations
