@@ -13,8 +13,9 @@ arrays in TOML and repeatable flags. The config file is `<state_dir>/meshd.toml`
 `[meshd]` table.
 
 Several daemons can run on one machine (tests, demos) by giving each its own state
-directory: node id, mesh secret, certificates, profile cache and the local API socket all
-live there.
+directory: node id, mesh secret, certificates, profile cache, fetched model parts and the
+local API socket all live there. Models live in one store per user (`model_store`), which
+the user's daemons share.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ DEFAULT_PEER_PORT = 52300
 DEFAULT_MESH_NAME = "home"
 ENV_PREFIX = "MESHD_"
 DEFAULT_HTTP = "127.0.0.1:52380"
+DEFAULT_TENSOR_PARALLEL_PORT = 53400  # = meshd.inference.tensor_parallel.spec.DEFAULT_BASE_PORT
+TENSOR_PARALLEL_PORT_MAX = 65535 - 1024
 
 
 class ConfigError(ValueError):
@@ -46,6 +49,19 @@ def default_state_dir() -> Path:
     if platform.system() == "Darwin":
         return Path.home() / "Library" / "Application Support" / "meshd"
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "meshd"
+
+
+def default_model_store() -> Path:
+    """Per-user model store, shared by every daemon of the user (one copy of each model).
+
+    systemd's `CacheDirectory=` (the system unit) wins, then XDG on Linux, Caches on macOS.
+    """
+    if os.environ.get("CACHE_DIRECTORY"):
+        return Path(os.environ["CACHE_DIRECTORY"].split(":")[0])
+    if platform.system() == "Darwin":
+        return Path.home() / "Library" / "Caches" / "meshd"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "meshd"
 
 
@@ -74,6 +90,24 @@ def _port(value: Any) -> int:
     port = int(value)
     if not 0 <= port <= 65535:
         raise ValueError(f"{port} is not a TCP port")
+    return port
+
+
+def _network(value: Any) -> str:
+    """A CIDR network ("192.168.7.0/24", "fd00::/64", "127.0.0.0/8"), normalised."""
+    import ipaddress
+
+    return str(ipaddress.ip_network(str(value).strip(), strict=False))
+
+
+def _runner_port(value: Any) -> int:
+    """The first port of the tensor-parallel runners' range (meshd.inference.tensor_parallel.
+    spec: 64 slots of 16 ports each above it)."""
+    port = int(value)
+    if not 1024 <= port <= TENSOR_PARALLEL_PORT_MAX:
+        raise ValueError(
+            f"use 1024-{TENSOR_PARALLEL_PORT_MAX}: the runners use the 1024 ports from it"
+        )
     return port
 
 
@@ -149,6 +183,13 @@ class Config:
         read=_path,
         metavar="DIR",
     )
+    model_store: Path = setting(
+        default_model_store,
+        "directory of the model store, shared by this user's daemons (each model once per "
+        "user; the state directory keeps only what belongs to one node)",
+        read=_path,
+        metavar="DIR",
+    )
     name: str = setting(
         lambda: platform.node() or "meshd",
         "human label of this machine in the mesh (default: hostname)",
@@ -174,6 +215,13 @@ class Config:
         "port of the peer server (0 picks a free one)",
         read=_port,
         metavar="PORT",
+    )
+    peer_handshake_timeout_s: float = setting(
+        10.0,
+        "a new connection to the peer port that has not completed its TLS handshake after this "
+        "many seconds is closed",
+        read=_seconds(),
+        metavar="SECONDS",
     )
     api: str = setting(
         "",
@@ -265,6 +313,45 @@ class Config:
         "sequences decoded at once (KV cache is reserved for each)",
         read=_count,
         metavar="N",
+    )
+    leave_grace_s: float = setting(
+        10.0,
+        "on SIGTERM or `meshd leave`: how long this node lets the mesh plan without it and "
+        "its requests in flight move or finish before it exits (the one place this is set)",
+        read=_seconds(zero_ok=True),
+        metavar="SECONDS",
+    )
+    resume_timeout_s: float = setting(
+        60.0,
+        "how long a request whose plan lost a stage waits for the next plan to go on on "
+        "(a refusal to run the model ends it at once)",
+        read=_seconds(),
+        metavar="SECONDS",
+    )
+    parallelism: str = setting(
+        "auto",
+        "kind of layout: auto takes the fastest predicted of one node, a pipeline, a "
+        "tensor-parallel group or a hybrid; the others force that kind (refused, with the "
+        "reason, where it cannot run)",
+        choices=("auto", "pipeline", "tensor", "hybrid"),
+        metavar="KIND",
+    )
+    tensor_parallel_trusted_networks: list[str] = setting(
+        list,
+        "network (CIDR) whose links may carry tensor-parallel traffic, which travels "
+        "unencrypted: only a network nobody else uses, e.g. a lab switch (repeatable; "
+        "point-to-point links such as a Thunderbolt bridge need no entry)",
+        read=_network,
+        flag="--tensor-parallel-trusted-network",
+        metavar="CIDR",
+        many=True,
+    )
+    tensor_parallel_port: int = setting(
+        DEFAULT_TENSOR_PARALLEL_PORT,
+        "first of the 1024 ports this node's tensor-parallel runners listen on for the "
+        "groups it leads",
+        read=_runner_port,
+        metavar="PORT",
     )
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", read=_level, metavar="LEVEL")
 

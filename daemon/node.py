@@ -21,20 +21,23 @@ import partitioner
 from meshd.agreement.messages import AgreementConfig
 from meshd.agreement.service import PlanAgreement, model_selection
 from meshd.api.local_service import start_api_server
-from meshd.config import Config
+from meshd.config import Config, ConfigError
 from meshd.http.server import start_http_server
 from meshd.inference.dataplane import DataPlane
 from meshd.inference.fencing import CommittedPlans
 from meshd.inference.installer import PlanInstaller
 from meshd.inference.router import RequestRouter
 from meshd.mesh import channels, security
+from meshd.mesh.gate import ConnectionGate
 from meshd.mesh.identity import Identity, load_or_create_node_id
 from meshd.mesh.membership import PROTOCOL_VERSION, Membership
 from meshd.mesh.peer_service import PeerService
 from meshd.models.share import PartExporter
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
+from meshd.runtime.rpc_guard import add_guarded_servicer
 from meshd.service.notify import notify_ready
+from meshd.state_lock import hold_state_dir
 from meshd.wire import dataplane_pb2_grpc as dataplane_rpc
 from meshd.wire import pb, rpc
 from partitioner.humanize import format_bytes, format_flops, format_rate
@@ -42,6 +45,7 @@ from partitioner.humanize import format_bytes, format_flops, format_rate
 log = logging.getLogger("meshd.node")
 
 SERVER_GRACE_S = 0.5
+PARTS_DIR = "parts"  # model parts fetched from peers: per node, in the state directory
 DISCOVERY_PEER_SOURCE = "mdns"
 
 
@@ -99,6 +103,13 @@ class Node:
             heartbeat_interval_s=config.heartbeat_interval_s,
             peer_timeout_s=config.peer_timeout_s,
             link_probe_interval_s=config.link_probe_interval_s,
+            trusted_networks=tuple(config.tensor_parallel_trusted_networks),
+            tensor_parallel_port=config.tensor_parallel_port,
+        )
+        self.gate = ConnectionGate(
+            self.secret.mesh_name,
+            lambda text: self.events.add("%s", text, level=logging.WARNING),
+            handshake_timeout_s=config.peer_handshake_timeout_s,
         )
         self.peer_port = 0
         self.http_url = ""
@@ -124,10 +135,14 @@ class Node:
         """The data plane lives on the asyncio thread, so it is created there; the installer
         (trio side) keeps its fencing (`committed`) up to date, the router serves the API."""
         committed = CommittedPlans(self.identity.node_id)
+        events, bridge = self.events, self.bridge
         self.plane = DataPlane(
             self.identity.node_id,
             channels.peer_channel_factory(self.credentials),
             committed.check,
+            served=committed.view,
+            resume_timeout_s=self.config.resume_timeout_s,
+            report=lambda text: bridge.call_soon_in_trio(events.add, "%s", text),
         )
         self.plans = PlanInstaller(
             self.membership,
@@ -137,26 +152,33 @@ class Node:
             self.plane,
             committed,
             self.model_dir_for_selection,
-            self.store_root / "parts",
+            self.config.state_dir / PARTS_DIR,
+            mesh_secret=self.secret.secret,
         )
         plans = self.plans
         self.router = RequestRouter(self.plane, lambda: plans.snapshot, plans.progress)
 
     async def _start_peer_server(self) -> grpc.aio.Server:
-        server = channels.peer_server()
+        server = channels.peer_server(self.gate.server_options())
         service = PeerService(
             self.membership, self.bridge, self.agreement, PartExporter(self._locate_model)
         )
-        rpc.add_PeerServicer_to_server(service, server)
-        dataplane_rpc.add_DataPlaneServicer_to_server(self.plane.servicer(), server)
+        add_guarded_servicer(rpc.add_PeerServicer_to_server, service, server)
+        add_guarded_servicer(
+            dataplane_rpc.add_DataPlaneServicer_to_server, self.plane.servicer(), server
+        )
         address = f"{self.config.peer_host}:{self.config.peer_port}"
-        port = server.add_secure_port(address, security.server_credentials(self.credentials))
+        try:
+            port = server.add_secure_port(address, security.server_credentials(self.credentials))
+        except RuntimeError:  # grpc raises when it cannot bind (older versions return 0)
+            port = 0
         if port == 0:
-            raise OSError(
-                f"cannot listen for peers on {address}: the port is taken? choose another "
-                "with --peer-port"
+            raise ConfigError(
+                f"cannot listen for peers on {address}: the port is in use (another meshd on "
+                "this machine?); give this daemon another --peer-port (0 picks a free one)"
             )
         await server.start()
+        self.gate.check_installed()
         self.peer_port = port
         return server
 
@@ -206,7 +228,49 @@ class Node:
             memory=self.runtime_memory(),
             generated_at=time.time(),
             http_url=self.http_url,
+            requests=[
+                pb.RequestStatus(
+                    request_id=info.request_id,
+                    plan_id=info.plan_id,
+                    prompt_tokens=info.prompt_tokens,
+                    max_tokens=info.max_tokens,
+                    started_at=info.started_at,
+                )
+                for info in self.router.in_flight
+            ],
+            tensor_parallel_groups=self._tensor_parallel_groups(),
+            tensor_parallel_runners=self._tensor_parallel_runners(),
         )
+
+    def _tensor_parallel_groups(self) -> list[pb.TensorParallelGroup]:
+        """The active plan's tensor-parallel stages: members by rank, backend, link."""
+        from meshd.inference.tensor_parallel.groups import describe_groups
+
+        active = self.agreement.core.active
+        plan = self.agreement.plan_for(active.proposal) if active else None
+        if plan is None:
+            return []
+        return describe_groups(plan, self.agreement.states_of(active.proposal))
+
+    def _tensor_parallel_runners(self) -> list[pb.TensorParallelRunner]:
+        """This node's runner processes, as the data plane last published them."""
+        plane = getattr(self, "plane", None)  # created once the asyncio thread runs
+        return [
+            pb.TensorParallelRunner(
+                plan_id=runner["plan_id"],
+                stage=runner["stage"],
+                rank=runner["rank"],
+                size=runner["size"],
+                backend=runner["backend"],
+                link=runner["link"],
+                state=runner["state"],
+                pid=runner["pid"] or 0,
+                error=runner["error"] or "",
+                held_bytes=int(runner.get("held_bytes") or 0),
+                members=[member["node_id"] for member in runner["members"]],
+            )
+            for runner in (plane.runner_status if plane is not None else ())
+        ]
 
     def runtime_memory(self) -> pb.RuntimeMemory:
         """MLX allocator counters and RSS, next to the budget and the plan's prediction."""
@@ -263,7 +327,26 @@ class Node:
 
     @property
     def store_root(self) -> Path:
-        return self.config.state_dir / "models"
+        """The user's model store (shared by the user's daemons; see `Config.model_store`)."""
+        return self.config.model_store
+
+    def _note_old_model_store(self) -> None:
+        """Models imported by an older meshd into the state directory are no longer used:
+        say once where they are, so that the user can move or delete them."""
+        old = self.config.state_dir / "models" / "models"
+        names = sorted(p.parent.name for p in old.glob("*/meshd-model.json"))
+        if names and old != self.store_root / "models":
+            self.events.add(
+                "models in %s (%s) are no longer used: models now live in the user's store %s; "
+                "move them there (mv %s/* %s/models/) or delete %s",
+                old,
+                ", ".join(names),
+                self.store_root,
+                old,
+                self.store_root,
+                old.parent,
+                level=logging.WARNING,
+            )
 
     async def select_model(
         self,
@@ -272,6 +355,7 @@ class Node:
         strategy: str | None = None,
         context_length: int | None = None,
         concurrency: int | None = None,
+        parallelism: str | None = None,
     ) -> pb.ModelSelection:
         """Read the model's description (no weights) and propose it to the mesh.
 
@@ -281,11 +365,14 @@ class Node:
         from meshd.models.info import read_model_spec
 
         model_dir = await trio.to_thread.run_sync(self.resolve_model_dir, model)
+        # Refuse an architecture stages cannot run before the mesh re-plans for it.
+        await trio.to_thread.run_sync(_check_model_type, model_dir)
         spec = await trio.to_thread.run_sync(read_model_spec, model_dir)
         options = partitioner.PlanOptions(
             strategy=strategy or self.config.strategy,
             context_length=context_length or self.config.context_length,
             concurrency=concurrency or self.config.concurrency,
+            parallelism=parallelism or self.config.parallelism,
         )
         selection = model_selection(spec, options, self.identity.node_id, str(model_dir))
         self.membership.set_model(selection)
@@ -347,9 +434,14 @@ class Node:
             return None
 
     def model_dir_for_selection(self, selection: pb.ModelSelection) -> Path:
+        """This node's full copy of the selected model: the directory it selected itself
+        (`meshd load DIR`, `--model DIR`), else its store (a peer's selection)."""
         from meshd.inference.installer import model_dir_for
 
-        return model_dir_for(selection, self.config.model, self.store_root)
+        own = self.config.model
+        if selection.set_by == self.identity.node_id and selection.path:
+            own = selection.path
+        return model_dir_for(selection, own, self.store_root)
 
     async def remeasure(self) -> None:
         await self._measure_profile(remeasure=True)
@@ -397,6 +489,7 @@ class Node:
                     start_http_server, self, self.bridge, self.config.http, self.config.state_dir
                 )
                 self.http_url = http_server.url if http_server else ""
+                self._note_old_model_store()
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.membership.run)
                     nursery.start_soon(self._measure_profile_task)
@@ -438,9 +531,13 @@ class Node:
         await self._measure_profile(remeasure=False)
 
     async def _housekeeping(self) -> None:
+        ticks = 0
         while True:
-            await trio.sleep(10)
-            self.membership.forget_old()
+            await trio.sleep(1)
+            self.gate.check()  # who knocked on the peer port without the mesh's certificate
+            ticks += 1
+            if ticks % 10 == 0:
+                self.membership.forget_old()
 
     async def _discovery_task(self, *, task_status: trio.TaskStatus[None]) -> None:
         from meshd.mesh import discovery
@@ -506,5 +603,16 @@ def _remove_socket(address: str) -> None:
 async def run_node(
     config: Config, *, task_status: trio.TaskStatus[NodeInfo] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Run one daemon until cancelled."""
-    await Node(config).run(task_status=task_status)
+    """Run one daemon until cancelled; StateDirInUse when another daemon holds its state
+    directory (checked before anything in it is read, written, bound or removed)."""
+    with hold_state_dir(config.state_dir):
+        await Node(config).run(task_status=task_status)
+
+
+def _check_model_type(model_dir: Path) -> None:
+    """Raise UnsupportedModel/StageLoadError (with the reason) for a model stages cannot run.
+
+    Reads only config.json; the stage code (and mlx-lm) is imported on this first use."""
+    from meshd.inference.shard import check_model_type
+
+    check_model_type(model_dir)

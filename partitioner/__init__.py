@@ -16,11 +16,23 @@ from partitioner.errors import (
 )
 from partitioner.model import ModelSpec, ModelSpecError
 from partitioner.options import PARALLELISMS, STRATEGIES, PlanOptions, PlanOptionsError
-from partitioner.plan import ExpertShard, Hop, LeftOut, NodeMemory, Plan, Prediction, Stage
+from partitioner.plan import (
+    ExpertShard,
+    Hop,
+    LeftOut,
+    NodeMemory,
+    Plan,
+    Prediction,
+    Stage,
+    layout_key,
+    stages_from_layout_key,
+)
 from partitioner.planner import (
     ALGORITHM_VERSION,
     LAYOUTS,
+    SWITCH_GAIN,
     layout_kind,
+    layout_plan_id,
     plan_alternatives,
     plan_model,
     plan_summary,
@@ -32,6 +44,7 @@ __all__ = [
     "LAYOUTS",
     "PARALLELISMS",
     "STRATEGIES",
+    "SWITCH_GAIN",
     "CostModel",
     "ExpertShard",
     "Hop",
@@ -51,10 +64,13 @@ __all__ = [
     "bucket_index",
     "bucket_value",
     "describe_refusal",
+    "layout_key",
     "layout_kind",
+    "layout_plan_id",
     "plan_alternatives",
     "plan_model",
     "plan_summary",
     "quantize",
+    "stages_from_layout_key",
     "sticky_bucket_index",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -115,8 +117,9 @@ class LeftOut:
 class Plan:
     """Which node holds which layers, what that costs, and an id every node agrees on.
 
-    plan_id: sha256 hex of the algorithm version and the quantized inputs that matter (the
-    same on every machine, for any order of the input nodes); `short_id` for display.
+    plan_id: sha256 hex of the layout (partitioner.planner.layout_plan_id: the model, the
+    settings the stages run with, the ordered stages), the same on every machine; equal
+    layouts share one id. `short_id` for display.
     layout: "solo" (one node), "pipeline" (stages of one node), "tensor" (one tensor-parallel
     group) or "hybrid" (several stages, at least one a group).
     """
@@ -156,6 +159,11 @@ class Plan:
         index = self.stage_of(node_id)
         return range(0) if index is None else self.stages[index].layers
 
+    @property
+    def layout_key(self) -> str:
+        """The stages as canonical JSON (what the plan id hashes besides model and settings)."""
+        return layout_key(self.stages)
+
     def memory_of(self, node_id: str) -> NodeMemory | None:
         return next((entry for entry in self.memory if entry.node == node_id), None)
 
@@ -186,6 +194,25 @@ class Plan:
             ),
             left_out=tuple(LeftOut(**item) for item in data["left_out"]),
         )
+
+
+def layout_key(stages: Sequence[Stage]) -> str:
+    """Canonical JSON of ordered stages: equal layouts give equal text on every machine."""
+    return json.dumps(
+        [_to_jsonable(stage) for stage in stages], sort_keys=True, separators=(",", ":")
+    )
+
+
+def stages_from_layout_key(text: str) -> tuple[Stage, ...]:
+    """The stages `layout_key` wrote; ValueError when the text is not such a list."""
+    try:
+        items = json.loads(text)
+        stages = tuple(_stage_from_dict(item) for item in items)
+    except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as error:
+        raise ValueError(f"not a layout: {error}") from error
+    if not isinstance(items, list):
+        raise ValueError("not a layout: expected a list of stages")
+    return stages
 
 
 def _stage_from_dict(item: dict[str, Any]) -> Stage:

@@ -1,9 +1,20 @@
 """plan_model: mesh graph + model description + options in, Plan (or a refusal) out.
 
 Pure and deterministic: the same graph content in any insertion order gives the same Plan and
-plan id on every machine. The id hashes ALGORITHM_VERSION and exactly the quantized inputs the
-planner reads (partitioner.mesh.MeshView.canonical, the ModelSpec, the options), as canonical
-JSON of integers and strings; human labels (node names) do not enter it.
+plan id on every machine.
+
+A plan's identity is its layout (`layout_plan_id`): the id hashes the model description, the
+settings the stages run with (context length, concurrency, prefill chunk) and the ordered
+stages (node ids, layer ranges, embedding and head, tensor-parallel groups and their experts),
+as canonical JSON. Inputs that only chose the layout (measured links, speeds, budgets, the
+strategy) do not enter it: two plans that run the same stages on the same nodes are one plan,
+with one fencing token, however the measurements that produced them moved.
+
+Sticky layouts (`incumbent`): the layout the mesh runs now is kept while it still fits and its
+nodes are in the mesh, unless a different layout is predicted more than SWITCH_GAIN faster
+(speed strategy; the memory strategy reads no measurement, so it never moves on noise). Going
+back needs the same margin the other way, so predictions that move within noise cannot make
+the mesh flap between two layouts, and a re-plan that gains little does not reload weights.
 
 Choosing the kind of layout (PlanOptions.parallelism): the search runs over single nodes and,
 where the model can shard and trusted links join nodes, tensor-parallel groups
@@ -34,7 +45,16 @@ from partitioner.layout import Evaluator, Layout
 from partitioner.mesh import MeshView
 from partitioner.model import ModelSpec
 from partitioner.options import PlanOptions
-from partitioner.plan import ExpertShard, Hop, LeftOut, NodeMemory, Plan, Prediction, Stage
+from partitioner.plan import (
+    ExpertShard,
+    Hop,
+    LeftOut,
+    NodeMemory,
+    Plan,
+    Prediction,
+    Stage,
+    layout_key,
+)
 from partitioner.split import largest_remainder
 from partitioner.stage_units import (
     single_units,
@@ -45,7 +65,9 @@ from partitioner.stage_units import (
 )
 from partitioner.strategies import Accept, SpeedSearch, memory_layout
 
-ALGORITHM_VERSION = "meshd-partitioner/3"
+ALGORITHM_VERSION = "meshd-partitioner/4"
+# A different layout replaces the incumbent only when predicted more than this much faster.
+SWITCH_GAIN = 0.10
 LAYOUTS = ("solo", "pipeline", "tensor", "hybrid")
 
 
@@ -66,14 +88,21 @@ _ACCEPTS: dict[str, Accept] = {
 }
 
 
-def plan_model(mesh: nx.DiGraph, model: ModelSpec, options: PlanOptions | None = None) -> Plan:
+def plan_model(
+    mesh: nx.DiGraph,
+    model: ModelSpec,
+    options: PlanOptions | None = None,
+    incumbent: Sequence[Stage] | None = None,
+) -> Plan:
     """Plan which node holds which layers of `model`.
 
+    `incumbent`: the stages the mesh runs now, kept unless no longer possible or a different
+    layout is predicted more than SWITCH_GAIN faster (see the module docstring).
     Raises InsufficientMemory when no layout fits the mesh's memory, ParallelismUnavailable
     when a forced kind of layout cannot run (the message says why).
     """
     options = options or PlanOptions()
-    return _plan(mesh, model, options, options.parallelism)
+    return _plan(mesh, model, options, options.parallelism, incumbent)
 
 
 def plan_alternatives(
@@ -90,7 +119,13 @@ def plan_alternatives(
     return outcomes
 
 
-def _plan(mesh: nx.DiGraph, model: ModelSpec, options: PlanOptions, kind: str) -> Plan:
+def _plan(
+    mesh: nx.DiGraph,
+    model: ModelSpec,
+    options: PlanOptions,
+    kind: str,
+    incumbent: Sequence[Stage] | None = None,
+) -> Plan:
     if not isinstance(model, ModelSpec):
         raise TypeError(f"model must be a ModelSpec, got {type(model).__name__}")
     view = MeshView.from_graph(mesh, options.exclude, model.hidden_state_bytes)
@@ -110,25 +145,61 @@ def _plan(mesh: nx.DiGraph, model: ModelSpec, options: PlanOptions, kind: str) -
         raise ParallelismUnavailable(
             kind, model.name, _unavailable_reason(kind, cost, view, singles, groups)
         )
+    if incumbent and options.strategy == "speed":
+        kept = _incumbent_layout(incumbent, evaluator, singles + groups, _ACCEPTS[kind])
+        if kept is not None and _keeps(kept, layout, evaluator):
+            layout = kept
     excluded = sorted(str(node) for node in mesh.nodes if str(node) in options.exclude)
-    identifier = plan_id(view, model, options, kind)
-    return _build_plan(layout, evaluator, options, identifier, excluded)
+    return _build_plan(layout, evaluator, options, excluded)
 
 
-def plan_id(view: MeshView, model: ModelSpec, options: PlanOptions, kind: str | None = None) -> str:
-    """sha256 hex over the algorithm version and the canonical quantized inputs."""
-    settings = options.to_dict()
-    settings.pop("exclude")
-    settings["context_length"] = options.context_length or model.context_length
-    settings["parallelism"] = kind or options.parallelism
+def layout_plan_id(model: ModelSpec, options: PlanOptions, stages: Sequence[Stage]) -> str:
+    """A plan's id: sha256 hex of the model, the settings its stages run with, and the stages.
+
+    Equal layouts have equal ids whatever measurements chose them (see the module docstring).
+    """
     payload = {
-        "algorithm": ALGORITHM_VERSION,
-        "mesh": view.canonical(),
         "model": model.to_dict(),
-        "options": settings,
+        "runtime": {
+            "context_length": options.context_length or model.context_length,
+            "concurrency": options.concurrency,
+            "prefill_chunk": options.prefill_chunk,
+        },
+        "stages": json.loads(layout_key(stages)),
     }
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _incumbent_layout(
+    stages: Sequence[Stage], evaluator: Evaluator, units: Sequence[Unit], accept: Accept
+) -> Layout | None:
+    """The incumbent's stages as a layout of this mesh, or None when it cannot run any more:
+    a node left or is excluded, a group is no longer a candidate, the layers changed, it no
+    longer fits, or the kind of layout asked for excludes it."""
+    by_nodes = {unit.nodes: unit for unit in units}
+    chosen = [by_nodes.get(tuple(stage.nodes)) for stage in stages]
+    if not chosen or any(unit is None for unit in chosen):
+        return None
+    bounds = (0, *(stage.layer_end for stage in stages))
+    ranges_ok = all(
+        stage.layer_start == start for stage, start in zip(stages, bounds[:-1], strict=True)
+    )
+    if not ranges_ok or bounds[-1] != evaluator.cost.num_layers:
+        return None
+    layout = Layout(tuple(unit for unit in chosen if unit is not None), bounds)
+    if not accept(frozenset(layout.units)) or not evaluator.fits(layout):
+        return None
+    return layout
+
+
+def _keeps(incumbent: Layout, fresh: Layout, evaluator: Evaluator) -> bool:
+    """Keep the incumbent unless `fresh` is predicted more than SWITCH_GAIN faster."""
+    if incumbent == fresh:
+        return True
+    kept_s = evaluator.score(incumbent).time_per_token_s
+    fresh_s = evaluator.score(fresh).time_per_token_s
+    return kept_s <= (1.0 + SWITCH_GAIN) * fresh_s
 
 
 def _choose_layout(
@@ -281,11 +352,7 @@ def _refusal_detail(
 
 
 def _build_plan(
-    layout: Layout,
-    evaluator: Evaluator,
-    options: PlanOptions,
-    identifier: str,
-    excluded: list[str],
+    layout: Layout, evaluator: Evaluator, options: PlanOptions, excluded: list[str]
 ) -> Plan:
     cost = evaluator.cost
     layout = _placed(layout, evaluator)
@@ -310,7 +377,7 @@ def _build_plan(
         )
     hops = _hops(layout, evaluator)
     return Plan(
-        plan_id=identifier,
+        plan_id=layout_plan_id(cost.model, options, stages),
         algorithm_version=ALGORITHM_VERSION,
         strategy=options.strategy,
         layout=layout_kind(layout.units),

@@ -15,7 +15,9 @@ during transitions), and fetches the peer's profile digest after another delay.
 
 `compute_plan` is a stand-in with the real partitioner's contract: a refusal
 "not enough memory in this mesh for <model>: need X GB, have Y GB" when the members' memory
-is short of the model, else a plan whose id is a hash of its inputs.
+is short of the model, else a plan whose id is a hash of its layout (the model and the
+members holding stages), keeping the incumbent while it still holds the model unless the
+fresh layout is materially better (here: needs fewer holders).
 
 Safety is checked at every event (`SafetyViolation`); liveness with `convergence_problems`
 once the world is stable.
@@ -23,6 +25,7 @@ once the world is stable.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import itertools
@@ -61,7 +64,16 @@ def make_compute_plan(
     """A deterministic stand-in for `partitioner.plan_model`: memory in, plan or refusal out.
 
     It reads profiles by digest from `memory_by_digest`, as the daemon reads fetched profiles.
+    The plan id is a function of the layout only (the real planner's `layout_plan_id`), and an
+    incumbent whose holders are members and still hold the model is kept unless the fresh
+    layout needs fewer holders (the stand-in's "materially faster").
     """
+
+    def layout_plan(model: ModelRef, holders: Iterable[str]) -> Plan:
+        stages = tuple(sorted(holders))
+        layout = ",".join(stages)
+        plan_id = hashlib.sha256(repr((model, layout)).encode()).hexdigest()[:12]
+        return Plan(plan_id, stages, layout)
 
     def compute_plan(inputs: PlanInputs) -> PlanOutcome:
         memory = {
@@ -78,8 +90,15 @@ def make_compute_plan(
             if sum(memory[h] for h in holders) >= need:
                 break
             holders.append(member)
-        plan_id = hashlib.sha256(repr(inputs).encode()).hexdigest()[:12]
-        return Plan(plan_id, tuple(sorted(holders)))
+        fresh = layout_plan(inputs.model, holders)
+        incumbent = inputs.incumbent
+        if incumbent is not None and set(incumbent.stage_members) <= set(memory):
+            still_holds = sum(memory[h] for h in incumbent.stage_members) >= need
+            same_model = layout_plan(inputs.model, incumbent.stage_members) == incumbent
+            better = len(fresh.stage_members) < len(incumbent.stage_members)
+            if still_holds and same_model and not better:
+                return incumbent
+        return fresh
 
     return compute_plan
 
@@ -110,6 +129,8 @@ class SimNode:
     seen: dict[str, tuple[float, int]] = field(default_factory=dict)
     known_digests: dict[str, str] = field(default_factory=dict)
     known_model: ModelRef | None = None
+    known_leaving: set[str] = field(default_factory=set)
+    leaving: bool = False
     committed_ids: set[str] = field(default_factory=set)
 
     @property
@@ -153,7 +174,7 @@ class Simulation:
         self.compute_plan = make_compute_plan(self.memory_by_digest, self.model_sizes)
         self.records: list[Record] = []
         self.messages_sent = 0
-        self._plans_by_id: dict[str, Proposal] = {}
+        self._plans_by_id: dict[str, Plan] = {}
         self._proposed: set[tuple[str, Proposal]] = set()
         self._consecutive_drops: dict[tuple[str, str], int] = {}
         self._queue: list[tuple[float, int, Callable[[], None]]] = []
@@ -186,8 +207,10 @@ class Simulation:
         if node.up:
             return
         node.up = True
+        node.leaving = False
         node.incarnation += 1
         node.seen = {}
+        node.known_leaving = set()
         node.known_digests = {node_id: node.digest}
         node.known_model = self.model
         node.agent = self.node_class(
@@ -204,6 +227,29 @@ class Simulation:
         node.up = False
         node.agent = None
         self._observe_all_pairs_with(node_id)
+
+    def leave(self, node_id: str) -> None:
+        """The daemon announces it is leaving (a graceful stop); peers hear it after a delay."""
+        node = self.nodes[node_id]
+        if not node.up:
+            return
+        node.leaving = True
+        node.known_leaving.add(node_id)
+        self._feed_view(node)
+        for other in self.nodes:
+            if other != node_id:
+                self.at(self.now + self._detect_delay(), self._learn_leaving_action(other, node_id))
+
+    def _learn_leaving_action(self, observer_id: str, target_id: str) -> Callable[[], None]:
+        def learn() -> None:
+            observer, target = self.nodes[observer_id], self.nodes[target_id]
+            if not observer.up or not self.connected(observer_id, target_id) or not target.leaving:
+                return
+            if target_id not in observer.known_leaving:
+                observer.known_leaving.add(target_id)
+                self._feed_view(observer)
+
+        return learn
 
     def partition(self, *sides: Iterable[str]) -> None:
         """Split the network: nodes reach only nodes on their own side."""
@@ -269,7 +315,11 @@ class Simulation:
         if self.connected(observer_id, target_id):
             if seen is None or seen[1] != target.incarnation:
                 observer.seen[target_id] = (self.now, target.incarnation)
+                observer.known_leaving.discard(target_id)
                 changed = True
+            if target.leaving and target_id not in observer.known_leaving:
+                delay = self._detect_delay()
+                self.at(self.now + delay, self._learn_leaving_action(observer_id, target_id))
             if observer.known_digests.get(target_id) != target.digest:
                 delay = self._detect_delay()
                 self.at(self.now + delay, self._learn_digest_action(observer_id, target_id))
@@ -307,7 +357,10 @@ class Simulation:
             for peer, digest in node.known_digests.items()
             if peer == node.node_id or peer in alive
         }
-        outputs = node.agent.on_membership(self.now, alive, digests, node.known_model)
+        leaving = {n for n in node.known_leaving if n == node.node_id or n in alive}
+        outputs = node.agent.on_membership(
+            self.now, alive, digests, node.known_model, leaving=leaving
+        )
         self._handle(node, outputs)
 
     # ------------------------------------------------------------ ticks and messages
@@ -368,7 +421,7 @@ class Simulation:
         if message.proposal is not None:
             self._proposed.add((node.node_id, message.proposal))
         recipients = output.recipients if isinstance(output, Broadcast) else (output.to,)
-        for recipient in recipients:
+        for recipient in sorted(recipients):  # sorted: a seed replays in any process
             self._transmit(node.node_id, recipient, message)
 
     def _record(self, node: SimNode, kind: str, detail: str) -> None:
@@ -376,10 +429,12 @@ class Simulation:
 
     def _check_commit(self, node: SimNode, committed: Committed) -> None:
         proposal, plan_id = committed.proposal, committed.plan_id
-        known = self._plans_by_id.setdefault(plan_id, proposal)
-        if known != proposal:
+        plan = proposal.plan
+        assert plan is not None
+        known = self._plans_by_id.setdefault(plan_id, plan)
+        if known != plan:  # S2: one layout per plan id, whatever inputs chose it
             raise SafetyViolation(
-                f"t={self.now:.3f}: {node.node_id} committed plan id {plan_id} as {proposal}, "
+                f"t={self.now:.3f}: {node.node_id} committed plan id {plan_id} as {plan}, "
                 f"but it was committed elsewhere as {known}"
             )
         for member in proposal.members:
@@ -392,10 +447,10 @@ class Simulation:
         if node.agent.proposal != proposal:
             raise SafetyViolation(f"{node.node_id} committed {plan_id}, not its own proposal")
         node.committed_ids.add(plan_id)
-        self._record(node, "committed", plan_id)
+        self._record(node, "committed" if committed.changed else "recommitted", plan_id)
 
     def _check_serving(self, node: SimNode) -> None:
-        """S3/S4: a node serves only plans it committed, whose members it sees alive."""
+        """S3/S4: a node serves only plans it committed, whose stage members it sees alive."""
         agent = node.agent
         if agent is None:
             return
@@ -404,7 +459,7 @@ class Simulation:
         for plan in served:
             if plan.plan_id not in node.committed_ids:
                 raise SafetyViolation(f"{node.node_id} serves {plan.plan_id} it never committed")
-            for member in plan.members:
+            for member in plan.plan.stage_members:
                 if member != node.node_id and member not in node.seen:
                     raise SafetyViolation(
                         f"t={self.now:.3f}: {node.node_id} serves {plan.plan_id} "
@@ -421,25 +476,37 @@ class Simulation:
                 sides.setdefault(self.groups[node_id], []).append(node_id)
         return [tuple(side) for side in sides.values()]
 
-    def expected_outcome(self, side: tuple[str, ...]) -> Proposal:
-        """The proposal every node of `side` should settle on, from the ground truth."""
+    def expected_inputs(self, side: tuple[str, ...]) -> PlanInputs:
+        """The inputs every node of `side` should settle on, from the ground truth (the
+        incumbent is whatever the side runs: it takes no part in comparing inputs)."""
         assert self.model is not None
-        digests = tuple(self.nodes[m].digest for m in side)
-        inputs = PlanInputs(side, digests, self.model)
-        return Proposal(inputs, self.compute_plan(inputs))
+        members = tuple(m for m in side if not self.nodes[m].leaving)
+        digests = tuple(self.nodes[m].digest for m in members)
+        return PlanInputs(members, digests, self.model)
 
     def convergence_problems(self) -> list[str]:
-        """Empty when every side serves its expected plan (or refuses), else what is off."""
+        """Empty when every side serves one stable plan (or refuses), else what is off.
+
+        Stable: all nodes of the side make the same proposal, from the true inputs, and have
+        committed it; a plan is its own incumbent's outcome (nothing more would change).
+        """
         problems = []
         for side in self.reachable_groups():
-            expected = self.expected_outcome(side)
+            truth = self.expected_inputs(side)
+            refusal = self.compute_plan(truth)
+            proposals = set()
             for node_id in side:
                 agent = self.nodes[node_id].agent
                 assert agent is not None
-                problem = _node_problem(agent, expected)
+                if self.nodes[node_id].leaving:
+                    continue
+                proposals.add(agent.proposal)
+                problem = _node_problem(agent, truth, refusal, self.compute_plan)
                 if problem:
                     reason = agent.status(self.now).reason
                     problems.append(f"{node_id}: {problem}; status: {reason}")
+            if len(proposals) > 1:
+                problems.append(f"side {side} holds {len(proposals)} different proposals")
         return problems
 
     def liveness_bound_s(self) -> float:
@@ -450,22 +517,38 @@ class Simulation:
         and the certificate answering it: two per round) gets through within 2(k+1) periods.
         """
         faults, config = self.faults, self.config
-        views_settle = 2 * faults.max_detect_s + config.join_stability_s + self.tick_s
+        views_settle = 3 * faults.max_detect_s + config.join_stability_s + self.tick_s
         period = config.retransmit_interval_s + self.tick_s + faults.max_delay_s
         return views_settle + 2 * (faults.max_consecutive_drops + 1) * period + self.tick_s
 
     def commits_since(self, time: float) -> list[Record]:
+        """Commits that changed a node's plan id (re-confirmations of the same layout not)."""
         return [r for r in self.records if r.kind == "committed" and r.time >= time]
 
+    def recommits_since(self, time: float) -> list[Record]:
+        """Commits of a proposal whose plan id was the node's active one already."""
+        return [r for r in self.records if r.kind == "recommitted" and r.time >= time]
 
-def _node_problem(agent: AgreementNode, expected: Proposal) -> str:
-    """What keeps `agent` from having converged on `expected` ("" when it has)."""
-    if agent.proposal != expected:
-        return f"proposes {agent.proposal}, expected {expected}"
-    if isinstance(expected.outcome, Refusal):
+
+def _node_problem(
+    agent: AgreementNode, truth: PlanInputs, fresh: PlanOutcome, compute_plan: ComputePlan
+) -> str:
+    """What keeps `agent` from having converged ("" when it has)."""
+    proposal = agent.proposal
+    if proposal is None or proposal.inputs != truth:
+        return f"proposes {proposal}, expected a proposal from {truth}"
+    if isinstance(fresh, Refusal):
+        if proposal.outcome != fresh:
+            return f"proposes {proposal.outcome}, expected the refusal {fresh}"
         return "" if agent.active is None else f"refuses but still serves {agent.active.plan_id}"
-    if agent.active is None or agent.active.proposal != expected:
-        return "has not committed the expected plan"
+    plan = proposal.plan
+    if plan is None:
+        return f"refuses ({proposal.outcome}) although the side holds the model"
+    settled = dataclasses.replace(proposal.inputs, incumbent=plan)
+    if compute_plan(settled) != plan:
+        return f"its plan {plan.plan_id} would not keep itself as the incumbent"
+    if agent.active is None or agent.active.proposal != proposal:
+        return "has not committed its proposal"
     return ""
 
 
@@ -522,7 +605,9 @@ def _action(function: Callable[[str], None], name: str) -> Callable[[], None]:
 
 
 def _random_fault(sim: Simulation, rng: random.Random, names: list[str]) -> Callable[[], None]:
-    kind = rng.choice(["crash", "restart", "split", "heal", "profile", "model", "flap", "join"])
+    kind = rng.choice(
+        ["crash", "restart", "split", "heal", "profile", "noise", "model", "flap", "join", "leave"]
+    )
     name = rng.choice(names)
 
     def fault() -> None:
@@ -538,6 +623,11 @@ def _random_fault(sim: Simulation, rng: random.Random, names: list[str]) -> Call
             sim.heal()
         elif kind == "profile":
             sim.change_profile(name, float(rng.choice([4, 8, 16])))
+        elif kind == "noise":  # a new digest for the same machine: link buckets moved
+            sim.change_profile(name, sim.nodes[name].memory_gb)
+        elif kind == "leave":  # a graceful stop: announce, then exit a moment later
+            sim.leave(name)
+            sim.at(sim.now + rng.uniform(0.1, 0.45), _action(sim.crash, name))
         elif kind == "model":
             sim.select_model(rng.choice([SMALL_MODEL, LARGE_MODEL]))
         else:
@@ -572,7 +662,10 @@ def _measure_convergence(sim: Simulation, seed: int, stable_at: float) -> RunRes
             converged_at = time
     sim.run_until(deadline + sim.config.retransmit_interval_s * 4)
     problems = tuple(sim.convergence_problems())
-    after = len(sim.commits_since(converged_at + 1e-9)) if converged_at is not None else 0
+    after = 0
+    if converged_at is not None:
+        since = converged_at + 1e-9
+        after = len(sim.commits_since(since)) + len(sim.recommits_since(since))
     kinds = Counter(record.kind for record in sim.records)
     kinds["messages"] = sim.messages_sent
     return RunResult(

@@ -34,9 +34,16 @@ def profile_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 DaemonFactory = Callable[..., DaemonProcess]
 
 
+@pytest.fixture(scope="session")
+def model_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test daemons' model store (never the user's own, see Config.model_store)."""
+    return tmp_path_factory.mktemp("model-store")
+
+
 @pytest.fixture
-def daemons(tmp_path: Path, profile_template: Path) -> Iterator[DaemonFactory]:
-    """Factory for daemon processes; every daemon it made is stopped at teardown."""
+def daemons(tmp_path: Path, profile_template: Path, model_store: Path) -> Iterator[DaemonFactory]:
+    """Factory for daemon processes; every daemon it made is stopped at teardown. They share
+    one model store, as a user's daemons do."""
     made: list[DaemonProcess] = []
     counter = iter(range(1000))
 
@@ -51,7 +58,8 @@ def daemons(tmp_path: Path, profile_template: Path) -> Iterator[DaemonFactory]:
         state.mkdir(parents=True, exist_ok=True)
         if not (state / PROFILE_FILE).exists():
             shutil.copyfile(profile_template, state / PROFILE_FILE)
-        daemon = DaemonProcess(state, args or [], netns=netns)
+        env = {"MESHD_MODEL_STORE": str(model_store)}
+        daemon = DaemonProcess(state, args or [], netns=netns, env=env)
         made.append(daemon)
         return daemon.start() if start else daemon
 

@@ -46,6 +46,9 @@ def test_meshd_table_and_explicit_file(tmp_path: Path) -> None:
         ("memory_budget = 'lots'", "memory_budget"),
         ("peer_timeout_s = -1", "must be positive"),
         ("peer_port = ", "not valid TOML"),
+        ("tensor_parallel_trusted_networks = ['10.0.0.0/33']", "tensor_parallel_trusted_networks"),
+        ("tensor_parallel_port = 65000", "the runners use the 1024 ports"),
+        ("parallelism = 'both'", "auto or pipeline or tensor or hybrid"),
     ],
 )
 def test_bad_settings_name_the_problem(tmp_path: Path, text: str, message: str) -> None:
@@ -79,6 +82,9 @@ def test_every_setting_is_one_declaration_read_alike_from_each_source(tmp_path: 
         "peer_timeout_s": "2.5",
         "strategy": "memory",
         "log_level": "debug",
+        "parallelism": "hybrid",
+        "tensor_parallel_trusted_networks": "10.0.7.0/24,fd00::/64",
+        "tensor_parallel_port": "40000",
     }
     for name, how in settings().items():
         assert flag_name(name, how) in help_text and env_name(name) in help_text, name

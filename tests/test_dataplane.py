@@ -603,8 +603,31 @@ def test_assignment_from_a_partitioner_plan_and_its_checks() -> None:
     assert built.address_of("a") == "10.0.0.1:7000" and built.address_of("z") is None
     assert Assignment.from_dict(built.to_dict()) == built
 
-    with pytest.raises(InvalidAssignment, match="tensor-parallel"):
-        Assignment.from_plan(plan_of(Stage(("a", "b"), 0, 6, True, True)), Path("m"), addresses)
+    # A hybrid: stage 0 is a tensor-parallel group (rank 0 "a" is its endpoint; "b" holds a
+    # rank and needs no data-plane address), stage 1 one node.
+    from partitioner.plan import ExpertShard
+
+    hybrid = plan_of(
+        Stage(("a", "b"), 0, 2, True, False, (ExpertShard("a", 0, 3), ExpertShard("b", 3, 8))),
+        Stage(("c",), 2, 6, False, True),
+    )
+    built = Assignment.from_plan(hybrid, Path("m"), {"a": "10.0.0.1:7000", "c": "10.0.0.3:7000"})
+    assert built.node_ids == ("a", "c") and built.member_ids == ("a", "b", "c")
+    assert built.stages[0].members == ("a", "b") and built.stages[0].tensor_parallel
+    assert built.stages[0].experts == (("a", 0, 3), ("b", 3, 8))
+    assert built.stage_index("b") is None and built.member_stage("b") == 0
+    assert Assignment.from_dict(built.to_dict()) == built
+    with pytest.raises(InvalidAssignment, match="endpoint is its rank 0"):
+        StageSpec("b", "", 0, 6, True, True, members=("a", "b"))
+    with pytest.raises(InvalidAssignment, match="more than one stage"):
+        Assignment(
+            "x",
+            Path("m"),
+            (
+                StageSpec("a", "", 0, 2, True, False, members=("a", "b")),
+                StageSpec("b", "", 2, 6, False, True),
+            ),
+        )
     with pytest.raises(InvalidAssignment, match="no address known for node b"):
         Assignment.from_plan(plan, Path("m"), {"a": "10.0.0.1:7000"})
     with pytest.raises(InvalidAssignment, match="non-empty range starting at layer 2"):

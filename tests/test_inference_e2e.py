@@ -105,7 +105,9 @@ def test_same_seed_same_text_on_any_node(mesh_of_three) -> None:
     assert first == again and first
 
 
-def test_bad_input_gets_clear_errors_and_the_daemon_keeps_serving(mesh_of_three) -> None:
+def test_bad_input_gets_clear_errors_and_the_daemon_keeps_serving(
+    mesh_of_three, tmp_path: Path
+) -> None:
     node = mesh_of_three[2]
     user = [pb.ChatMessage(role="user", content=QUESTION)]
     expect_error(
@@ -145,6 +147,14 @@ def test_bad_input_gets_clear_errors_and_the_daemon_keeps_serving(mesh_of_three)
     with pytest.raises(client.GenerationFailed) as err:
         client.load_model(node.api, pb.LoadModelRequest(model="no-such-model"))
     assert err.value.code == grpc.StatusCode.NOT_FOUND
+    # An architecture stages cannot run is refused before the mesh re-plans, with the reason.
+    unsliceable = tmp_path / "gemma3n-model"
+    unsliceable.mkdir()
+    (unsliceable / "config.json").write_text('{"model_type": "gemma3n"}')
+    with pytest.raises(client.GenerationFailed) as err:
+        client.load_model(node.api, pb.LoadModelRequest(model=str(unsliceable)))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "per-layer inputs" in str(err.value)
     # Still serving, and still on the same model.
     text, _ = chat(node, QUESTION)
     assert "Paris" in text

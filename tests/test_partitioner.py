@@ -374,17 +374,73 @@ def test_measurement_noise_inside_a_bucket_keeps_the_plan_id() -> None:
     assert len(ids) == 1
 
 
-def test_plan_id_changes_with_inputs_that_matter_only() -> None:
+def test_plan_id_is_the_layout() -> None:
+    """Equal stages on equal nodes are one plan, whatever chose them; anything the stages run
+    with (the model, the KV cache they reserve) or where they run makes another."""
     mesh = make_mesh({"a": (GiB, *FAST)})
     model = tiny_model([100 * MiB] * 4)
     reference = plan_model(mesh, model).plan_id
     renamed = mesh.copy()
     renamed.nodes["a"]["name"] = "a friendly label"
     assert plan_model(renamed, model).plan_id == reference
-    assert plan_model(mesh, model, PlanOptions(strategy="memory")).plan_id != reference
+    assert plan_model(mesh, model, PlanOptions(strategy="memory")).plan_id == reference
+    assert plan_model(make_mesh({"a": (GiB + 1, *FAST)}), model).plan_id == reference
+    slower = make_mesh({"a": (GiB, FAST[0] / 2, FAST[1])})
+    assert plan_model(slower, model).plan_id == reference
     assert plan_model(mesh, tiny_model([100 * MiB] * 5)).plan_id != reference
-    bigger = make_mesh({"a": (GiB + 1, *FAST)})
-    assert plan_model(bigger, model).plan_id != reference
+    assert plan_model(mesh, model, PlanOptions(context_length=64)).plan_id != reference
+    assert plan_model(make_mesh({"b": (GiB, *FAST)}), model).plan_id != reference
+
+
+def test_an_incumbent_layout_stays_unless_another_is_materially_faster() -> None:
+    """Two nodes that each hold the model: the faster alone is the fresh plan, but the mesh
+    keeps running on the other while the gain is within SWITCH_GAIN, and only then moves."""
+    from partitioner import SWITCH_GAIN
+
+    model = tiny_model([100 * MiB] * 4)
+
+    def mesh(a_speed: float) -> nx.DiGraph:
+        return make_mesh({"a": (GiB, FAST[0], FAST[1] * a_speed), "b": (GiB, *FAST)})
+
+    on_b = plan_model(mesh(0.5), model)
+    assert on_b.nodes == ("b",)
+    near = mesh(1.0 + SWITCH_GAIN / 2)
+    assert plan_model(near, model).nodes == ("a",)  # fresh: a is a little faster
+    kept = plan_model(near, model, incumbent=on_b.stages)
+    assert kept.nodes == ("b",) and kept.plan_id == on_b.plan_id
+    moved = plan_model(mesh(1.5), model, incumbent=on_b.stages)
+    assert moved.nodes == ("a",)
+    # Hysteresis: back on a, b must now be materially faster to win it back.
+    assert plan_model(mesh(1.0 - SWITCH_GAIN / 2), model, incumbent=moved.stages).nodes == ("a",)
+
+
+def test_an_incumbent_that_cannot_run_any_more_is_replaced() -> None:
+    model = tiny_model([100 * MiB] * 4)
+    both = make_mesh({"a": (GiB, *FAST), "b": (GiB, *FAST)})
+    on_b = plan_model(make_mesh({"b": (GiB, *FAST)}), model)
+    assert plan_model(make_mesh({"a": (GiB, *FAST)}), model, incumbent=on_b.stages).nodes == (
+        "a",
+    )  # b left
+    small_b = make_mesh({"a": (GiB, *FAST), "b": (300 * MiB, *FAST)})
+    assert plan_model(small_b, model, incumbent=on_b.stages).nodes == ("a",)  # b too small
+    excluded = PlanOptions(exclude=frozenset({"b"}))
+    assert plan_model(both, model, excluded, incumbent=on_b.stages).nodes == ("a",)
+    other_model = tiny_model([100 * MiB] * 5)
+    assert plan_model(both, other_model, incumbent=on_b.stages).num_layers == 5
+    memory = PlanOptions(strategy="memory")
+    assert plan_model(both, model, memory, incumbent=on_b.stages).nodes != ("b",)
+
+
+def test_layout_key_round_trips() -> None:
+    from partitioner import layout_key, stages_from_layout_key
+
+    mesh = make_mesh({"a": (300 * MiB, *FAST), "b": (300 * MiB, *FAST)})
+    plan = plan_model(mesh, tiny_model([100 * MiB] * 4))
+    assert len(plan.stages) == 2
+    assert stages_from_layout_key(plan.layout_key) == plan.stages
+    assert layout_key(stages_from_layout_key(plan.layout_key)) == plan.layout_key
+    with pytest.raises(ValueError, match="not a layout"):
+        stages_from_layout_key('{"nodes": 1}')
 
 
 def test_buckets_are_25_percent_wide_and_stable() -> None:

@@ -238,3 +238,31 @@ def test_a_resumed_sampler_continues_the_random_sequence() -> None:
     resumed = TokenSampler(params)
     resumed.advance(4)
     assert [resumed.sample(random_logits(step), []) for step in range(4, 10)] == whole[4:]
+
+
+@pytest.mark.parametrize("text", ["caf\u00e9", "snow \u2603", "go \U0001f680"])
+def test_a_character_cut_by_max_tokens_is_held_back_never_a_replacement(
+    tokenizer: Any, text: str
+) -> None:
+    """The byte-level tokenizer spends one token per byte: stop after each prefix of the
+    tokens (as max_tokens would) and the text is the whole characters so far, never U+FFFD."""
+    tokens = tokenizer.encode(text)
+    assert len(tokens) > len(text), "the last character takes several tokens"
+    for cut in range(1, len(tokens) + 1):
+        checker = StopChecker(tokenizer, ())
+        pieces = [checker.add_token(token).text for token in tokens[:cut]]
+        pieces.append(checker.finish().text)
+        emitted = "".join(pieces)
+        assert "\ufffd" not in emitted, (cut, emitted)
+        assert text.startswith(emitted), (cut, emitted)
+    assert emitted == text
+
+
+def test_a_replacement_character_inside_the_text_is_kept(tokenizer: Any) -> None:
+    """Invalid bytes the model produced before the end stay visible (as U+FFFD)."""
+    invalid_then_text = [*tokenizer.encode("a")[:1], *tokenizer.encode("\u00e9")[:1]]
+    invalid_then_text += tokenizer.encode(" ok")
+    checker = StopChecker(tokenizer, ())
+    pieces = [checker.add_token(token).text for token in invalid_then_text]
+    pieces.append(checker.finish().text)
+    assert "".join(pieces) == "a\ufffd ok"

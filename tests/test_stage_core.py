@@ -271,21 +271,24 @@ def test_tokens_that_do_not_continue_a_request_are_ignored() -> None:
     assert middle.on_token(TokenFrame("c", "p", "r", 7, 0, Finish.NONE), None, T0) == []
 
 
-def test_a_resumed_request_prefills_prompt_and_generated_tokens_and_continues_counting() -> None:
-    """Issue 10 builds on this: a request restarted from its prompt and the tokens it had."""
+def test_a_resumed_request_replays_its_tokens_one_at_a_time_and_continues_counting() -> None:
+    """A request moved to another plan after 2 tokens: the prompt as the first run cut it,
+    then each generated token alone (decode-shaped, no sampling), then the sampler resumes
+    at position 2 with the whole context in its repetition window."""
     sampling = SamplingParams(temperature=0.7, seed=3, repetition_penalty=1.2, max_tokens=5)
     start = start_of((1, 2, 3), chunk=2, sampling=sampling, generated=(7, 8))
     core = core_on("a", plan_of("p", "a"))
     core.on_start(StartFrame("o", "p", "r", start), None, T0)
     works = []
-    while len(works) < 3:
+    while len(works) < 4:
         (work,) = core.next_batch(T0)
         works.append(work)
         if not work.head:
             core.on_computed(work, Advanced(0.1), T0)
-    assert [w.tokens for w in works] == [(1, 2), (3, 7), (8,)]
-    assert works[2].sampler.context == (1, 2, 3, 7, 8) and works[2].sampler.draws == 2
-    (token,) = core.on_computed(works[2], Sampled(9, b"", 0.1), T0)
+    assert [w.tokens for w in works] == [(1, 2), (3,), (7,), (8,)]
+    assert [w.head for w in works] == [False, False, False, True]
+    assert works[3].sampler.context == (1, 2, 3, 7, 8) and works[3].sampler.draws == 2
+    (token,) = core.on_computed(works[3], Sampled(9, b"", 0.1), T0)
     assert token.index == 2 and token.finish is Finish.NONE
     (work,) = core.next_batch(T0)
     (token,) = core.on_computed(work, Sampled(10, b"", 0.1), T0)
@@ -496,3 +499,27 @@ def test_the_core_imports_no_mlx_grpc_or_asyncio() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.strip() == "[]", done.stdout
+
+
+# --- The plan's context -------------------------------------------------------------------------
+
+
+def test_a_request_longer_than_the_plans_context_is_refused_at_every_stage() -> None:
+    """No KV cache grows past what the plan reserved: the first stage refuses a Start, a
+    later stage the first Activation, whose prompt plus max_tokens exceeds the context."""
+    base = plan_of("p", "a", "b")
+    plan = Assignment(base.plan_id, base.model_dir, base.stages, context_length=8)
+    too_long = start_of(prompt=(1, 2, 3, 4, 5), sampling=SamplingParams(max_tokens=4))
+    first = core_on("a", plan)
+    refusal = only_failure(first.on_start(StartFrame("o", "p", "r1", too_long), None, T0))
+    assert refusal.kind is FailureKind.BAD_REQUEST and refusal.to == "o"
+    assert "need 9 tokens of context" in refusal.message and "reserves 8" in refusal.message
+    assert first.next_batch(T0) == []
+    second = core_on("b", plan)
+    forwarded = start_of(
+        prompt=(1, 2, 3, 4, 5), sampling=SamplingParams(max_tokens=4), forwarded=True
+    )
+    frame = activation("p", "r1", 0, "a", start=forwarded)
+    assert "need 9 tokens" in only_failure(second.on_activation(frame, None, T0)).message
+    fits = start_of(prompt=(1, 2, 3, 4, 5), sampling=SamplingParams(max_tokens=3))
+    assert first.on_start(StartFrame("o", "p", "r2", fits), None, T0) == []

@@ -23,7 +23,6 @@ from meshd.inference.tensor_parallel import (
     supports_tensor_parallel,
     tensor_parallel_refusal,
 )
-from meshd.inference.tensor_parallel.links import interface_is_point_to_point, thunderbolt_devices
 from meshd.inference.tensor_parallel.spec import (
     PORT_SLOTS,
     PORT_STRIDE,
@@ -43,6 +42,7 @@ from meshd.inference.tensor_parallel.wire import (
     send_frame,
     to_mx,
 )
+from meshd.mesh.link_trust import interface_is_point_to_point, thunderbolt_devices
 
 PLAN = "3f" * 32
 SECRET = b"s" * 32

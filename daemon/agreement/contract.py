@@ -15,7 +15,8 @@ test enforces it, see docs/architecture.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import partitioner
@@ -28,12 +29,18 @@ __all__ = ["PlanChange", "PlanNotCommittedError", "PlanSource", "ServedPlans"]
 
 @dataclass
 class PlanChange:
-    """What the data plane is told: a plan became active, or one must stop."""
+    """What the data plane is told: a plan became active, or one must stop.
+
+    states: for a committed plan, the node states it was computed from, by node id (what the
+    members of a tensor-parallel group derive the group's addresses and ports from: each
+    member reads the same states, since the plan's inputs name them by digest).
+    """
 
     kind: Literal["committed", "withdrawn", "refused"]
     plan_id: str
     plan: partitioner.Plan | None
     reason: str = ""
+    states: Mapping[str, pb.NodeState] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NodeId = str
 
@@ -24,13 +24,32 @@ class ModelRef:
 
 
 @dataclass(frozen=True)
+class Plan:
+    """A computed plan: its id (the epoch data-plane messages carry), who holds stages, and
+    its layout (opaque here: what the id is a hash of, besides the model and settings)."""
+
+    plan_id: str
+    stage_members: tuple[NodeId, ...]
+    layout: str = ""
+
+
+@dataclass(frozen=True)
 class PlanInputs:
-    """Everything a plan is computed from; equal inputs must give equal plans (A1)."""
+    """Everything a plan is computed from; equal inputs must give equal plans (A1).
+
+    `incumbent`: the plan the members run now (see the protocol's "Incumbent"), which
+    `compute_plan` keeps unless it cannot run any more or another is materially better. It
+    takes no part in comparing inputs (nor, so, proposals): nodes agree on the members, their
+    digests, the model, the settings and the outcome; a node whose incumbent differs but that
+    computes the same outcome confirms the same proposal, and a commit that makes its plan the
+    incumbent leaves the proposal as it is.
+    """
 
     members: tuple[NodeId, ...]
     digests: tuple[str, ...]
     model: ModelRef
     settings: str = ""
+    incumbent: Plan | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if list(self.members) != sorted(set(self.members)):
@@ -44,14 +63,6 @@ class PlanInputs:
     def digest_of(self, member: NodeId) -> str:
         """The profile digest these inputs hold for `member`."""
         return self.digests[self.members.index(member)]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A computed plan: its id (the epoch data-plane messages carry) and who holds stages."""
-
-    plan_id: str
-    stage_members: tuple[NodeId, ...]
 
 
 @dataclass(frozen=True)
@@ -87,7 +98,8 @@ class ProposalMessage:
     """The one message of the protocol: the sender's current proposal (a confirmation).
 
     `(incarnation, seq)` orders a sender's messages; `committed` says that the sender has
-    committed exactly `proposal`, which makes the message a commit certificate.
+    committed exactly `proposal`, which makes the message a commit certificate. `active` is
+    the plan the sender serves new requests on (its report for the incumbent).
     """
 
     sender: NodeId
@@ -95,6 +107,7 @@ class ProposalMessage:
     seq: int
     proposal: Proposal | None
     committed: bool
+    active: Plan | None = None
 
     @property
     def stamp(self) -> tuple[int, int]:
@@ -121,10 +134,13 @@ class Send:
 class Committed:
     """The node now serves `proposal`'s plan as its active plan; new requests go there.
 
-    The previously active plan, if any, now drains (see `AgreementNode.draining`).
+    The previously active plan, if any, now drains (see `AgreementNode.draining`), unless it
+    has the same plan id: then the same layout goes on serving (`changed` is False) and
+    nothing on the data plane changes.
     """
 
     proposal: Proposal
+    previous_plan_id: str = ""
 
     @property
     def plan_id(self) -> str:
@@ -135,6 +151,11 @@ class Committed:
     @property
     def members(self) -> tuple[NodeId, ...]:
         return self.proposal.members
+
+    @property
+    def changed(self) -> bool:
+        """Whether the active plan id changed (False: the same layout, re-confirmed)."""
+        return self.plan_id != self.previous_plan_id
 
 
 @dataclass(frozen=True)
@@ -157,7 +178,11 @@ Output = Broadcast | Send | Committed | Withdrawn | Refused
 
 @dataclass(frozen=True)
 class ServedPlan:
-    """A committed plan this node serves, with what it needs to decide when to stop."""
+    """A committed plan this node serves, with what it needs to decide when to stop.
+
+    `member_since`: when each stage member (other than this node) became alive, as seen at
+    commit; a different time later means it reconnected.
+    """
 
     proposal: Proposal
     committed_at: float
@@ -241,10 +266,10 @@ class AgreementConfig:
     drain_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
+        for setting in dataclasses.fields(self):
+            value = getattr(self, setting.name)
             if not value >= 0:
-                raise ValueError(f"{field.name} must be >= 0 seconds, got {value}")
+                raise ValueError(f"{setting.name} must be >= 0 seconds, got {value}")
         if self.retransmit_interval_s <= 0 or self.gossip_interval_s <= 0:
             raise ValueError(
                 "retransmit_interval_s and gossip_interval_s must be > 0 "

@@ -23,12 +23,22 @@ The protocol
    the node keeps its current proposal instead of making a new one, unless a member of that
    proposal was lost, so a mesh does not commit a plan and replace it a second later when the
    last link measurement arrives. The daemon bounds how long a node stays settling.
-2. *Proposal.* From the sorted members, their profile digests, the model and the plan settings
-   digest (`PlanInputs`) the node computes `compute_plan(inputs)`: a `Plan` (plan id, members
-   that hold stages) or a `Refusal` ("not enough memory in this mesh for X: need A, have B").
-   The pair is the node's `Proposal`. Because `compute_plan` is a pure function, two nodes with
-   the same view make the same proposal: concurrent rounds resolve by construction, and any
-   node may start one (a round is nothing but a changed proposal).
+2. *Proposal.* From the sorted members, their profile digests, the model, the plan settings
+   digest and the *incumbent* (`PlanInputs`) the node computes `compute_plan(inputs)`: a
+   `Plan` (plan id, members that hold stages, layout) or a `Refusal` ("not enough memory in
+   this mesh for X: need A, have B"). The pair is the node's `Proposal`. Because
+   `compute_plan` is a pure function, two nodes with the same view make the same proposal:
+   concurrent rounds resolve by construction, and any node may start one (a round is nothing
+   but a changed proposal).
+   *Incumbent.* Every message carries its sender's active plan. The incumbent is the active
+   plan most members of the view report (this node's own included; ties go to the larger
+   plan id), so every node that holds the same reports picks the same one. `compute_plan`
+   keeps it unless it no longer runs on these members or a different layout is materially
+   better (the daemon: more than 10 % faster predicted): noise in the measurements behind
+   the digests moves proposals, not the layout. The incumbent is not compared when nodes
+   compare proposals (they agree on the view and the outcome), so committing a new layout,
+   which makes it the incumbent, leaves the proposal as it is: `compute_plan` keeps what it
+   just chose.
 3. *Confirmation.* A node confirms its proposal by sending it to every peer it sees alive
    (`ProposalMessage`, with a per-node `(incarnation, seq)` stamp: a receiver keeps only the
    newest message per sender, so reordered and duplicated messages are ignored). It re-sends
@@ -42,18 +52,28 @@ The protocol
    member applied (a) or (b) itself). A node forgets a peer's proposal when the peer is lost or
    reconnects, so evidence from a previous connection (perhaps a previous incarnation) is not
    counted again.
-5. *Serving (epochs and fencing).* The plan id is the epoch every data-plane message carries.
-   A node serves the plans it committed: the newest is *active* (new requests go there); the
-   one it replaced is *draining* (requests already running may finish on it). `is_serving`
+5. *Serving (epochs and fencing).* The plan id is the epoch every data-plane message carries,
+   and it is a function of the plan's layout (which node runs which layers): proposals made
+   from different inputs that give the same layout share one plan id. A node serves the plans
+   it committed: the newest is *active* (new requests go there); the one it replaced is
+   *draining* (requests already running may finish on it). Committing a proposal whose plan
+   id is the active one's replaces the record and nothing else (`Committed.changed` is False):
+   the same stages keep serving under the same fencing token. `is_serving`
    and `check_serving` answer the fencing question; `check_serving` raises
    `PlanNotCommittedError` naming the plan, this node and what it serves. A served plan is
-   withdrawn as soon as one of its members is lost or reconnects (its `alive_since` differs
-   from the one recorded at commit), so nothing waits on a dead stage. A draining plan also
+   withdrawn as soon as one of its stage members is lost or reconnects (its `alive_since`
+   differs from the one recorded at commit), so nothing waits on a dead stage; a member that
+   holds no stage may come and go without disturbing it. A draining plan also
    ends when the daemon calls `release_draining` (its last request finished) or after
    `drain_timeout_s`. When a node's own proposal becomes a refusal or disappears (no model,
    own profile unknown) its active plan turns draining: it starts nothing new.
+   *Leaving.* The daemon names nodes that announced they are leaving (`on_membership`'s
+   `leaving`): they stay alive but are no longer eligible members, so the others commit a plan
+   without them while the plan they hold stages of drains; a leaving node itself proposes
+   nothing and starts nothing new. `peers_moved_on` tells a leaving node when every peer's
+   active plan runs without it.
 6. *Partitions.* Each side of a partition sees only its own nodes, so it proposes a plan of
-   its own members (a different member set, so a different plan id). A side that can hold the
+   its own members (a layout of its own nodes). A side that can hold the
    model commits it; a side that cannot proposes a refusal, reports it (`Refused`, `status`)
    and serves nothing. When the network heals, every node's view grows back to the whole mesh
    after `join_stability_s` and they all commit the merged plan.
@@ -62,11 +82,12 @@ Safety (holds under any message delay, loss, duplication and reordering, crashes
 and partitions, given A1-A3):
   S1 Unanimity: a node commits P only if every member of P proposed P (sent it as its own
      proposal) at some point, and P is the committing node's own current proposal.
-  S2 One plan per id: all nodes that commit plan id X commit the same plan (A1).
+  S2 One layout per id: all nodes that commit plan id X commit the same plan: the same
+     stage members and layout (A1), whatever inputs chose it.
   S3 Fencing: `is_serving(X)` is true only for a plan this node committed and has not
      withdrawn; nothing else is ever served.
-  S4 No dead stages: a node never serves a plan with a member its liveness layer reports lost
-     or reconnected since the commit.
+  S4 No dead stages: a node never serves a plan with a stage member its liveness layer reports
+     lost or reconnected since the commit.
   S5 A node whose own view cannot hold the model (refusal) starts no new request.
 
 Liveness (given A1-A5): if from time T on the network is stable (every node's alive set is
@@ -80,13 +101,17 @@ sketch: after the views settle all nodes compute the same proposal, each unsettl
 re-sends it every period, so within k + 1 periods every member holds every other member's
 proposal (rule a) or a certificate (rule b); no view changes afterwards, so nothing is
 withdrawn.
-No plan storms: the proposal changes only when membership, a digest, the model or the
-settings change, and a joining peer enters the membership only after `join_stability_s` of
-uninterrupted liveness.
+No plan storms: the proposal changes only when membership, a digest, the model, the
+settings or the incumbent change, and a joining peer enters the membership only after
+`join_stability_s` of uninterrupted liveness; the served plan id changes only when the layout
+does. Nodes whose incumbents differ (one committed a new layout, the other has not heard yet)
+may compute different outcomes until the reports reach them, which the resend periods above
+cover: a stable network's reports stop changing once its nodes have committed.
 
 Assumptions:
-  A1 `compute_plan` is deterministic and the plan id identifies the plan's content (it is a
-     hash of it), so equal inputs give the same plan id on every node.
+  A1 `compute_plan` is deterministic and the plan id identifies the plan's layout (it is a
+     hash of it), so equal inputs give the same plan on every node and equal plan ids mean
+     equal layouts.
   A2 Nodes are not Byzantine, and the transport authenticates `ProposalMessage.sender`.
   A3 A node's `incarnation` grows across restarts (e.g. `time.time_ns()` at start), so a
      restarted node's messages supersede those of its previous life.
@@ -102,6 +127,7 @@ names the peer whose view differs and what it sees.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Collection, Mapping
 
 from meshd.agreement.messages import (
@@ -113,6 +139,7 @@ from meshd.agreement.messages import (
     ModelRef,
     NodeId,
     Output,
+    Plan,
     PlanInputs,
     PlanNotCommittedError,
     PlanOutcome,
@@ -145,6 +172,7 @@ class AgreementNode:
         self._alive: dict[NodeId, float] = {}
         self._digests: dict[NodeId, str] = {}
         self._settling: frozenset[NodeId] = frozenset()
+        self._leaving: frozenset[NodeId] = frozenset()
         self._model: ModelRef | None = None
         self._settings = ""
         self._proposal: Proposal | None = None
@@ -175,6 +203,17 @@ class AgreementNode:
         active = self._active is not None and self._active.plan_id == plan_id
         return active or plan_id in self._draining
 
+    def peers_moved_on(self) -> bool:
+        """Whether every peer seen alive serves new requests on a plan without a stage on this
+        node (or on none): what a leaving node waits for before it hands its requests over."""
+        for peer in self._alive:
+            message = self._latest.get(peer)
+            if message is None:
+                return False
+            if message.active is not None and self.node_id in message.active.stage_members:
+                return False
+        return True
+
     def check_serving(self, plan_id: str) -> None:
         """Fencing: raise `PlanNotCommittedError` unless `plan_id` is served here."""
         if not self.is_serving(plan_id):
@@ -203,6 +242,7 @@ class AgreementNode:
         model: ModelRef | None,
         settings: str = "",
         settling: Collection[NodeId] = (),
+        leaving: Collection[NodeId] = (),
     ) -> list[Output]:
         """The liveness layer's view changed: peers alive (with since when), digests, model.
 
@@ -211,7 +251,9 @@ class AgreementNode:
         node and of each peer whose profile it fetched. `settings` digests the mesh-wide
         settings that change plans; all nodes must pass the same. `settling` names nodes
         (this one or peers) whose digests are about to change because their measurements are
-        not complete yet; the caller must bound how long a node stays in it.
+        not complete yet; the caller must bound how long a node stays in it. `leaving` names
+        nodes (this one or peers) that announced they are leaving: they are no longer eligible
+        members (see "Leaving" in the module docstring).
         """
         self._forget_reconnected(alive)
         self._alive = {peer: since for peer, since in alive.items() if peer != self.node_id}
@@ -219,6 +261,7 @@ class AgreementNode:
         self._model = model
         self._settings = settings
         self._settling = frozenset(settling)
+        self._leaving = frozenset(leaving)
         return self._refresh(now)
 
     def on_message(self, now: float, message: ProposalMessage) -> list[Output]:
@@ -230,6 +273,9 @@ class AgreementNode:
             return []
         self._latest[message.sender] = message
         outputs = self._try_commit(now)
+        if not outputs:  # its report may move the incumbent (after a commit: at the next tick)
+            outputs = self._update_proposal(now)
+            outputs += self._try_commit(now)
         if not outputs and self._should_answer(message):
             outputs.append(Send(message.sender, self._next_message(now)))
         return outputs
@@ -265,14 +311,16 @@ class AgreementNode:
             if message.proposal is None or was_alive_since is None:
                 continue
             if alive.get(peer) != was_alive_since:
-                self._latest[peer] = dataclasses.replace(message, proposal=None, committed=False)
+                self._latest[peer] = dataclasses.replace(
+                    message, proposal=None, committed=False, active=None
+                )
 
     def _eligible_members(self, now: float) -> tuple[NodeId, ...]:
         stable_since = now - self.config.join_stability_s
         peers = [
             peer
             for peer, since in self._alive.items()
-            if since <= stable_since and peer in self._digests
+            if since <= stable_since and peer in self._digests and peer not in self._leaving
         ]
         return tuple(sorted([self.node_id, *peers]))
 
@@ -280,13 +328,30 @@ class AgreementNode:
         starting = now - self._started_at < self.config.startup_grace_s
         if starting or self._model is None or self.node_id not in self._digests:
             return None
+        if self.node_id in self._leaving:
+            return None
         members = self._eligible_members(now)
         digests = tuple(self._digests[member] for member in members)
-        return PlanInputs(members, digests, self._model, self._settings)
+        incumbent = self._incumbent(members)
+        return PlanInputs(members, digests, self._model, self._settings, incumbent)
+
+    def _incumbent(self, members: tuple[NodeId, ...]) -> Plan | None:
+        """The active plan most members report (this node's own included; ties: the larger
+        plan id), the same on every node that holds the same reports."""
+        reports = [self._active.plan] if self._active is not None else []
+        for member in members:
+            message = self._latest.get(member) if member != self.node_id else None
+            if message is not None and message.active is not None:
+                reports.append(message.active)
+        if not reports:
+            return None
+        counts = Counter(reports)
+        return max(counts, key=lambda plan: (counts[plan], plan.plan_id))
 
     def _outcome_for(self, inputs: PlanInputs) -> PlanOutcome:
         """`compute_plan(inputs)`, remembered for the last inputs (it may be expensive)."""
-        if self._last_computed is None or self._last_computed[0] != inputs:
+        last = self._last_computed
+        if last is None or last[0] != inputs or last[0].incumbent != inputs.incumbent:
             self._last_computed = (inputs, self._compute_plan(inputs))
         return self._last_computed[1]
 
@@ -327,11 +392,15 @@ class AgreementNode:
             return []
         if not (self._all_members_confirmed(proposal) or self._certified(proposal)):
             return []
+        previous = self._active.plan_id if self._active is not None else ""
         self._start_draining_active(now)
         self._draining.pop(proposal.plan.plan_id, None)
-        member_since = tuple((m, self._alive[m]) for m in proposal.members if m != self.node_id)
+        stages = set(proposal.plan.stage_members)
+        member_since = tuple(
+            (m, self._alive[m]) for m in proposal.members if m != self.node_id and m in stages
+        )
         self._active = ServedPlan(proposal, now, member_since)
-        return [Committed(proposal), self._broadcast(now)]
+        return [Committed(proposal, previous), self._broadcast(now)]
 
     def _all_members_confirmed(self, proposal: Proposal) -> bool:
         return all(
@@ -400,7 +469,10 @@ class AgreementNode:
         )
         self._next_send_at = now + interval
         committed = self._active is not None and self._active.proposal == self._proposal
-        return ProposalMessage(self.node_id, self.incarnation, self._seq, self._proposal, committed)
+        active = self._active.plan if self._active is not None else None
+        return ProposalMessage(
+            self.node_id, self.incarnation, self._seq, self._proposal, committed, active
+        )
 
     def _broadcast(self, now: float) -> Broadcast:
         return Broadcast(frozenset(self._alive), self._next_message(now))
@@ -460,6 +532,10 @@ class AgreementNode:
         settling = self._settling_now()
         if settling:
             reasons.append(f"waiting for link measurements of {', '.join(settling)}")
+        if self.node_id in self._leaving:
+            reasons.append("this node is leaving the mesh")
+        for peer in sorted(self._leaving & self._alive.keys()):
+            reasons.append(f"peer {peer} is leaving the mesh")
         for peer, since in sorted(self._alive.items()):
             if now - since < stability:
                 reasons.append(
@@ -495,6 +571,10 @@ def _difference(peer: NodeId, theirs: Proposal, ours: Proposal) -> str:
         return f"{peer} selects model {a.model.name} ({a.model.digest})"
     if a.settings != b.settings:
         return f"{peer} uses different plan settings ({a.settings!r} vs ours {b.settings!r})"
+    if a.incumbent != b.incumbent:
+        theirs_id = a.incumbent.plan_id[:12] if a.incumbent else "none"
+        ours_id = b.incumbent.plan_id[:12] if b.incumbent else "none"
+        return f"{peer} counts plan {theirs_id} as the running one (we count {ours_id})"
     differing = [m for m in a.members if a.digest_of(m) != b.digest_of(m)]
     if differing:
         return f"{peer} holds a different profile digest for {', '.join(differing)}"

@@ -17,8 +17,14 @@ component is its runtime, and what the data plane sees of it is `meshd.agreement
   the selection with the largest `(set_at, set_by)` wins, so any node may change the model
   and every node converges on the same one without a master.
 * **compute_plan** restricts the mesh graph to the members, runs `partitioner.plan_model`
-  and caches the full plan by plan id; a plan that cannot fit becomes a `Refusal` whose reason
-  says how much memory is missing ("not enough memory in this mesh for ...").
+  with the incumbent's stages (the running layout is kept unless another is predicted more
+  than `partitioner.SWITCH_GAIN` faster) and caches the full plan by plan id, which is a hash
+  of the layout; a plan that cannot fit becomes a `Refusal` whose reason says how much memory
+  is missing ("not enough memory in this mesh for ..."). A commit of the plan id already
+  active is a re-confirmation from newer inputs: logged at debug level, nothing else happens.
+* **Leaving.** A peer whose `NodeState` says `leaving` is no longer planned with; this node
+  leaves by publishing the flag (`Membership.set_leaving`) and waiting for
+  `peers_moved_on`.
 * **Messages** go out over the peer channels as `Propose` calls with a deadline; one outbox
   slot per peer keeps only the newest message (receivers keep only the newest anyway), so a
   slow peer never builds a queue. Incoming messages are accepted only when the TLS
@@ -59,12 +65,23 @@ SETTLE_PER_PEER_S = 0.5
 
 
 def state_digest(state: pb.NodeState) -> str:
-    """What the partitioner reads of one node, bucketed, hashed (same on every node)."""
+    """What the partitioner reads of one node, bucketed, hashed (same on every node).
+
+    Also what tensor-parallel groups are built from: each link's trust verdict and, for a
+    trusted link, the addresses its runners would use, and the node's runner port. So a change
+    of any of them is a new digest (and a new plan), and every member of a group derives the
+    group's configuration from the same state.
+    """
     profile = state.profile
     if profile.flops <= 0 or profile.mem_bandwidth <= 0 or profile.memory_budget <= 0:
         return ""
     links = sorted(
-        [m.dst, latency_bucket_index(planning_latency(m)), bucket_index(planning_bandwidth(m))]
+        [
+            m.dst,
+            latency_bucket_index(planning_latency(m)),
+            bucket_index(planning_bandwidth(m)),
+            [m.src_address, m.dst_address] if m.trusted else False,
+        ]
         for m in state.links
         if m.bandwidth > 0
     )
@@ -74,6 +91,7 @@ def state_digest(state: pb.NodeState) -> str:
         bucket_index(profile.flops),
         bucket_index(profile.mem_bandwidth),
         links,
+        int(state.tensor_parallel_port),
     ]
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
@@ -136,6 +154,16 @@ def newest_selection(selections: list[pb.ModelSelection]) -> pb.ModelSelection |
 # ---------------------------------------------------------------- wire conversion
 
 
+def plan_to_proto(plan: ag.Plan) -> pb.PlanRef:
+    return pb.PlanRef(
+        plan_id=plan.plan_id, stage_members=list(plan.stage_members), layout=plan.layout
+    )
+
+
+def plan_from_proto(message: pb.PlanRef) -> ag.Plan:
+    return ag.Plan(message.plan_id, tuple(message.stage_members), message.layout)
+
+
 def proposal_to_proto(proposal: ag.Proposal) -> pb.Proposal:
     inputs = proposal.inputs
     message = pb.Proposal(
@@ -146,24 +174,27 @@ def proposal_to_proto(proposal: ag.Proposal) -> pb.Proposal:
             settings=inputs.settings,
         )
     )
+    if inputs.incumbent is not None:
+        message.inputs.incumbent.CopyFrom(plan_to_proto(inputs.incumbent))
     if isinstance(proposal.outcome, ag.Plan):
-        message.plan.plan_id = proposal.outcome.plan_id
-        message.plan.stage_members.extend(proposal.outcome.stage_members)
+        message.plan.CopyFrom(plan_to_proto(proposal.outcome))
     else:
         message.refusal = proposal.outcome.reason
     return message
 
 
 def proposal_from_proto(message: pb.Proposal) -> ag.Proposal:
+    wire = message.inputs
     inputs = ag.PlanInputs(
-        members=tuple(message.inputs.members),
-        digests=tuple(message.inputs.digests),
-        model=ag.ModelRef(message.inputs.model.name, message.inputs.model.digest),
-        settings=message.inputs.settings,
+        members=tuple(wire.members),
+        digests=tuple(wire.digests),
+        model=ag.ModelRef(wire.model.name, wire.model.digest),
+        settings=wire.settings,
+        incumbent=plan_from_proto(wire.incumbent) if wire.HasField("incumbent") else None,
     )
     outcome: ag.PlanOutcome
     if message.WhichOneof("outcome") == "plan":
-        outcome = ag.Plan(message.plan.plan_id, tuple(message.plan.stage_members))
+        outcome = plan_from_proto(message.plan)
     else:
         outcome = ag.Refusal(message.refusal)
     return ag.Proposal(inputs, outcome)
@@ -178,6 +209,8 @@ def message_to_proto(message: ag.ProposalMessage) -> pb.ProposalMessage:
     )
     if message.proposal is not None:
         out.proposal.CopyFrom(proposal_to_proto(message.proposal))
+    if message.active is not None:
+        out.active.CopyFrom(plan_to_proto(message.active))
     return out
 
 
@@ -188,6 +221,7 @@ def message_from_proto(message: pb.ProposalMessage) -> ag.ProposalMessage:
         seq=message.seq,
         proposal=proposal_from_proto(message.proposal) if message.HasField("proposal") else None,
         committed=message.committed,
+        active=plan_from_proto(message.active) if message.HasField("active") else None,
     )
 
 
@@ -228,6 +262,8 @@ class PlanAgreement:
         # `changes` (the data-plane split); nothing else may add one.
         self.listeners: list[Callable[[PlanChange], None]] = []
         self.last_refusal = ""
+        self.commits = 0  # commits that changed the active plan id (a new layout)
+        self.recommits = 0  # commits of the plan id already active (newer inputs, same layout)
 
     # ------------------------------------------------------------ run
 
@@ -268,6 +304,7 @@ class PlanAgreement:
                 states[record.node_id] = record.state
         now = time.monotonic()
         self._settling = settling_nodes(states, {**alive, self._node_id: self._started_at}, now)
+        leaving = {node_id for node_id, state in states.items() if state.leaving}
         digests: dict[str, str] = {}
         for node_id, state in states.items():
             digest = state_digest(state)
@@ -280,7 +317,7 @@ class PlanAgreement:
             model = ag.ModelRef(self._selection.name, self._selection.digest)
             settings = self._selection.options_json
         outputs = self.core.on_membership(
-            now, alive, digests, model, settings or "", settling=self._settling
+            now, alive, digests, model, settings or "", settling=self._settling, leaving=leaving
         )
         self._apply(outputs)
         self._forget_unreferenced(digests)
@@ -316,14 +353,20 @@ class PlanAgreement:
             return ag.Refusal(f"profile {exc} is not known here yet")
         spec = partitioner.ModelSpec.from_dict(json.loads(selection.spec_json))
         options = partitioner.PlanOptions.from_dict(json.loads(inputs.settings or "{}"))
+        incumbent = None
+        if inputs.incumbent is not None and inputs.incumbent.layout:
+            try:
+                incumbent = partitioner.stages_from_layout_key(inputs.incumbent.layout)
+            except ValueError as exc:  # a peer's report we cannot read: plan without it
+                log.warning("ignoring incumbent %s: %s", inputs.incumbent.plan_id[:12], exc)
         try:
-            plan = partitioner.plan_model(mesh_graph(states), spec, options)
+            plan = partitioner.plan_model(mesh_graph(states), spec, options, incumbent)
         except partitioner.InsufficientMemory as exc:
             return ag.Refusal(partitioner.describe_refusal(exc))
         except (partitioner.MeshError, partitioner.PlanOptionsError, ValueError) as exc:
             return ag.Refusal(f"cannot plan {spec.name} over this mesh: {exc}")
         self.plans[plan.plan_id] = plan
-        return ag.Plan(plan.plan_id, plan.nodes)
+        return ag.Plan(plan.plan_id, plan.nodes, plan.layout_key)
 
     # ------------------------------------------------------------ messages
 
@@ -361,6 +404,11 @@ class PlanAgreement:
     def _on_committed(self, output: ag.Committed) -> None:
         plan = self.plan_for(output.proposal)
         self.last_refusal = ""
+        self.recommits += not output.changed
+        self.commits += output.changed
+        if not output.changed:  # the same layout from newer inputs: nothing moves
+            log.debug("plan %s re-confirmed from newer inputs", output.plan_id[:12])
+            return
         layout = ", ".join(
             f"{'+'.join(stage.nodes)} {stage.layer_start}-{stage.layer_end - 1}"
             for stage in (plan.stages if plan else ())
@@ -371,7 +419,9 @@ class PlanAgreement:
             len(output.members),
             layout or "?",
         )
-        self._notify(PlanChange("committed", output.plan_id, plan))
+        self._notify(
+            PlanChange("committed", output.plan_id, plan, states=self.states_of(output.proposal))
+        )
 
     def _notify(self, change: PlanChange) -> None:
         self.changes.publish(change)
@@ -414,6 +464,16 @@ class PlanAgreement:
             self._compute_plan(proposal.inputs)
             plan = self.plans.get(outcome.plan_id)
         return plan
+
+    def peers_moved_on(self) -> bool:
+        """Every live peer serves new requests on a plan without a stage here (leaving)."""
+        return self.core.peers_moved_on()
+
+    def states_of(self, proposal: ag.Proposal) -> dict[str, pb.NodeState]:
+        """The node states a proposal's plan was computed from (those still cached here)."""
+        inputs = proposal.inputs
+        pairs = zip(inputs.members, inputs.digests, strict=True)
+        return {node: self._states[(node, d)] for node, d in pairs if (node, d) in self._states}
 
     def release(self, plan_id: str) -> None:
         """A draining plan has no request left here: stop serving it."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -97,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--strategy", choices=["speed", "memory"])
     load.add_argument("--context-length", type=int)
     load.add_argument("--concurrency", type=int)
+    load.add_argument(
+        "--parallelism",
+        choices=["auto", "pipeline", "tensor", "hybrid"],
+        help="kind of layout (default: the daemon's setting, auto)",
+    )
 
     from meshd.http.keys_cli import register as register_api_key
 
@@ -122,7 +128,9 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-p", type=float)
     group.add_argument("--repetition-penalty", type=float)
     group.add_argument("--seed", type=int, help="same seed, same output")
-    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument(
+        "--max-tokens", type=int, help="at most this many tokens (default 256, or what fits)"
+    )
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--model", help="fail unless the mesh runs this model")
     group.add_argument("--plan", dest="plan_id", help="run on exactly this committed plan id")
@@ -132,11 +140,11 @@ def _sampling(args: argparse.Namespace):
     from meshd.wire import pb
 
     sampling = pb.Sampling(stop=args.stop)
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens")
+    for name in names:
         value = getattr(args, name)
         if value is not None:
             setattr(sampling, name, value)
-    sampling.max_tokens = args.max_tokens
     return sampling
 
 
@@ -155,6 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from meshd.mesh.membership import DuplicateNodeId
     from meshd.node import run_node
+    from meshd.state_lock import StateDirInUse
 
     config = load_config(flags_given(args), config_path=args.config)
     _setup_logging(config.log_level)
@@ -167,7 +176,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     exit_code = 0
     try:
         trio.run(main)
-    except* DuplicateNodeId as group:
+    except* (DuplicateNodeId, StateDirInUse) as group:  # exit 3: a restart cannot fix it
         for exc in _leaves(group):
             print(f"meshd: {exc}", file=sys.stderr)
         exit_code = 3
@@ -294,10 +303,11 @@ def _print_stream(api: str, request) -> int:
         if event.HasField("done"):
             done = event.done
             print(flush=True)  # end the generated text's line on stdout
+            moved = f"; moved {done.resumes}x, paused {done.paused_s:.1f} s" if done.resumes else ""
             print(
                 f"[{done.completion_tokens} tokens, {done.finish_reason}; first token "
                 f"{done.ttft_s * 1e3:.0f} ms, {done.decode_tokens_per_s:.1f} tokens/s; "
-                f"plan {done.plan_id[:12]}]",
+                f"plan {done.plan_id[:12]}{moved}]",
                 file=sys.stderr,
             )
         else:
@@ -375,6 +385,7 @@ def cmd_load(args: argparse.Namespace) -> int:
             strategy=args.strategy or "",
             context_length=args.context_length or 0,
             concurrency=args.concurrency or 0,
+            parallelism=args.parallelism or "",
         ),
     )
     print(f"{reply.model} ({reply.digest}): {reply.message}")
@@ -407,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     from meshd.runtime.blas import enable_fast_blas
 
     enable_fast_blas()  # before any command imports mlx.core (see meshd.runtime.blas)
+    # gRPC core's own INFO lines (e.g. a refused TLS handshake, without the peer's address)
+    # would repeat what meshd says once, in words; GRPC_VERBOSITY set by the user wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = build_parser().parse_args(argv)
     from meshd.api.client import DaemonUnreachable, GenerationFailed
     from meshd.mesh.security import InvalidJoinToken

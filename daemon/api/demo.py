@@ -13,7 +13,6 @@ machine's real network. The daemons share one join token, exactly as `meshd toke
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from meshd.api import client, render
 from meshd.api.launcher import DaemonProcess, fully_meshed
+from meshd.config import load_config
 from meshd.mesh import security
 from meshd.models.store import ModelStore, console_progress
 from meshd.wire import pb
@@ -56,9 +56,9 @@ def start_local_mesh(
 
 
 def default_model_dir() -> Path:
-    """Import the embedded default once into the user's cache and return its directory."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshd"
-    store = ModelStore(cache)
+    """Import the embedded default once into the user's model store (the one the user's
+    daemons share) and return its directory."""
+    store = ModelStore(load_config().model_store)
     return store.ensure_default(progress=console_progress()).path
 
 

@@ -19,6 +19,7 @@ import grpc
 import trio
 
 from meshd.runtime.bridge import AsyncioThread
+from meshd.runtime.rpc_guard import add_guarded_servicer
 from meshd.wire import pb, rpc
 
 log = logging.getLogger("meshd.api")
@@ -84,6 +85,7 @@ class LocalService(rpc.LocalServicer):
             model=request.model,
             plan_id=request.plan_id,
             chat_template=request.chat_template,
+            return_logits=request.return_logits,
         )
         async for reply in self._stream(events, context):
             yield reply
@@ -113,6 +115,12 @@ class LocalService(rpc.LocalServicer):
                     routed = event
                     continue
                 if not isinstance(event, FinalEvent):
+                    if event.logits is not None:
+                        logits = event.logits.astype("<f4").tobytes()
+                        token = pb.TokenLogits(
+                            token_id=event.token_id, index=event.index, logits=logits
+                        )
+                        yield pb.GenerateEvent(token=token)
                     if event.text:
                         yield pb.GenerateEvent(text=event.text)
                     continue
@@ -127,9 +135,11 @@ class LocalService(rpc.LocalServicer):
                         ttft_s=usage.ttft_s,
                         decode_tokens_per_s=usage.decode_tokens_per_s,
                         total_s=usage.total_s,
-                        plan_id=routed.plan_id,
+                        plan_id=usage.plan_id or routed.plan_id,
                         model=routed.model,
                         seed=usage.seed,
+                        resumes=usage.resumes,
+                        paused_s=usage.paused_s,
                     )
                 )
         except InferenceError as exc:
@@ -145,11 +155,17 @@ class LocalService(rpc.LocalServicer):
             "strategy": request.strategy or None,
             "context_length": request.context_length or None,
             "concurrency": request.concurrency or None,
+            "parallelism": request.parallelism or None,
         }
         if options["strategy"] not in (None, "speed", "memory"):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"strategy {request.strategy!r} is not speed or memory",
+            )
+        if options["parallelism"] not in (None, "auto", "pipeline", "tensor", "hybrid"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"parallelism {request.parallelism!r} is not auto, pipeline, tensor or hybrid",
             )
         try:
             selection = await self._bridge.run_in_trio(
@@ -197,9 +213,14 @@ async def start_api_server(
         path = Path(address.removeprefix("unix:"))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)  # a stale socket of a previous run
-    server = grpc.aio.server()
-    rpc.add_LocalServicer_to_server(LocalService(node, bridge), server)
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"cannot listen on the local API address {address}")
+    # No SO_REUSEPORT: a second daemon on the same TCP address must fail, not share it.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    add_guarded_servicer(rpc.add_LocalServicer_to_server, LocalService(node, bridge), server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:  # grpc raises when it cannot bind (older versions return 0)
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on the local API address {address}: is it in use?")
     await server.start()
     return server

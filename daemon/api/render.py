@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
@@ -52,6 +53,9 @@ def nodes_table(status: pb.MeshStatus) -> str:
 
 
 def links_table(status: pb.MeshStatus) -> str:
+    """Every measured link, and whether its measurer lets it carry tensor-parallel traffic;
+    the reasons a link is refused follow the table (a group needs both directions)."""
+    ordered = sorted(status.links, key=lambda m: (m.src, m.dst))
     rows = [
         [
             f"{m.src} -> {m.dst}",
@@ -59,12 +63,23 @@ def links_table(status: pb.MeshStatus) -> str:
             f"{m.grpc_rtt_s * 1e3:.3f} ms",
             format_rate(m.bandwidth, bits=True),
             format_bytes(m.probe_bytes),
+            "trusted" if m.trusted else ("no" if m.trust_reason else "-"),
         ]
-        for m in sorted(status.links, key=lambda m: (m.src, m.dst))
+        for m in ordered
     ]
     if not rows:
         return "no links measured yet"
-    return _table(["LINK", "RTT (TCP)", "RTT (gRPC)", "BANDWIDTH", "PROBE"], rows)
+    table = _table(
+        ["LINK", "RTT (TCP)", "RTT (gRPC)", "BANDWIDTH", "PROBE", "TENSOR-PARALLEL"], rows
+    )
+    refused = {m.trust_reason for m in ordered if not m.trusted and m.trust_reason}
+    notes = [f"tensor-parallel refused on {_links_with(ordered, r)}: {r}" for r in sorted(refused)]
+    return "\n".join([table, *notes])
+
+
+def _links_with(links: list[pb.LinkMeasurement], reason: str) -> str:
+    named = [f"{m.src}->{m.dst}" for m in links if not m.trusted and m.trust_reason == reason]
+    return ", ".join(named) if len(named) <= 3 else f"{len(named)} links"
 
 
 def peers_table(status: pb.MeshStatus) -> str:
@@ -85,15 +100,18 @@ def agreement_text(agreement: pb.AgreementStatus) -> str:
             import json
 
             plan = json.loads(agreement.plan_json)
+            if plan.get("layout"):
+                lines.append(f"layout: {plan['layout']}")
             rows = [
                 [
                     str(i),
                     "+".join(stage["nodes"]),
                     f"{stage['layer_start']}-{stage['layer_end'] - 1}",
+                    f"tensor-parallel x{len(stage['nodes'])}" if len(stage["nodes"]) > 1 else "",
                 ]
                 for i, stage in enumerate(plan["stages"])
             ]
-            lines.append(_table(["STAGE", "NODE", "LAYERS"], rows))
+            lines.append(_table(["STAGE", "NODE", "LAYERS", ""], rows))
     else:
         lines.append("no committed plan")
     if agreement.refusal:
@@ -102,6 +120,29 @@ def agreement_text(agreement: pb.AgreementStatus) -> str:
         lines.append(f"converging: {agreement.reason}")
     if agreement.draining:
         lines.append("draining: " + ", ".join(p[:12] for p in agreement.draining))
+    return "\n".join(lines)
+
+
+def tensor_parallel_text(status: pb.MeshStatus) -> str:
+    """The active plan's tensor-parallel groups (ranks, backend, link) and this node's
+    runners; empty when there are none."""
+    lines = []
+    for group in status.tensor_parallel_groups:
+        ranks = ", ".join(
+            f"{rank} {node}" + (f" at {group.addresses[rank]}" if group.addresses else "")
+            for rank, node in enumerate(group.members)
+        )
+        lines.append(
+            f"tensor-parallel stage {group.stage} (layers {group.layer_start}-"
+            f"{group.layer_end - 1}): ranks {ranks}; backend {group.backend}; link: {group.link}"
+        )
+    for runner in status.tensor_parallel_runners:
+        state = runner.state + (f" ({runner.error})" if runner.error else "")
+        lines.append(
+            f"runner here: plan {runner.plan_id[:12]} stage {runner.stage} rank {runner.rank}/"
+            f"{runner.size} of {'+'.join(runner.members)}, {runner.backend}, pid "
+            f"{runner.pid or '-'}, {format_bytes(runner.held_bytes)}: {state}"
+        )
     return "\n".join(lines)
 
 
@@ -115,7 +156,24 @@ def status_text(status: pb.MeshStatus) -> str:
     )
     recent = "\n".join("  " + line for line in status.events[-8:])
     plan = agreement_text(status.agreement)
-    return f"{head}\n\n{peers_table(status)}\n\n{plan}\n\nrecent events:\n{recent}"
+    groups = tensor_parallel_text(status)
+    if groups:
+        plan += "\n" + groups
+    requests = requests_text(status)
+    return f"{head}\n\n{peers_table(status)}\n\n{plan}\n\n{requests}\n\nrecent events:\n{recent}"
+
+
+def requests_text(status: pb.MeshStatus) -> str:
+    """This node's clients' requests in flight, oldest first."""
+    if not status.requests:
+        return "requests in flight here: none"
+    now = status.generated_at or time.time()
+    lines = [
+        f"  {r.request_id}  plan {r.plan_id[:12]}  {r.prompt_tokens} prompt tokens, "
+        f"max {r.max_tokens}, running {max(0.0, now - r.started_at):.1f} s"
+        for r in sorted(status.requests, key=lambda r: r.started_at)
+    ]
+    return f"requests in flight here: {len(lines)}\n" + "\n".join(lines)
 
 
 def status_to_json(status: pb.MeshStatus) -> dict[str, Any]:

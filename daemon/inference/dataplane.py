@@ -43,6 +43,13 @@ Loading: a stage loads on the compute thread, so while a new plan loads, request
 draining plan on the same node wait (MLX evaluations stay on one thread). A new plan whose
 stage on this node is identical to an installed one shares its weights instead.
 
+Tensor-parallel stages (:mod:`meshd.inference.tensor_parallel`): every member of the stage's
+group starts its rank's runner process when the plan is installed (:class:`RunnerSupervisor`,
+owned here, on this loop, as the runners must be) and stops it with the plan; the stage counts
+as loaded once the group formed. Rank 0 is the stage's endpoint: its engine
+(:class:`TensorParallelEngine`) hands each step to its runner. A lost member's runners are
+killed at once (:meth:`DataPlane.member_lost`); the requests on the group end as UNAVAILABLE.
+
 Epochs and fencing: every frame carries its plan id, and a node serves a frame only for a
 plan that ``check_serving(plan_id)`` (the agreement's fencing, see
 :mod:`meshd.inference.fencing`) says is committed here, installed and loaded, and only from
@@ -65,11 +72,19 @@ import psutil
 from meshd.inference.assignment import Assignment
 from meshd.inference.engine import StageEngine, StageKey
 from meshd.inference.errors import ErrorKind, InferenceError
-from meshd.inference.fencing import FenceCheck
+from meshd.inference.fencing import FenceCheck, ServedSource
 from meshd.inference.installed import InstalledPlan
-from meshd.inference.origin import DEFAULT_PREFILL_CHUNK, GenerationEvent, Origin
+from meshd.inference.origin import (
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_RESUME_TIMEOUT_S,
+    GenerationEvent,
+    Origin,
+)
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.stage import StageRuntime
+from meshd.inference.tensor_parallel.engine import TensorParallelEngine
+from meshd.inference.tensor_parallel.member import RunnerSupervisor
+from meshd.inference.tensor_parallel.spec import TensorParallelSpec
 from meshd.inference.transport import ChannelFactory, DataPlaneServicer, Transport
 from meshd.runtime.compute import ComputeExecutor
 from meshd.runtime.lazy_imports import import_model_runtime
@@ -88,8 +103,10 @@ class DataPlane:
     ``channel_factory(address)`` makes a mutual-TLS grpc.aio channel to a peer (see
     :func:`meshd.mesh.channels.peer_channel_factory`); ``check_serving(plan_id)``
     raises (any exception, with a message naming the plan and node) when the plan is not
-    committed here. Everything runs on the asyncio thread that calls it; MLX runs on
-    ``compute`` (one thread per node, created here unless given).
+    committed here; ``served()`` (optional) says which plan is active, so that the origin can
+    move its requests to the next plan when theirs cannot carry them on (see
+    :mod:`meshd.inference.origin`). Everything runs on the asyncio thread that calls it; MLX
+    runs on ``compute`` (one thread per node, created here unless given).
     """
 
     def __init__(
@@ -105,6 +122,10 @@ class DataPlane:
         first_token_timeout_s: float = 300.0,
         token_timeout_s: float = 60.0,
         stage_idle_timeout_s: float = 600.0,
+        served: ServedSource | None = None,
+        resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S,
+        report: Callable[[str], None] | None = None,
+        runners: RunnerSupervisor | None = None,
     ) -> None:
         self.node_id = node_id
         self.max_requests_per_stage = max_requests_per_stage
@@ -118,9 +139,12 @@ class DataPlane:
             self.transport,
             self._plans,
             check_serving,
+            served=served,
             prefill_chunk=prefill_chunk,
             first_token_timeout_s=first_token_timeout_s,
             token_timeout_s=token_timeout_s,
+            resume_timeout_s=resume_timeout_s,
+            report=report,
         )
         self.stage = StageRuntime(
             node_id,
@@ -130,6 +154,11 @@ class DataPlane:
             max_requests=max_requests_per_stage,
             idle_timeout_s=stage_idle_timeout_s,
         )
+        self.runners = runners or RunnerSupervisor(node_id)
+        self.runners.set_on_change(self._publish_runners)
+        # What `meshd status` shows of this node's runners: replaced whole on every change,
+        # read from the trio thread (never mutated once published).
+        self.runner_status: tuple[dict[str, Any], ...] = ()
         self._handlers: dict[str, Callable[[str, dp.Frame], None]] = {
             "start": self.stage.on_start,
             "activation": self.stage.on_activation,
@@ -152,16 +181,31 @@ class DataPlane:
 
     # ---------------------------------------------------------------- plans
 
-    async def install(self, assignment: Assignment, *, colocated_stages: int = 1) -> None:
+    async def install(
+        self,
+        assignment: Assignment,
+        *,
+        colocated_stages: int = 1,
+        tensor_parallel: TensorParallelSpec | None = None,
+    ) -> None:
         """Serve ``assignment``: load this node's stage (on the compute thread) and the
         tokenizer. Returns once loaded; raises (and installs nothing) when loading fails.
 
         ``colocated_stages``: the plan's stages on this machine, this one included (the
         daemon derives it from the peers' machine fingerprints). Plans already installed
         keep serving (a replaced plan drains until :meth:`uninstall`); a plan whose stage is
-        identical shares the loaded weights.
+        identical shares the loaded weights. ``tensor_parallel``: the spec of this node's
+        tensor-parallel stage, when it is a member of one (its runner starts here).
         """
         loop = self.transport.bind_loop()
+        member_of = assignment.member_stage(self.node_id)
+        if (member_of is not None and assignment.stages[member_of].tensor_parallel) != (
+            tensor_parallel is not None
+        ):
+            raise DataPlaneError(
+                f"plan {assignment.plan_id[:12]}: a member of a tensor-parallel stage is "
+                "installed with that stage's group spec, and only a member is"
+            )
         existing = self._plans.get(assignment.plan_id)
         if existing is not None:
             if existing.assignment != assignment:
@@ -178,12 +222,20 @@ class DataPlane:
             # One thread imports mlx_lm before two threads use it (meshd.runtime.lazy_imports).
             await asyncio.to_thread(import_model_runtime)
             loading = [asyncio.to_thread(_load_tokenizer, assignment.model_dir)]
-            if plan.engine is not None:
+            if tensor_parallel is not None:
+                loading.append(self._start_runner(tensor_parallel, plan.engine))
+            elif plan.engine is not None:
                 loading.append(self._load_engine(plan.engine))
-            (plan.tokenizer, plan.config), *_ = await asyncio.gather(*loading)
+            outcomes = await asyncio.gather(*loading, return_exceptions=True)
+            failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+            if failed is not None:
+                raise failed
+            plan.tokenizer, plan.config = outcomes[0]
         except BaseException as error:
             if self._plans.get(assignment.plan_id) is plan:
                 del self._plans[assignment.plan_id]
+            if tensor_parallel is not None:
+                await asyncio.shield(self.runners.stop_plan(assignment.plan_id))
             plan.ready.set_exception(DataPlaneError(f"plan {assignment.plan_id}: {error}"))
             self.record_load_failure(assignment.plan_id, str(error))
             raise
@@ -208,7 +260,10 @@ class DataPlane:
                 spec.has_embedding,
                 spec.has_head,
             )
-            engine = StageEngine(key, self.max_requests_per_stage)
+            if spec.tensor_parallel:
+                engine = TensorParallelEngine(key, self.max_requests_per_stage, loop=loop)
+            else:
+                engine = StageEngine(key, self.max_requests_per_stage)
         ready: asyncio.Future[None] = loop.create_future()
         ready.add_done_callback(_retrieve_exception)
         return InstalledPlan(assignment, index, engine, ready)
@@ -219,11 +274,46 @@ class DataPlane:
             (
                 p.engine
                 for p in self._plans.values()
-                if p.engine is not None and p.engine is not engine and p.engine.key == engine.key
+                if p.engine is not None
+                and p.engine is not engine
+                and p.engine.key == engine.key
+                and not isinstance(p.engine, TensorParallelEngine)  # its weights are elsewhere
             ),
             None,
         )
         await self._compute.run(_load_sharing, engine, twin)
+
+    async def _start_runner(self, spec: TensorParallelSpec, engine: StageEngine | None) -> None:
+        """Start this node's rank of a tensor-parallel stage; rank 0's engine runs on it.
+
+        A draining plan's runner that holds one of the ports is stopped first: the new plan is
+        committed, and its group can only form on its own ports (every member derives them
+        from the plan id, so they cannot be moved here alone).
+        """
+        for plan_id, stage_index in self.runners.plans_holding_ports(spec):
+            log.warning(
+                "stopping the tensor-parallel runners of plan %s (stage %d): plan %s needs "
+                "their ports",
+                plan_id[:12],
+                stage_index,
+                spec.plan_id[:12],
+            )
+            await self.runners.stop_plan(plan_id)
+        member = await self.runners.start(spec)
+        if isinstance(engine, TensorParallelEngine):
+            engine.attach(member)
+
+    def member_lost(self, node_id: str, reason: str) -> list[str]:
+        """The mesh lost ``node_id``: kill at once every runner here whose group it was in
+        (MLX's collectives would hang on it); returns the affected stages' names."""
+        return self.runners.member_lost(node_id, reason)
+
+    def abort_starting_runners(self, plan_id: str, reason: str) -> list[str]:
+        """``plan_id`` was withdrawn while its groups formed: their runners stop waiting."""
+        return self.runners.abort_starting(plan_id, reason)
+
+    def _publish_runners(self) -> None:
+        self.runner_status = tuple(self.runners.status())
 
     def record_load_failure(self, plan_id: str, reason: str) -> None:
         """This node cannot serve committed plan ``plan_id`` (its part could not be fetched
@@ -236,7 +326,11 @@ class DataPlane:
         lost; the mesh is re-planning, retry"), its caches and weights are released."""
         plan = self._plans.pop(plan_id, None)
         self.origin.on_plan_removed(plan_id, reason)
-        await self.stage.remove_plan(plan_id, reason)
+        # The stage's requests end first (remove_plan's first, synchronous part), then the
+        # runners stop, which also ends a step the compute thread may be waiting on.
+        await asyncio.gather(
+            self.stage.remove_plan(plan_id, reason), self.runners.stop_plan(plan_id)
+        )
         if plan is not None:
             log.info("uninstalled plan %s: %s", plan_id[:12], reason)
 
@@ -253,6 +347,20 @@ class DataPlane:
                 ErrorKind.NO_PLAN, f"plan {plan_id} is not installed (or still loading) here"
             )
         return plan.tokenizer
+
+    def context_length(self, plan_id: str) -> int:
+        """Tokens of KV cache an installed plan reserves per sequence (0: no limit)."""
+        return self._installed(plan_id).assignment.context_length
+
+    def context_error(self, plan_id: str, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why such a request does not fit the plan's context, or None when it fits."""
+        return self._installed(plan_id).assignment.context_error(prompt_tokens, max_tokens)
+
+    def _installed(self, plan_id: str) -> InstalledPlan:
+        plan = self._plans.get(plan_id)
+        if plan is None:
+            raise InferenceError(ErrorKind.NO_PLAN, f"plan {plan_id} is not installed here")
+        return plan
 
     def model_config(self, plan_id: str) -> Mapping[str, Any]:
         """The config.json of an installed plan's model (architecture, sizes)."""
@@ -296,6 +404,7 @@ class DataPlane:
         return_logits: bool = False,
         prefill_chunk: int | None = None,
         ignore_eos: bool = False,
+        resume: bool = True,
     ) -> AsyncIterator[GenerationEvent]:
         """Generate on the mesh; an async iterator of TokenEvents ending with one FinalEvent.
 
@@ -303,7 +412,8 @@ class DataPlane:
         cannot be served raises InferenceError from the iterator. Closing the iterator
         early (the client went away) cancels the request on every stage.
         ``return_logits`` (debug, tests) attaches the last stage's logits to each token;
-        ``ignore_eos`` (benchmarks) generates exactly ``max_tokens`` tokens.
+        ``ignore_eos`` (benchmarks) generates exactly ``max_tokens`` tokens; ``resume=False``
+        keeps the request on ``plan_id`` (it fails instead of moving to the next plan).
         """
         return self.origin.generate(
             plan_id,
@@ -313,6 +423,7 @@ class DataPlane:
             return_logits=return_logits,
             prefill_chunk=prefill_chunk,
             ignore_eos=ignore_eos,
+            resume=resume,
         )
 
     def cancel(self, request_id: str) -> bool:
@@ -384,6 +495,7 @@ class DataPlane:
         for plan_id in list(self._plans):
             await self.uninstall(plan_id, f"node {self.node_id} is shutting down")
         self._closed = True
+        await self.runners.close()
         await self.stage.close()
         await self.transport.close()
         if self._owns_compute:

@@ -6,7 +6,9 @@ that heartbeats and other requests' frames never wait behind a matrix multiplica
 
 * :class:`StageEngine`: this node's layers of one plan (mlx-lm's own model classes, see
   :mod:`meshd.inference.shard`), the KV caches of its open requests and, on the last stage,
-  each request's seeded sampler.
+  each request's seeded sampler. Its methods are the interface :func:`run_step` and the stage
+  runtime drive; :class:`meshd.inference.tensor_parallel.engine.TensorParallelEngine`
+  implements it for a stage split over a group (its rank 0 runs the step in runner processes).
 * :func:`run_step`: one step of one request as the stage core handed it out
   (:class:`meshd.inference.stage_core.Work`): embed or decode the input, run the layers,
   and return the hidden states for the next stage, or sample the next token on the last.
@@ -93,6 +95,11 @@ def decode_hidden(dtype: str, shape: Sequence[int], data: bytes) -> mx.array:
 
 
 # --- One stage of one plan ----------------------------------------------------------------
+
+
+class StageUnavailable(RuntimeError):
+    """The stage cannot compute any more (a tensor-parallel group lost a member): the step's
+    request ends as UNREACHABLE, which its origin may retry on the mesh's next plan."""
 
 
 @dataclass(frozen=True)
@@ -344,6 +351,8 @@ def run_step(engine: StageEngine, work: Work, cores_share: int) -> StepResult:
         return Sampled(token, logits, work.upstream_s + time.perf_counter() - started)
     except TooManyRequests as error:
         return ComputeFailed(FailureKind.OVERLOADED, str(error))
+    except StageUnavailable as error:
+        return ComputeFailed(FailureKind.UNREACHABLE, str(error))
     except Exception as error:
         reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         return ComputeFailed(FailureKind.INTERNAL, reason)

@@ -14,6 +14,13 @@ What it shares with the asyncio thread, and how (nothing else crosses):
   :class:`meshd.inference.fencing.CommittedPlans` (the data plane's fencing) with it.
 * :class:`InstallProgress` (which plans are loaded here, which failed and why) lives on the
   asyncio thread; the installer changes it only through the bridge.
+
+Tensor-parallel stages: a member of one derives the group's spec from the plan and the node
+states it was computed from (:func:`meshd.inference.tensor_parallel.groups.spec_for_stage`)
+and installs it with the plan, which starts its runner; the installer also tells the data
+plane at once when membership loses a node (its groups' runners must die now, not when the
+agreement withdraws the plan), and stops runners still waiting for a group whose plan was
+withdrawn meanwhile.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from meshd.agreement.contract import PlanChange, PlanSource
 from meshd.inference.assignment import Assignment
 from meshd.inference.dataplane import DataPlane
 from meshd.inference.fencing import CommittedPlans
+from meshd.inference.tensor_parallel.groups import spec_for_stage
+from meshd.inference.tensor_parallel.spec import TensorParallelSpec
 from meshd.mesh.membership import EventLog, Membership
 from meshd.models.share import FETCH_TIMEOUT_S, PartSpec, mark_used, prune_parts, receive_part
 from meshd.runtime.bridge import AsyncioThread
@@ -96,6 +105,7 @@ class PlanInstaller:
         committed: CommittedPlans,
         resolve_model_dir: Callable[[pb.ModelSelection], Path],
         parts_root: Path,
+        mesh_secret: bytes = b"",
     ) -> None:
         self._membership = membership
         self._agreement = agreement
@@ -105,6 +115,7 @@ class PlanInstaller:
         self._committed = committed
         self._resolve_model_dir = resolve_model_dir
         self._parts_root = parts_root
+        self._mesh_secret = mesh_secret  # tensor-parallel groups derive their token from it
         self._plan_parts: dict[str, Path] = {}  # plan id -> the fetched part it runs on
         self.snapshot = ServingSnapshot()
         self.progress = InstallProgress()
@@ -118,7 +129,7 @@ class PlanInstaller:
             selection.name if selection else "",
             self._agreement.last_refusal or "",
         )
-        self._committed.replace(served.ids)
+        self._committed.replace(served.ids, served.active, self._agreement.last_refusal or "")
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Apply the agreement's changes in order; start it before the agreement runs, so
@@ -128,6 +139,7 @@ class PlanInstaller:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._release_drained)
                 nursery.start_soon(self._follow_fencing, fencing_updates)
+                nursery.start_soon(self._follow_liveness)
                 self._refresh_snapshot()
                 task_status.started()
                 async for change in changes:
@@ -137,8 +149,32 @@ class PlanInstaller:
     async def _follow_fencing(self, updates: trio.MemoryReceiveChannel[PlanChange]) -> None:
         """Fencing follows every change at once, also while an install is still loading
         (a plan withdrawn meanwhile must be refused now, not once the load is done)."""
-        async for _ in updates:
+        async for change in updates:
             self._refresh_snapshot()
+            if change.kind == "withdrawn":
+                aborted = await self._bridge.run(
+                    _abort_starting, self._plane, change.plan_id, f"withdrawn: {change.reason}"
+                )
+                for name in aborted:
+                    self._events.add("stopped forming tensor-parallel stage %s: withdrawn", name)
+
+    async def _follow_liveness(self) -> None:
+        """Tell the data plane at once when a node is lost: the runners of its groups here
+        are killed now (their collectives would hang), before the agreement re-plans."""
+        alive = {record.node_id for record in self._membership.alive_peers()}
+        with self._membership.changes.subscribe() as changes:
+            async for _ in changes:
+                now = {record.node_id for record in self._membership.alive_peers()}
+                for node in sorted(alive - now):
+                    record = self._membership.peers.get(node)
+                    why = record.lost_reason if record is not None else "gone"
+                    reason = f"a group member was lost ({why})"  # the runner adds: <node>
+                    stages = await self._bridge.run(_member_lost, self._plane, node, reason)
+                    for name in stages:
+                        self._events.add(
+                            "tensor-parallel stage %s stopped: node %s lost (%s)", name, node, why
+                        )
+                alive = now
 
     async def _apply(self, change: PlanChange) -> None:
         if change.kind == "committed" and change.plan is not None:
@@ -161,7 +197,8 @@ class PlanInstaller:
                 await trio.to_thread.run_sync(mark_used, model_dir)
             assignment = Assignment.from_plan(plan, model_dir, self._addresses())
             colocated = self._colocated_stages(plan)
-            await self._bridge.run(_install, self._plane, assignment, colocated)
+            group = self._group_spec(assignment, change)
+            await self._bridge.run(_install, self._plane, assignment, colocated, group)
         except Exception as exc:
             reason = f"cannot serve plan {plan.plan_id[:12]} here: {exc}"
             await self._bridge.run(self.progress.mark_failed, plan.plan_id, reason)
@@ -169,14 +206,33 @@ class PlanInstaller:
             self._events.add("%s", reason, level=logging.ERROR)
             return
         await self._bridge.run(self.progress.mark_loaded, plan.plan_id)
-        stage = plan.stage_of(self._membership.identity.node_id)
-        where = (
-            f"layers {plan.stages[stage].layer_start}-{plan.stages[stage].layer_end - 1}"
-            if stage is not None
-            else "no layers (origin only)"
-        )
+        node = self._membership.identity.node_id
+        stage = plan.stage_of(node)
+        where = "no layers (origin only)"
+        if stage is not None:
+            held = plan.stages[stage]
+            where = f"layers {held.layer_start}-{held.layer_end - 1}"
+            if held.tensor_parallel:
+                where += (
+                    f" as rank {held.nodes.index(node)} of tensor-parallel group "
+                    f"{'+'.join(held.nodes)}"
+                )
         self._events.add("plan %s ready here: %s of %s", plan.plan_id[:12], where, selection.name)
         await self._prune_parts()
+
+    def _group_spec(self, assignment: Assignment, change: PlanChange) -> TensorParallelSpec | None:
+        """This node's tensor-parallel stage of the plan as its runner needs it, or None."""
+        index = assignment.member_stage(self._membership.identity.node_id)
+        if index is None or not assignment.stages[index].tensor_parallel:
+            return None
+        return spec_for_stage(
+            plan_id=assignment.plan_id,
+            stage_index=index,
+            stage=assignment.stages[index],
+            model_dir=assignment.model_dir,
+            states=change.states,
+            mesh_secret=self._mesh_secret,
+        )
 
     async def _model_dir_or_fetch(self, selection: pb.ModelSelection, plan: Any) -> Path:
         """This node's copy of the model, or its part fetched from a peer that has one."""
@@ -270,8 +326,21 @@ class PlanInstaller:
                     self._agreement.release(plan_id)
 
 
-async def _install(plane: DataPlane, assignment: Assignment, colocated: int) -> None:
-    await plane.install(assignment, colocated_stages=colocated)
+async def _install(
+    plane: DataPlane,
+    assignment: Assignment,
+    colocated: int,
+    group: TensorParallelSpec | None,
+) -> None:
+    await plane.install(assignment, colocated_stages=colocated, tensor_parallel=group)
+
+
+async def _member_lost(plane: DataPlane, node: str, reason: str) -> list[str]:
+    return plane.member_lost(node, reason)
+
+
+async def _abort_starting(plane: DataPlane, plan_id: str, reason: str) -> list[str]:
+    return plane.abort_starting_runners(plan_id, reason)
 
 
 async def _fetch_part(stub: Any, part: PartSpec, dest: Path) -> int:

@@ -7,27 +7,45 @@ sends back into :class:`TokenEvent`s (detokenized, stop strings applied by
 way out (finished, stopped, cancelled, the client gone, failed) it sends End to every stage,
 so they free the request's caches.
 
+Requests move, exactly. The origin holds the prompt and every token generated so far, and
+the request's seed. When the plan a request runs on cannot carry it on (a stage was lost or
+cut off, a stage left or moved to a newer plan, the plan was withdrawn, a stage is still
+loading or full), the origin ends it on that plan's stages and waits, bounded by
+``resume_timeout_s``, for the plan this node serves next (:class:`meshd.inference.fencing.
+ServedView`), then starts it there again with the tokens it has
+(:attr:`meshd.inference.stage_events.RequestStart.generated`): the new stages prefill the
+prompt as the first run did and replay each generated token alone, without sampling, and
+the last stage's sampler resumes at the same position of the same seed, so the caches hold
+the bits an uninterrupted run computed and the text goes on exactly where it was. The client
+sees one stream: no error, no token lost or repeated, only a pause (:attr:`Usage.resumes`,
+:attr:`Usage.paused_s`, and one line in the event log). Each attempt has its own request id
+on the wire (``<id>~<n>``), so a late frame of an earlier attempt is never taken for one of
+this. When the mesh reports that it cannot run the model any more (a refusal that holds for
+``REFUSAL_HOLD_S``), the request ends at once with that reason. When the origin itself dies,
+its clients lose their connection: the one loss nothing can undo.
+
 Errors never hang a client: a request that cannot be served raises
-:class:`meshd.inference.errors.InferenceError` from its event iterator, at once when a stage
-reports a Failure or the link to a stage of the request breaks, when the plan is uninstalled
-(with the agreement's reason), and as a last resort after ``first_token_timeout_s`` /
-``token_timeout_s`` without a token. Bad arguments raise it (kind ``BAD_INPUT``) before
-anything is sent.
+:class:`meshd.inference.errors.InferenceError` from its event iterator: when it cannot move
+(no plan to move to in time, the client named the plan, or the data plane follows no
+agreement), when a stage fails to compute, and as a last resort after
+``first_token_timeout_s`` / ``token_timeout_s`` without a token. Bad arguments raise it (kind
+``BAD_INPUT``) before anything is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 
 from meshd.inference.errors import ErrorKind, InferenceError
-from meshd.inference.fencing import FenceCheck
+from meshd.inference.fencing import FenceCheck, ServedSource
 from meshd.inference.frames import failure_from_proto, finish_from_proto, start_to_proto
 from meshd.inference.installed import InstalledPlan
 from meshd.inference.sampling import MAX_SEED, SamplingParams, StopChecker
@@ -35,15 +53,21 @@ from meshd.inference.stage_events import FailureKind, Finish, RequestStart
 from meshd.inference.transport import Transport
 from meshd.wire import dataplane_pb2 as dp
 
+log = logging.getLogger("meshd.dataplane")
+
 DEFAULT_PREFILL_CHUNK = 256
 MAX_ACTIVATION_BYTES = 32 << 20  # a prefill chunk is cut so its activation stays below this
 MAX_REQUEST_ID_CHARS = 128
+DEFAULT_RESUME_TIMEOUT_S = 60.0
+REFUSAL_HOLD_S = 1.0  # a refusal this old is the mesh's answer, not a step of a re-plan
+RESUME_POLL_S = 0.05
+SAME_PLAN_RETRY_S = 0.2  # a stage still loading or full: ask the same plan again after this
 
 FinishReason = Literal["stop", "length", "eos", "cancelled"]
 
-# How a stage's Failure reads to the client. A stage still loading, or one that moved to
-# another plan, is worth a retry only while no token was generated (the router retries
-# those); after that either is UNAVAILABLE (see _OriginRequest.error_of).
+# How a stage's Failure reads to the client when the request cannot move. A stage still
+# loading, or one that moved to another plan, is worth a retry only while no token was
+# generated (the router retries those); after that either is UNAVAILABLE (see error_of).
 _FAILURE_KINDS: dict[FailureKind, ErrorKind] = {
     FailureKind.FENCED: ErrorKind.NO_PLAN,  # the stage has moved to another plan
     FailureKind.NOT_LOADED: ErrorKind.LOADING,
@@ -52,6 +76,13 @@ _FAILURE_KINDS: dict[FailureKind, ErrorKind] = {
     FailureKind.INTERNAL: ErrorKind.INTERNAL,
     FailureKind.BAD_REQUEST: ErrorKind.UNAVAILABLE,  # the stage's view of the plan differs
 }
+# Failures another attempt can get past: on the next plan, or on this one shortly (a stage
+# still loading or full, or one that has not committed the plan yet or already left it: the
+# origin asks again until its own view moves on).
+_MOVABLE = frozenset(
+    {FailureKind.FENCED, FailureKind.NOT_LOADED, FailureKind.OVERLOADED, FailureKind.UNREACHABLE}
+)
+_RETRY_SAME_PLAN = frozenset({FailureKind.FENCED, FailureKind.NOT_LOADED, FailureKind.OVERLOADED})
 
 
 # --- What a client gets ----------------------------------------------------------------------
@@ -78,6 +109,9 @@ class Usage:
     total_s: float
     decode_compute_s: float  # compute on all stages for tokens after the first
     seed: int
+    resumes: int = 0  # times the request moved to another plan and went on where it was
+    paused_s: float = 0.0  # what those moves added: interruption -> the next token, in total
+    plan_id: str = ""  # the plan that gave the last token
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -109,29 +143,39 @@ GenerationEvent = TokenEvent | FinalEvent
 
 @dataclass(frozen=True)
 class _Stop:
-    """A local decision that ends a request: cancelled (``error`` None) or failed."""
+    """A local decision that ends an attempt: cancelled (``error`` None) or failed;
+    ``movable`` when the request may go on on another plan (a stage lost, the plan removed)."""
 
     error: InferenceError | None
+    attempt: int | None = None  # None: whichever attempt runs (a cancellation)
+    movable: bool = False
+
+
+class _Interrupted(Exception):
+    """The plan a request runs on cannot carry it on; another attempt may (see module doc)."""
+
+    def __init__(self, error: InferenceError, *, same_plan: bool = False) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.same_plan = same_plan  # a stage still loading or full: this plan may, shortly
 
 
 class _OriginRequest:
-    """A request this node holds for a client: incoming frames -> events."""
+    """A request this node holds for a client: its prompt and tokens so far, the plan it runs
+    on now, and the incoming frames of its current attempt -> events."""
 
     def __init__(
         self,
         request_id: str,
         plan: InstalledPlan,
+        prompt: tuple[int, ...],
         params: SamplingParams,
-        prompt_tokens: int,
         seed: int,
     ) -> None:
         self.request_id = request_id
-        self.plan_id = plan.plan_id
-        self.nodes = frozenset(plan.assignment.node_ids)
-        self.last_stage = plan.assignment.stages[-1]
-        self.inbox: asyncio.Queue[tuple[float, dp.Frame | _Stop]] = asyncio.Queue()
+        self.prompt = prompt
+        self.tokens: list[int] = []  # every token delivered so far, in order
         self._checker = StopChecker(plan.tokenizer, params.stop)
-        self._prompt_tokens = prompt_tokens
         self._seed = seed
         self._started = time.perf_counter()
         self._first_at: float | None = None
@@ -139,6 +183,31 @@ class _OriginRequest:
         self._decode_compute_s = 0.0
         self.generated = 0
         self.end_reason = "the client went away"
+        self.attempt = 0
+        self.resumes = 0
+        self.paused_s = 0.0
+        self.interrupted_at: float | None = None  # set while a move is under way
+        self.moving_since: float | None = None  # loop time the current streak of moves began
+        self.interruption = ""
+        self.report_pending = False  # a move to another plan: say so at its first token
+        self.bind(plan)
+
+    def bind(self, plan: InstalledPlan) -> None:
+        """Run the next attempt on ``plan`` (a fresh inbox and wire id)."""
+        self.plan = plan
+        self.plan_id = plan.plan_id
+        self.nodes = frozenset(plan.assignment.node_ids)
+        self.last_stage = plan.assignment.stages[-1]
+        self.inbox: asyncio.Queue[tuple[float, dp.Frame | _Stop]] = asyncio.Queue()
+        self.wire_id = self.request_id if self.attempt == 0 else f"{self.request_id}~{self.attempt}"
+        self.awaiting_token = True
+
+    def interrupted(self, reason: str, loop_time: float) -> None:
+        """An attempt ended early; the pause runs from the last token (or now) on."""
+        if self.interrupted_at is None:
+            self.interrupted_at = self._last_at or time.perf_counter()
+            self.moving_since = loop_time
+        self.interruption = reason
 
     def deliver(self, item: dp.Frame | _Stop) -> None:
         """Queue a frame or a local stop, stamped with its arrival (timing is measured at
@@ -155,15 +224,20 @@ class _OriginRequest:
                     f"{self.plan_id[:12]}, last stage {self.last_stage.node_id})",
                 )
             )
+        self.awaiting_token = False
         if self._first_at is None:
             self._first_at = arrived_at
         else:
             self._decode_compute_s += token.compute_s
+        if self.interrupted_at is not None:
+            self.paused_s += arrived_at - self.interrupted_at
+            self.interrupted_at = self.moving_since = None
         self._last_at = arrived_at
         self.generated += 1
         finish = finish_from_proto(token.finish)
         if finish is Finish.EOS:
             return [self.final("eos")]
+        self.tokens.append(token.token_id)
         logits = np.frombuffer(token.logits, dtype=np.float32) if token.logits else None
         update = self._checker.add_token(token.token_id)
         events: list[GenerationEvent] = [
@@ -191,13 +265,16 @@ class _OriginRequest:
         now = time.perf_counter()
         first = self._first_at
         usage = Usage(
-            prompt_tokens=self._prompt_tokens,
+            prompt_tokens=len(self.prompt),
             completion_tokens=self.generated,
             ttft_s=(first - self._started) if first is not None else 0.0,
             decode_s=(self._last_at - first) if first is not None and self._last_at else 0.0,
             total_s=now - self._started,
             decode_compute_s=self._decode_compute_s,
             seed=self._seed,
+            resumes=self.resumes,
+            paused_s=self.paused_s,
+            plan_id=self.plan_id,
         )
         return FinalEvent(reason, usage, flushed)
 
@@ -207,6 +284,7 @@ class _Options:
     return_logits: bool
     prefill_chunk: int
     ignore_eos: bool
+    resume: bool
 
 
 # --- The origin role --------------------------------------------------------------------------
@@ -222,24 +300,39 @@ class Origin:
         plans: Mapping[str, InstalledPlan],
         check_serving: FenceCheck,
         *,
+        served: ServedSource | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         first_token_timeout_s: float = 300.0,
         token_timeout_s: float = 60.0,
+        resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S,
+        report: Callable[[str], None] | None = None,
     ) -> None:
+        """``served``: the plans this node serves and the active one (None: requests never
+        move); ``report``: where a moved request is told, in words (the event log)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1 token, got {prefill_chunk}")
         self.node_id = node_id
         self._transport = transport
         self._plans = plans
         self._check_serving = check_serving
+        self._served = served
+        self._report = report or (lambda text: log.info("%s", text))
         self.prefill_chunk = prefill_chunk
         self.first_token_timeout_s = first_token_timeout_s
         self.token_timeout_s = token_timeout_s
-        self._requests: dict[str, _OriginRequest] = {}
+        self.resume_timeout_s = resume_timeout_s
+        self._requests: dict[str, _OriginRequest] = {}  # by the client's request id
+        self._by_wire: dict[str, _OriginRequest] = {}  # by the current attempt's wire id
         self.tokens_delivered = 0  # tokens this node's clients received (live tokens/s)
+        self.requests_resumed = 0  # requests that moved to another plan and went on
+        self.last_pause_s = 0.0
 
     def count(self, plan_id: str) -> int:
         return sum(1 for request in self._requests.values() if request.plan_id == plan_id)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)
 
     def generate(
         self,
@@ -251,10 +344,12 @@ class Origin:
         return_logits: bool = False,
         prefill_chunk: int | None = None,
         ignore_eos: bool = False,
+        resume: bool = True,
     ) -> AsyncIterator[GenerationEvent]:
         """See :meth:`meshd.inference.dataplane.DataPlane.generate`."""
         self._check_request(plan_id, prompt_tokens, params, request_id, prefill_chunk)
-        options = _Options(return_logits, prefill_chunk or self.prefill_chunk, ignore_eos)
+        chunk = prefill_chunk or self.prefill_chunk
+        options = _Options(return_logits, chunk, ignore_eos, resume and self._served is not None)
         prompt = tuple(int(token) for token in prompt_tokens)
         return self._generate(plan_id, prompt, params, request_id, options)
 
@@ -269,7 +364,7 @@ class Origin:
     # ------------------------------------------------------------ frames and losses
 
     def on_token(self, sender: str, frame: dp.Frame) -> None:
-        request = self._requests.get(frame.request_id)
+        request = self._by_wire.get(frame.request_id)
         if (
             request is not None
             and request.plan_id == frame.plan_id
@@ -278,7 +373,7 @@ class Origin:
             request.deliver(frame)
 
     def on_failure(self, sender: str, frame: dp.Frame) -> None:
-        request = self._requests.get(frame.request_id)
+        request = self._by_wire.get(frame.request_id)
         if request is None or request.plan_id != frame.plan_id:
             return
         if sender in request.nodes or sender == self.node_id:
@@ -287,16 +382,17 @@ class Origin:
     def on_peer_lost(self, peer: str, reason: str) -> None:
         for request in list(self._requests.values()):
             if peer in request.nodes:
-                plan = self._plans.get(request.plan_id)
-                address = plan.assignment.address_of(peer) if plan is not None else None
+                address = request.plan.assignment.address_of(peer)
                 where = f" at {address}" if address else ""
                 message = f"stage {peer}{where} unreachable: {reason}"
-                request.deliver(_Stop(InferenceError(ErrorKind.UNAVAILABLE, message)))
+                error = InferenceError(ErrorKind.UNAVAILABLE, message)
+                request.deliver(_Stop(error, request.attempt, movable=True))
 
     def on_plan_removed(self, plan_id: str, reason: str) -> None:
         for request in list(self._requests.values()):
             if request.plan_id == plan_id:
-                request.deliver(_Stop(InferenceError(ErrorKind.UNAVAILABLE, reason)))
+                error = InferenceError(ErrorKind.UNAVAILABLE, reason)
+                request.deliver(_Stop(error, request.attempt, movable=True))
 
     # ------------------------------------------------------------ internals
 
@@ -322,6 +418,10 @@ class Origin:
         if prefill_chunk is not None and prefill_chunk < 1:
             raise bad(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         plan = self._plans.get(plan_id)
+        if plan is not None:
+            too_long = plan.assignment.context_error(len(prompt_tokens), params.max_tokens)
+            if too_long is not None:
+                raise bad(too_long)
         vocab = plan.vocab_size if plan is not None else 0
         for token in prompt_tokens:
             if not isinstance(token, int | np.integer) or token < 0 or (vocab and token >= vocab):
@@ -341,23 +441,106 @@ class Origin:
         self._transport.bind_loop()
         plan = await self._plan_for_request(plan_id)
         seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
-        request = _OriginRequest(request_id, plan, params, len(prompt), seed)
+        request = _OriginRequest(request_id, plan, prompt, params, seed)
         self._requests[request_id] = request
+        self._by_wire[request.wire_id] = request
         try:
-            stages = [(spec.node_id, spec.address) for spec in plan.assignment.stages]
-            error = await self._transport.connect(stages)
-            if error is not None:
-                raise request.failed(InferenceError(ErrorKind.UNAVAILABLE, error))
-            start = self._start_frame(plan, request_id, prompt, params, seed, options)
-            first = plan.stage(0)
-            if not self._transport.send(first.node_id, first.address, start):
-                message = f"stage {first.node_id} at {first.address} is lost"
-                raise request.failed(InferenceError(ErrorKind.UNAVAILABLE, message))
-            async for event in self._events(request):
-                yield event
+            while True:
+                try:
+                    async for event in self._attempt(request, params, seed, options):
+                        yield event
+                    return
+                except _Interrupted as interruption:
+                    if not options.resume:
+                        raise request.failed(interruption.error) from None
+                    await self._move(request, interruption)
         finally:
             self._requests.pop(request_id, None)
-            self._end_everywhere(plan, request_id, request.end_reason)
+            self._by_wire.pop(request.wire_id, None)
+            self._end_everywhere(request.plan, request.wire_id, request.end_reason)
+
+    async def _attempt(
+        self, request: _OriginRequest, params: SamplingParams, seed: int, options: _Options
+    ) -> AsyncIterator[GenerationEvent]:
+        """One attempt on the request's current plan: Start, then its events; raises
+        :class:`_Interrupted` when the plan cannot carry the request on."""
+        plan = request.plan
+        stages = [(spec.node_id, spec.address) for spec in plan.assignment.stages]
+        error = await self._transport.connect(stages)
+        if error is not None:
+            raise _Interrupted(InferenceError(ErrorKind.UNAVAILABLE, error))
+        start = self._start_frame(request, params, seed, options)
+        first = plan.stage(0)
+        if not self._transport.send(first.node_id, first.address, start):
+            message = f"stage {first.node_id} at {first.address} is lost"
+            raise _Interrupted(InferenceError(ErrorKind.UNAVAILABLE, message))
+        async for event in self._events(request):
+            yield event
+
+    async def _move(self, request: _OriginRequest, interruption: _Interrupted) -> None:
+        """End the interrupted attempt everywhere and bind the request to the next plan."""
+        failed = request.plan
+        request.interrupted(str(interruption.error), asyncio.get_running_loop().time())
+        self._end_everywhere(failed, request.wire_id, f"moving: {interruption.error}")
+        self._by_wire.pop(request.wire_id, None)
+        plan = await self._next_plan(request, failed, interruption)
+        request.attempt += 1
+        if plan is not failed:
+            request.resumes += 1
+            request.report_pending = True
+        request.bind(plan)
+        self._by_wire[request.wire_id] = request
+        log.info(
+            "request %s moves to plan %s after %d tokens: %s",
+            request.request_id,
+            plan.plan_id[:12],
+            len(request.tokens),
+            interruption.error,
+        )
+
+    async def _next_plan(
+        self, request: _OriginRequest, failed: InstalledPlan, interruption: _Interrupted
+    ) -> InstalledPlan:
+        """The plan to go on on: the active one once loaded here; the failed installation again
+        only after a failure that a moment can cure (``_RETRY_SAME_PLAN``). InferenceError when
+        the mesh refuses to run the model, or no token came for ``resume_timeout_s`` since the
+        request was first interrupted."""
+        assert self._served is not None
+        loop = asyncio.get_running_loop()
+        assert request.moving_since is not None
+        deadline = request.moving_since + self.resume_timeout_s
+        refused_since: float | None = None
+        if interruption.same_plan:
+            await asyncio.sleep(SAME_PLAN_RETRY_S)
+        while True:
+            view = self._served()
+            candidate = self._plans.get(view.active) if view.active else None
+            usable = candidate is not None and (candidate is not failed or interruption.same_plan)
+            if usable and candidate.ready.done() and candidate.ready.exception() is None:
+                return candidate
+            now = loop.time()
+            if not view.active and view.refusal:
+                refused_since = now if refused_since is None else refused_since
+                if now - refused_since >= REFUSAL_HOLD_S:
+                    raise request.failed(
+                        InferenceError(
+                            ErrorKind.UNAVAILABLE,
+                            f"request stopped after {request.generated} tokens: the mesh can no "
+                            f"longer run the model ({view.refusal}); it was interrupted by: "
+                            f"{interruption.error}",
+                        )
+                    )
+            else:
+                refused_since = None
+            if now >= deadline:
+                raise request.failed(
+                    InferenceError(
+                        ErrorKind.UNAVAILABLE,
+                        f"request stopped after {request.generated} tokens: no plan to go on "
+                        f"on within {self.resume_timeout_s:g} s after: {interruption.error}",
+                    )
+                )
+            await asyncio.sleep(RESUME_POLL_S)
 
     async def _plan_for_request(self, plan_id: str) -> InstalledPlan:
         """The installed, committed, loaded plan; InferenceError when a request cannot start."""
@@ -383,30 +566,29 @@ class Origin:
         return plan
 
     def _start_frame(
-        self,
-        plan: InstalledPlan,
-        request_id: str,
-        prompt: tuple[int, ...],
-        params: SamplingParams,
-        seed: int,
-        options: _Options,
+        self, request: _OriginRequest, params: SamplingParams, seed: int, options: _Options
     ) -> dp.Frame:
+        plan = request.plan
         chunk = max(1, min(options.prefill_chunk, MAX_ACTIVATION_BYTES // (4 * plan.hidden_size)))
         start = RequestStart(
             origin=self.node_id,
-            prompt=prompt,
-            prompt_length=len(prompt),
+            prompt=request.prompt,
+            prompt_length=len(request.prompt),
             sampling=replace(params, seed=seed, stop=()),
             eos_ids=frozenset() if options.ignore_eos else frozenset(plan.tokenizer.eos_token_ids),
             prefill_chunk=chunk,
             return_logits=options.return_logits,
+            generated=tuple(request.tokens),
         )
-        return dp.Frame(plan_id=plan.plan_id, request_id=request_id, start=start_to_proto(start))
+        return dp.Frame(
+            plan_id=plan.plan_id, request_id=request.wire_id, start=start_to_proto(start)
+        )
 
     async def _events(self, request: _OriginRequest) -> AsyncIterator[GenerationEvent]:
-        """Turn the request's incoming frames into events until the final one."""
+        """Turn the attempt's incoming frames into events until the final one."""
         while True:
-            timeout = self.first_token_timeout_s if request.generated == 0 else self.token_timeout_s
+            first = request.awaiting_token
+            timeout = self.first_token_timeout_s if first else self.token_timeout_s
             try:
                 async with asyncio.timeout(timeout):
                     arrived_at, item = await request.inbox.get()
@@ -418,6 +600,9 @@ class Origin:
                 )
                 raise request.failed(InferenceError(ErrorKind.UNAVAILABLE, message)) from None
             for event in self._events_of(request, item, arrived_at):
+                if request.report_pending and isinstance(event, TokenEvent | FinalEvent):
+                    request.report_pending = False
+                    self._resumed(request)
                 yield event
                 if isinstance(event, FinalEvent):
                     return
@@ -426,16 +611,39 @@ class Origin:
         self, request: _OriginRequest, item: dp.Frame | _Stop, arrived_at: float
     ) -> list[GenerationEvent]:
         if isinstance(item, _Stop):
-            if item.error is not None:
-                raise request.failed(item.error)
-            return [request.final("cancelled")]
+            if item.attempt is not None and item.attempt != request.attempt:
+                return []  # a stop meant for an attempt already over
+            if item.error is None:
+                return [request.final("cancelled")]
+            if item.movable:
+                raise _Interrupted(item.error)
+            raise request.failed(item.error)
+        if item.request_id != request.wire_id:
+            return []
         if item.WhichOneof("body") == "failure":
-            raise request.failed(request.error_of(item.failure))
+            kind = failure_from_proto(item.failure.kind)
+            error = request.error_of(item.failure)
+            if kind in _MOVABLE:
+                raise _Interrupted(error, same_plan=kind in _RETRY_SAME_PLAN)
+            raise request.failed(error)
         self.tokens_delivered += 1
-        return request.on_token(item.token, arrived_at)
+        before = request.paused_s
+        events = request.on_token(item.token, arrived_at)
+        if request.paused_s != before:
+            self.last_pause_s = request.paused_s - before
+        return events
 
-    def _end_everywhere(self, plan: InstalledPlan, request_id: str, reason: str) -> None:
-        """Tell every stage the request is over (existing links only: no reconnect storms)."""
-        frame = dp.Frame(plan_id=plan.plan_id, request_id=request_id, end=dp.End(reason=reason))
+    def _resumed(self, request: _OriginRequest) -> None:
+        """The first token after a move arrived: count it and say so in the event log."""
+        self.requests_resumed += 1
+        self._report(
+            f"request {request.request_id} moved to plan {request.plan_id[:12]} and resumed "
+            f"after {request.generated - 1} tokens, paused {self.last_pause_s:.2f} s "
+            f"({request.interruption})"
+        )
+
+    def _end_everywhere(self, plan: InstalledPlan, wire_id: str, reason: str) -> None:
+        """Tell every stage the attempt is over (existing links only: no reconnect storms)."""
+        frame = dp.Frame(plan_id=plan.plan_id, request_id=wire_id, end=dp.End(reason=reason))
         for spec in plan.assignment.stages:
             self._transport.send(spec.node_id, spec.address, frame, open_new=False)

@@ -6,10 +6,11 @@ client names, or the active one; fencing: a plan this node has not committed is 
 waits (bounded) while this node is still loading it, tokenizes (with the chat template for a
 chat), and streams the data plane's events, first announcing the plan that serves the
 request (:class:`Routed`). A request started on a plan finishes on it even when a newer plan
-is committed meanwhile (the old one drains). Before its first token, a request that meets a
-stage still loading its layers is started again until the stage has loaded, and one that
-meets a stage that has moved to a newer plan is started again on the plan this node serves
-by then (a few times at most). After its first token, a failure ends the request.
+is committed meanwhile (the old one drains). A request whose plan cannot carry it on (a stage
+lost or leaving, the plan withdrawn) moves to the next plan and goes on exactly where it was
+(the origin does this, see :mod:`meshd.inference.origin`), unless the client named the plan.
+Before its first token, a request that meets a stage still loading its layers, or one that
+has moved to a newer plan, is also started again here (a few times at most).
 
 Every failure is an :class:`meshd.inference.errors.InferenceError`, raised before the first
 event or from the event stream; the API maps its kind to a status in one place.
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meshd.inference.dataplane import DataPlane
@@ -31,6 +33,8 @@ from meshd.inference.installer import InstallProgress, ServingSnapshot
 from meshd.inference.origin import FinalEvent, TokenEvent
 from meshd.inference.sampling import SamplingParams, sampling_from_message
 from meshd.wire import pb
+
+log = logging.getLogger("meshd.requests")
 
 INSTALL_WAIT_S = 120.0
 STAGE_LOADING_RETRY_S = 0.25
@@ -46,6 +50,17 @@ class Routed:
     plan_id: str
     model: str
     prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """A request in flight on this node (its origin), as `meshd status` shows it."""
+
+    request_id: str
+    plan_id: str
+    prompt_tokens: int
+    max_tokens: int
+    started_at: float  # unix seconds
 
 
 Messages = Sequence[Mapping[str, Any]]
@@ -64,6 +79,17 @@ class RequestRouter:
         self._plane = plane
         self._serving = serving
         self._progress = progress
+        self._open: dict[str, RequestInfo] = {}
+        # Published whole on every change (the trio side's status reads it, see
+        # docs/architecture.md "published immutable values").
+        self.in_flight: tuple[RequestInfo, ...] = ()
+
+    def _track(self, info: RequestInfo | None, request_id: str) -> None:
+        if info is None:
+            self._open.pop(request_id, None)
+        else:
+            self._open[request_id] = info
+        self.in_flight = tuple(self._open.values())
 
     async def generate(
         self,
@@ -75,6 +101,7 @@ class RequestRouter:
         plan_id: str,
         chat_template: bool,
         tools: Tools = None,
+        return_logits: bool = False,
     ) -> AsyncIterator[Routed | TokenEvent | FinalEvent]:
         """Validate, pick the plan, tokenize and stream events (asyncio thread).
 
@@ -83,6 +110,58 @@ class RequestRouter:
         plan: then it goes to the plan this node serves by then, and a second
         :class:`Routed` names it.
         """
+        client_id = secrets.token_hex(8)
+        outcome = "cancelled (the client went away)"
+        info: RequestInfo | None = None
+        try:
+            async for event in self._generate(
+                client_id,
+                prompt,
+                messages,
+                sampling,
+                model,
+                plan_id,
+                chat_template,
+                tools,
+                return_logits,
+            ):
+                if isinstance(event, RequestInfo):  # again after a retry: tracked, not logged
+                    first, info = info is None, event
+                    self._track(info, client_id)
+                    if first:
+                        log.info(
+                            "request %s started: plan %s, %d prompt tokens, max_tokens %d",
+                            client_id,
+                            info.plan_id[:12],
+                            info.prompt_tokens,
+                            info.max_tokens,
+                        )
+                    continue
+                if isinstance(event, FinalEvent):
+                    outcome = _outcome(event)
+                yield event
+        except InferenceError as error:
+            outcome = f"failed ({error.kind.grpc_status}): {error}"
+            raise
+        finally:
+            self._track(None, client_id)
+            if info is not None:
+                log.info("request %s %s", client_id, outcome)
+            else:
+                log.info("request %s refused before it started: %s", client_id, outcome)
+
+    async def _generate(
+        self,
+        client_id: str,
+        prompt: str | None,
+        messages: Messages | None,
+        sampling: pb.Sampling,
+        model: str,
+        plan_id: str,
+        chat_template: bool,
+        tools: Tools,
+        return_logits: bool,
+    ) -> AsyncIterator[RequestInfo | Routed | TokenEvent | FinalEvent]:
         params = sampling_params(sampling)
         if messages is None:
             if not prompt or not prompt.strip():
@@ -95,13 +174,25 @@ class RequestRouter:
             snapshot, chosen, tokens = await self._route(
                 model, plan_id, prompt, messages, chat_template, tools
             )
+            explicit = sampling.HasField("max_tokens")
+            fitted = fit_context(params, explicit, len(tokens), self._plane.context_length(chosen))
+            too_long = self._plane.context_error(chosen, len(tokens), fitted.max_tokens)
+            if too_long is not None:
+                raise InferenceError(ErrorKind.BAD_INPUT, too_long)
+            yield RequestInfo(client_id, chosen, len(tokens), fitted.max_tokens, time.time())
             yield Routed(chosen, snapshot.model, len(tokens))
             started = False
             try:
                 request_id = secrets.token_hex(8)
-                async with contextlib.aclosing(
-                    self._plane.generate(chosen, tokens, params, request_id=request_id)
-                ) as events:
+                events_of = self._plane.generate(
+                    chosen,
+                    tokens,
+                    fitted,
+                    request_id=request_id,
+                    resume=not plan_id,
+                    return_logits=return_logits,
+                )
+                async with contextlib.aclosing(events_of) as events:
                     async for event in events:
                         started = True
                         yield event
@@ -209,6 +300,34 @@ def sampling_params(sampling: pb.Sampling) -> SamplingParams:
         return sampling_from_message(sampling)
     except (TypeError, ValueError) as exc:
         raise InferenceError(ErrorKind.BAD_INPUT, str(exc)) from exc
+
+
+def _outcome(final: FinalEvent) -> str:
+    usage = final.usage
+    return (
+        f"finished ({final.finish_reason}): {usage.completion_tokens} tokens, "
+        f"{usage.decode_tokens_per_s:.1f} tokens/s, first token {usage.ttft_s * 1e3:.0f} ms, "
+        f"{usage.total_s:.2f} s in all"
+    )
+
+
+def fit_context(
+    params: SamplingParams, explicit: bool, prompt: int, context: int
+) -> SamplingParams:
+    """The request's settings within the plan's context (``context`` tokens per sequence, 0:
+    no limit). An unset max_tokens (the default) is lowered to what fits after the prompt;
+    a max_tokens the client asked for is kept, and the origin refuses the request when it
+    does not fit (INVALID_ARGUMENT with the numbers)."""
+    room = context - prompt
+    if not context or explicit or params.max_tokens <= room:
+        return params
+    if room < 1:
+        raise InferenceError(
+            ErrorKind.BAD_INPUT,
+            f"the prompt ({prompt} tokens) leaves no room to generate in the {context} tokens "
+            "of context the plan reserves per sequence; shorten the prompt",
+        )
+    return replace(params, max_tokens=room)
 
 
 def check_messages(messages: Messages) -> None:

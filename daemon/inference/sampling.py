@@ -34,6 +34,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 REPETITION_CONTEXT_SIZE = 20
 MAX_SEED = 2**63 - 1
+REPLACEMENT_CHARACTER = "\ufffd"  # what a decoder makes of bytes that are not (yet) a character
 
 
 @dataclass(frozen=True)
@@ -245,11 +246,16 @@ class StopChecker:
         return self._advance(final=False)
 
     def finish(self) -> StopUpdate:
-        """Flush what the detokenizer and the hold-back kept (call when generation ends)."""
+        """Flush what the detokenizer and the hold-back kept (call when generation ends).
+
+        The detokenizer holds back bytes that do not yet form a whole UTF-8 character and,
+        when generation ends (max_tokens, a cancel), decodes them as U+FFFD: a replacement
+        character the model never produced. Such a trailing incomplete character is dropped.
+        """
         if self.stopped:
             return StopUpdate("", True)
         self._detokenizer.finalize()
-        self._text += self._detokenizer.last_segment
+        self._text += self._detokenizer.last_segment.rstrip(REPLACEMENT_CHARACTER)
         return self._advance(final=True)
 
     def _advance(self, *, final: bool) -> StopUpdate:

@@ -12,11 +12,13 @@ the node must do comes back as actions (``SendActivation``, ``SendToken``, ``Sen
 next". :mod:`meshd.inference.stage` carries the actions out.
 
 A request's steps (the schedule of mlx-lm's ``generate_step``, so a request alone computes
-exactly what one mlx-lm process computes): the context (the prompt, plus on a resumed request
-the tokens generated before) is prefilled as ``context[:-1]`` in chunks of ``prefill_chunk``
-tokens, steps ``0 .. C-1``; step ``C`` runs the last context token alone and gives the first
-sampled token; step ``C + 1 + i`` runs generated token ``i``. Only steps ``>= C`` reach the
-head. The first stage knows every prompt step from the Start; later stages receive the
+exactly what one mlx-lm process computes): the prompt is prefilled as ``prompt[:-1]`` in
+chunks of ``prefill_chunk`` tokens, then its last token alone; on a request resumed after
+``n`` generated tokens each of them follows alone, as the request computed them the first
+time (:func:`meshd.inference.stage_events.request_steps`), so the caches hold the same bits.
+The last of these context steps, ``C``, gives the next token (the first, or token ``n``);
+step ``C + 1 + i`` runs the ``i``-th token sampled from then on. Only steps ``>= C`` reach
+the head. The first stage knows every prompt step from the Start; later stages receive the
 steps as Activations, in order; the first stage learns each generated token from the last
 stage's Token (a single stage feeds itself, with no frame at all).
 
@@ -73,7 +75,7 @@ from meshd.inference.stage_events import (
     StepResult,
     TokenFrame,
     Work,
-    prefill_steps,
+    request_steps,
 )
 
 ENDED_REMEMBERED = 4096  # ids of ended requests kept to drop their late frames
@@ -217,7 +219,7 @@ class StageCore:
             return opened
         context = start.prompt + start.generated
         offset = 0
-        for step, size in enumerate(prefill_steps(start.context_length, start.prefill_chunk)):
+        for step, size in enumerate(_steps_of(start)):
             opened.inputs.append(_Input(step, tokens=context[offset : offset + size]))
             offset += size
         opened.next_step = opened.chunk_steps + 1
@@ -437,7 +439,10 @@ class StageCore:
             return self._refuse(start.origin, frame, "a request needs a prompt and a chunk size")
         if plan.is_first and len(start.prompt) != start.prompt_length:
             return self._refuse(start.origin, frame, "the first stage needs the prompt's tokens")
-        chunk_steps = len(prefill_steps(start.context_length, start.prefill_chunk)) - 1
+        too_long = plan.assignment.context_error(start.prompt_length, start.sampling.max_tokens)
+        if too_long is not None:  # no KV cache grows past what the plan reserved
+            return self._refuse(start.origin, frame, too_long)
+        chunk_steps = len(_steps_of(start)) - 1
         request = _Request(
             plan_id=plan.plan_id,
             request_id=frame.request_id,
@@ -585,6 +590,11 @@ class StageCore:
         self._ended.move_to_end((plan_id, request_id))
         while len(self._ended) > ENDED_REMEMBERED:
             self._ended.popitem(last=False)
+
+
+def _steps_of(start: RequestStart) -> tuple[int, ...]:
+    """The context steps of a request (see the module docstring)."""
+    return request_steps(start.prompt_length, len(start.generated), start.prefill_chunk)
 
 
 def _unreachable(assignment: Assignment, peer: str, reason: str) -> str:

@@ -4,7 +4,8 @@ Plain frozen values (no I/O, no MLX, no protobuf), shared by the pure core
 (:mod:`meshd.inference.stage_core`), the runtime that carries its actions out
 (:mod:`meshd.inference.stage`), the compute side (:mod:`meshd.inference.engine`) and the
 frame codec (:mod:`meshd.inference.frames`). :func:`prefill_steps` is a request's step
-schedule, mlx-lm's ``generate_step`` schedule.
+schedule, mlx-lm's ``generate_step`` schedule, and :func:`request_steps` a resumed request's:
+the same, then each generated token alone.
 """
 
 from __future__ import annotations
@@ -207,3 +208,14 @@ def prefill_steps(context_length: int, chunk: int) -> tuple[int, ...]:
         raise ValueError(f"need a context and a chunk of at least 1, got {context_length}, {chunk}")
     head = context_length - 1
     return (*(min(chunk, head - start) for start in range(0, head, chunk)), 1)
+
+
+def request_steps(prompt_length: int, generated: int, chunk: int) -> tuple[int, ...]:
+    """Tokens per context step of a request that already generated ``generated`` tokens: the
+    prompt as :func:`prefill_steps` cuts it, then each generated token alone, as the request
+    computed them the first time. Every cache then holds exactly the bits an uninterrupted
+    run computed (a chunked replay would change the matmul shapes, and with them the
+    rounding); the last step is the last generated token's, which samples the next one."""
+    if generated < 0:
+        raise ValueError(f"a request cannot have generated {generated} tokens")
+    return prefill_steps(prompt_length, chunk) + (1,) * generated

@@ -30,6 +30,7 @@ import grpc
 
 from meshd.mesh import channels, security
 from meshd.mesh.channels import ChannelFactory
+from meshd.runtime.rpc_guard import add_guarded_servicer
 from meshd.wire import dataplane_pb2 as dp
 from meshd.wire import dataplane_pb2_grpc as dp_grpc
 
@@ -404,7 +405,7 @@ async def start_server(
 ) -> tuple[grpc.aio.Server, int]:
     """A mutual-TLS grpc.aio server with only the data plane on it; returns it and its port."""
     server = channels.peer_server()
-    dp_grpc.add_DataPlaneServicer_to_server(servicer, server)
+    add_guarded_servicer(dp_grpc.add_DataPlaneServicer_to_server, servicer, server)
     port = server.add_secure_port(address, security.server_credentials(credentials))
     if port == 0:
         raise OSError(f"cannot listen on {address}: is the port taken?")

@@ -27,6 +27,9 @@ PEER_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 PEER_SERVER_OPTIONS: list[tuple[str, Any]] = [
+    # gRPC binds with SO_REUSEPORT by default: a second daemon on the same port would start
+    # and the kernel would split connections between the two. Off, the second fails to bind.
+    ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -60,6 +63,7 @@ def peer_channel_factory(credentials: security.NodeCredentials) -> ChannelFactor
     return factory
 
 
-def peer_server() -> grpc.aio.Server:
-    """A grpc.aio server with the peer port's options (add services, then a secure port)."""
-    return grpc.aio.server(options=PEER_SERVER_OPTIONS)
+def peer_server(extra_options: list[tuple[str, Any]] | None = None) -> grpc.aio.Server:
+    """A grpc.aio server with the peer port's options (add services, then a secure port);
+    the daemon adds its connection gate's (see meshd.mesh.gate)."""
+    return grpc.aio.server(options=[*PEER_SERVER_OPTIONS, *(extra_options or [])])

@@ -8,7 +8,9 @@ attribute. Links to or from nodes that are not alive are left out.
 Node attributes: memory_budget (bytes), flops (FLOP/s), mem_bandwidth (bytes/s), name.
 Edge attributes (directed src -> dst): latency_s and bandwidth (bytes/s) as planning uses
 them (the measurer's bucket, with hysteresis), measured_latency_s and measured_bandwidth
-(the last raw sample), tcp_rtt_s, grpc_rtt_s, measured_at.
+(the last raw sample), tcp_rtt_s, grpc_rtt_s, measured_at, and trusted: whether the link may
+carry tensor-parallel collectives, True only when both its directions' measurers allowed it
+(`meshd.mesh.link_trust`; the partitioner forms groups only over trusted links).
 """
 
 from __future__ import annotations
@@ -36,10 +38,17 @@ def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
             flops=float(profile.flops),
             mem_bandwidth=float(profile.mem_bandwidth),
         )
+    published = {
+        (link.src, link.dst): link
+        for state in states
+        for link in state.links
+        if link.src == state.profile.node_id
+    }
     for state in states:
         for link in sorted(state.links, key=lambda m: m.dst):
             if link.src != state.profile.node_id or link.dst not in graph:
                 continue
+            back = published.get((link.dst, link.src))
             graph.add_edge(
                 link.src,
                 link.dst,
@@ -50,6 +59,7 @@ def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
                 tcp_rtt_s=link.tcp_rtt_s,
                 grpc_rtt_s=link.grpc_rtt_s,
                 measured_at=link.measured_at,
+                trusted=bool(link.trusted and back is not None and back.trusted),
             )
     return graph
 

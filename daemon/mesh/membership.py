@@ -9,7 +9,9 @@ here, over gRPC, never by mDNS: python-zeroconf keeps a killed peer listed for
 with a bounded backoff for as long as the address is wanted.
 
 Every node dials every peer, so each side judges liveness from its own
-outgoing stream. A node's own profile and outgoing link measurements are
+outgoing stream. Each link measurement also carries this node's verdict on whether the link
+may carry tensor-parallel collectives (`meshd.mesh.link_trust`, with the networks the user
+marked trusted). A node's own profile and outgoing link measurements are
 published as an immutable `NodeState` (`own_state`) that the peer server hands out
 as-is; every node therefore builds the same view once it has fetched all states.
 
@@ -30,6 +32,8 @@ import trio
 
 from meshd.mesh import links
 from meshd.mesh.identity import Identity
+from meshd.mesh.link_trust import mesh_link_verdict
+from meshd.mesh.security import describe_refusal
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
 from meshd.runtime.notify import Publisher
@@ -96,6 +100,8 @@ class Membership:
         heartbeat_interval_s: float,
         peer_timeout_s: float,
         link_probe_interval_s: float,
+        trusted_networks: tuple[str, ...] = (),
+        tensor_parallel_port: int = 0,
     ) -> None:
         self.identity = identity
         self.mesh_name = mesh_name
@@ -106,17 +112,22 @@ class Membership:
         self._interval = heartbeat_interval_s
         self._timeout = peer_timeout_s
         self._probe_interval = link_probe_interval_s
+        self._trusted_networks = tuple(trusted_networks)
+        self.tensor_parallel_port = tensor_parallel_port
         self._bandwidth_turn = trio.Lock()  # one bandwidth probe at a time leaves this node
         self.peers: dict[str, PeerRecord] = {}
         self.links: dict[str, pb.LinkMeasurement] = {}
+        self._link_windows: dict[str, links.LinkWindow] = {}
         self._wanted: dict[str, str] = {}  # address -> source
         self._nursery: trio.Nursery | None = None
         self.profile: pb.NodeProfile = pb.NodeProfile(node_id=identity.node_id)
         self.model: pb.ModelSelection | None = None
+        self.leaving = False
         self.version = 1
         self.own_state = self._build_state()
         # "The peer table or a published state changed": agreement, status watchers.
         self.changes = Publisher[None]("membership", coalesce=True)
+        self._refusals: dict[str, str] = {}  # address -> why it refused (said once)
         self.fatal: DuplicateNodeId | None = None
         self._fatal_event = trio.Event()
 
@@ -168,6 +179,12 @@ class Membership:
         self.model = selection
         self._publish()
 
+    def set_leaving(self) -> None:
+        """Announce that this node is stopping: peers plan without it from now on."""
+        if not self.leaving:
+            self.leaving = True
+            self._publish()
+
     def _build_state(self) -> pb.NodeState:
         alive = sorted(p.node_id for p in self.peers.values() if p.alive)
         own_links = [m for dst, m in sorted(self.links.items()) if dst in alive]
@@ -178,6 +195,8 @@ class Membership:
             instance_id=self.identity.instance_id,
             alive_peers=alive,
             model=self.model,
+            leaving=self.leaving,
+            tensor_parallel_port=self.tensor_parallel_port,
         )
 
     def _publish(self) -> None:
@@ -289,11 +308,32 @@ class Membership:
             except DuplicateNodeId:
                 raise
             except Exception as exc:
-                if not links.is_transient(exc) and not isinstance(exc, ConnectionError):
-                    log.exception("session to %s failed unexpectedly", address)
-                log.debug("session to %s ended: %s", address, exc)
+                self._session_failed(address, exc)
             await trio.sleep(backoff * (0.8 + 0.4 * random.random()))
             backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    def _session_failed(self, address: str, error: Exception) -> None:
+        """Log why a session ended: an unreachable peer in words (the peer's 'lost' line is
+        in the event log already), a bug with its traceback."""
+        leaves = _leaves(error)
+        bugs = [leaf for leaf in leaves if not _expected(leaf)]
+        if bugs:
+            log.error("session to %s failed unexpectedly", address, exc_info=bugs[0])
+            return
+        refusal = next(filter(None, (describe_refusal(leaf) for leaf in leaves)), None)
+        if refusal is not None:
+            self._refused(address, refusal)
+        else:
+            log.debug("session to %s ended: %s", address, _words(leaves[0]))
+
+    def _refused(self, address: str, why: str) -> None:
+        """Once per address (until it answers again): who refused whom, and why."""
+        if self._refusals.get(address) == why:
+            return
+        self._refusals[address] = why
+        self.events.add(
+            "%s is not a member of mesh %r: %s", address, self.mesh_name, why, level=logging.WARNING
+        )
 
     async def _session(self, address: str, source: str) -> None:
         bridge = self._bridge
@@ -309,13 +349,19 @@ class Membership:
             if record is None:
                 return
             record.stub = stub
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._fetch_states, stub, record)
-                nursery.start_soon(self._probe_links, stub, rpc.PeerStub(probe_channel), record)
-                await self._heartbeat(stub, record)
-                # Lost now: tell everyone before the helper tasks have wound down.
-                self._mark_lost(record)
-                nursery.cancel_scope.cancel()
+            self._refusals.pop(address, None)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._fetch_states, stub, record)
+                    nursery.start_soon(self._probe_links, stub, rpc.PeerStub(probe_channel), record)
+                    await self._heartbeat(stub, record)
+                    # Lost now: tell everyone before the helper tasks have wound down.
+                    self._mark_lost(record)
+                    nursery.cancel_scope.cancel()
+            except Exception as error:  # a call to the peer failed before its heartbeat did
+                if record.alive and not record.lost_reason:
+                    record.lost_reason = _words(_leaves(error)[0])
+                raise
         finally:
             if record is not None:
                 self._mark_lost(record)
@@ -382,6 +428,7 @@ class Membership:
         record.lost_at = time.monotonic()
         record.lost_reason = reason or record.lost_reason or "heartbeat stream ended"
         self.links.pop(record.node_id, None)
+        self._link_windows.pop(record.node_id, None)
         self.events.add("peer %s lost: %s", record.node_id, record.lost_reason)
         self._publish()
 
@@ -426,16 +473,19 @@ class Membership:
     async def _probe_links(
         self, stub: rpc.PeerStub, probe_stub: rpc.PeerStub, record: PeerRecord
     ) -> None:
+        peer = record.node_id
         while True:  # no stagger needed: bandwidth probes take turns (`_bandwidth_turn`)
             sample = await self._measure_link(stub, probe_stub, record)
-            if sample is not None and self._needs_confirmation(record.node_id, sample):
-                # A first or worse sample counts only when a second probe, a moment later, agrees.
+            window = self._link_windows.setdefault(peer, links.LinkWindow())
+            if sample is not None and not window:
+                # The first plan is made from the first sample: a second probe, a moment
+                # later, keeps one starved probe from deciding it.
                 await trio.sleep(random.uniform(*CONFIRM_PAUSE_S))
                 again = await self._measure_link(stub, probe_stub, record, sample.grpc_rtt_s)
                 if again is not None:
-                    sample = links.better_of(sample, again)
+                    window.add(again)
             if sample is not None:
-                self._record_link(record.node_id, sample)
+                self._record_link(peer, sample, window.add(sample))
             await trio.sleep(self._probe_interval * random.uniform(0.9, 1.1))
 
     async def _measure_link(
@@ -449,7 +499,8 @@ class Membership:
 
         Round trips are measured concurrently with other peers' probes; bandwidth probes take
         turns (`_bandwidth_turn`), because probes leaving this node share its uplink. A known
-        `grpc_rtt_s` (shown, never planned with) is reused instead of measured again.
+        `grpc_rtt_s` (shown, never planned with) is reused instead of measured again. The
+        sample carries this node's verdict on the link for tensor-parallel traffic.
         """
         host, port = split_address(record.address)
         try:
@@ -466,36 +517,78 @@ class Membership:
                 raise
             log.info("measuring the link to %s failed: %s", record.node_id, exc)
             return None
-        return links.LinkSample(tcp, rtt, bandwidth, sent, time.time())
-
-    def _needs_confirmation(self, peer: str, sample: links.LinkSample) -> bool:
-        return links.needs_confirmation(self._bucketed(peer, sample), self.links.get(peer))
+        # Reads the interface's facts (and on macOS asks networksetup): not on the trio thread.
+        verdict = await trio.to_thread.run_sync(
+            mesh_link_verdict, tcp.local_address, tcp.peer_address, self._trusted_networks
+        )
+        return links.LinkSample(
+            tcp.rtt_s,
+            rtt,
+            bandwidth,
+            sent,
+            time.time(),
+            src_address=tcp.local_address,
+            dst_address=tcp.peer_address,
+            trusted=verdict.allowed,
+            trust_reason=verdict.reason,
+        )
 
     def _bucketed(self, peer: str, sample: links.LinkSample) -> pb.LinkMeasurement:
         """`sample` as a measurement with planning buckets relative to the published one."""
         proto = sample.to_proto(self.identity.node_id, peer)
         return links.with_planning_buckets(proto, self.links.get(peer))
 
-    def _record_link(self, peer: str, sample: links.LinkSample) -> None:
-        """Publish a link measurement only when it changed materially.
+    def _record_link(self, peer: str, sample: links.LinkSample, capacity: links.LinkSample) -> None:
+        """Publish the link's capacity (the best of its recent samples, `links.LinkWindow`)
+        only when it changed materially.
 
-        Plans hash bucketed link numbers; re-publishing every noisy sample would make
-        peers re-fetch state for nothing. A sample inside the hysteresis band of the
-        published one's buckets keeps the published one.
+        Digests hash bucketed link numbers; re-publishing every noisy sample would make
+        peers re-fetch state and re-propose for nothing. A capacity inside the hysteresis
+        band of the published one's buckets keeps the published one.
         """
         published = self.links.get(peer)
-        fresh = self._bucketed(peer, sample)
+        fresh = self._bucketed(peer, capacity)
+        log.debug(
+            "link sample to %s: rtt %.3f ms, %.1f Mbit/s; capacity %.1f Mbit/s (bucket %d)",
+            peer,
+            sample.tcp_rtt_s * 1e3,
+            sample.bandwidth * 8 / 1e6,
+            capacity.bandwidth * 8 / 1e6,
+            fresh.bandwidth_bucket,
+        )
         if not links.worth_publishing(fresh, published):
             return
         self.links[peer] = fresh
         log.info(
             "link to %s: rtt %.3f ms (grpc %.3f ms), %.1f Mbit/s",
             peer,
-            sample.tcp_rtt_s * 1e3,
-            sample.grpc_rtt_s * 1e3,
-            sample.bandwidth * 8 / 1e6,
+            capacity.tcp_rtt_s * 1e3,
+            capacity.grpc_rtt_s * 1e3,
+            capacity.bandwidth * 8 / 1e6,
         )
+        if published is None or published.trust_reason != fresh.trust_reason:
+            log.info("link to %s for tensor-parallel traffic: %s", peer, fresh.trust_reason)
         self._publish()
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, or the error itself."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in _leaves(inner)]
+    return [error]
+
+
+def _expected(error: BaseException) -> bool:
+    """A failure that a lost, refusing or unreachable peer causes (not a bug here)."""
+    return links.is_transient(error) or isinstance(error, ConnectionError | PeerRefused)
+
+
+def _words(error: BaseException) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"a call to it failed: {error.code().name} {error.details() or ''}".rstrip()
+    if isinstance(error, TimeoutError | trio.TooSlowError):
+        return "a call to it timed out"
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 async def _unary(method, request, timeout: float):

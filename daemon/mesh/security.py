@@ -548,13 +548,13 @@ def describe_refusal(error: grpc.RpcError) -> str | None:
     details = details_of() or ""
     if "CERTIFICATE_VERIFY_FAILED" in details:
         return (
-            "the peer's certificate is not issued under our mesh CA: it belongs to another mesh."
-            " To join it to ours, run `meshd token` here and `meshd join TOKEN` there"
+            "its certificate is not signed by this mesh's key (it belongs to another mesh, or "
+            "has an old secret): to make it a member, run `meshd token` here and "
+            "`meshd join TOKEN` there"
         )
-    if "Socket closed" in details or "handshake" in details.lower():
+    if "handshake" in details.lower():
         return (
-            "the peer closed the connection during the TLS handshake: it refused our certificate"
-            " (it belongs to another mesh, see `meshd token` / `meshd join`), speaks plain gRPC,"
-            " or was shutting down"
+            "it refused this node's certificate during the TLS handshake (it belongs to another "
+            "mesh: see `meshd token` / `meshd join`), or it is not a meshd peer port"
         )
     return None

@@ -72,6 +72,7 @@ from meshd.models.safetensors import (
     TensorInfo,
     read_safetensors_header,
 )
+from meshd.models.tensor_parallel_support import supports_tensor_parallel
 from partitioner import ModelSpec
 
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -184,7 +185,7 @@ def read_model_spec(
         layer_kv_bytes_per_token=per_token_kv,
         layer_kv_window=windows,
         layer_state_bytes=states,
-        supports_tensor_parallel=_supports_tensor_parallel(config),
+        supports_tensor_parallel=supports_tensor_parallel(str(config.get("model_type", ""))),
         architecture=str(config.get("model_type", "")),
     )
 
@@ -578,20 +579,3 @@ def _mx_dtype_code(dtype: Any) -> str:
     if name not in codes:
         raise ModelInfoError(f"unexpected parameter dtype {dtype} in the model skeleton")
     return codes[name]
-
-
-# ---- tensor parallelism ---------------------------------------------------------------------
-
-
-def _supports_tensor_parallel(config: dict[str, Any]) -> bool:
-    """Whether mlx-lm's class for this model_type can shard itself over a group."""
-    from meshd.runtime.lazy_imports import import_model_runtime
-
-    import_model_runtime()
-    from mlx_lm.utils import _get_classes
-
-    try:
-        model_class, _ = _get_classes(config)
-    except (ValueError, KeyError):
-        return False
-    return callable(getattr(model_class, "shard", None))

@@ -49,6 +49,7 @@ STALE_STAGING_S = 2 * FETCH_TIMEOUT_S  # older staging folders belong to no runn
 NON_WEIGHT_FILES = (
     "config.json",
     "generation_config.json",
+    "hf_quant_config.json",  # mlx-lm reads it for ModelOpt (nvfp4) checkpoints
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",

@@ -108,6 +108,8 @@ def _system_hardening(command: DaemonCommand, run_as: str | None) -> list[str]:
         f"User={run_as}" if run_as else "DynamicUser=yes",
         "StateDirectory=meshd",
         "StateDirectoryMode=0700",
+        "CacheDirectory=meshd",  # the model store ($CACHE_DIRECTORY, see Config.model_store)
+        "CacheDirectoryMode=0700",
         "UMask=0077",
         "NoNewPrivileges=yes",
         "ProtectSystem=strict",

@@ -64,7 +64,7 @@ class NodeProfile(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., total_memory: _Optional[int] = ..., available_memory: _Optional[int] = ..., memory_budget: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., dtype: _Optional[str] = ..., platform: _Optional[str] = ..., chip: _Optional[str] = ..., mlx_device: _Optional[str] = ..., blas: _Optional[str] = ..., cores: _Optional[int] = ..., measured_at: _Optional[float] = ..., versions: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class LinkMeasurement(_message.Message):
-    __slots__ = ("src", "dst", "tcp_rtt_s", "grpc_rtt_s", "latency_s", "bandwidth", "probe_bytes", "measured_at", "latency_bucket", "bandwidth_bucket")
+    __slots__ = ("src", "dst", "tcp_rtt_s", "grpc_rtt_s", "latency_s", "bandwidth", "probe_bytes", "measured_at", "latency_bucket", "bandwidth_bucket", "trusted", "trust_reason", "src_address", "dst_address")
     SRC_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
     TCP_RTT_S_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,10 @@ class LinkMeasurement(_message.Message):
     MEASURED_AT_FIELD_NUMBER: _ClassVar[int]
     LATENCY_BUCKET_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    TRUSTED_FIELD_NUMBER: _ClassVar[int]
+    TRUST_REASON_FIELD_NUMBER: _ClassVar[int]
+    SRC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     src: str
     dst: str
     tcp_rtt_s: float
@@ -85,23 +89,31 @@ class LinkMeasurement(_message.Message):
     measured_at: float
     latency_bucket: int
     bandwidth_bucket: int
-    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., tcp_rtt_s: _Optional[float] = ..., grpc_rtt_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., bandwidth: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., measured_at: _Optional[float] = ..., latency_bucket: _Optional[int] = ..., bandwidth_bucket: _Optional[int] = ...) -> None: ...
+    trusted: bool
+    trust_reason: str
+    src_address: str
+    dst_address: str
+    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., tcp_rtt_s: _Optional[float] = ..., grpc_rtt_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., bandwidth: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., measured_at: _Optional[float] = ..., latency_bucket: _Optional[int] = ..., bandwidth_bucket: _Optional[int] = ..., trusted: _Optional[bool] = ..., trust_reason: _Optional[str] = ..., src_address: _Optional[str] = ..., dst_address: _Optional[str] = ...) -> None: ...
 
 class NodeState(_message.Message):
-    __slots__ = ("profile", "links", "version", "instance_id", "alive_peers", "model")
+    __slots__ = ("profile", "links", "version", "instance_id", "alive_peers", "model", "leaving", "tensor_parallel_port")
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ALIVE_PEERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_PORT_FIELD_NUMBER: _ClassVar[int]
     profile: NodeProfile
     links: _containers.RepeatedCompositeFieldContainer[LinkMeasurement]
     version: int
     instance_id: str
     alive_peers: _containers.RepeatedScalarFieldContainer[str]
     model: ModelSelection
-    def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., version: _Optional[int] = ..., instance_id: _Optional[str] = ..., alive_peers: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelSelection, _Mapping]] = ...) -> None: ...
+    leaving: bool
+    tensor_parallel_port: int
+    def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., version: _Optional[int] = ..., instance_id: _Optional[str] = ..., alive_peers: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelSelection, _Mapping]] = ..., leaving: _Optional[bool] = ..., tensor_parallel_port: _Optional[int] = ...) -> None: ...
 
 class ModelSelection(_message.Message):
     __slots__ = ("name", "digest", "spec_json", "options_json", "set_at", "set_by", "path")
@@ -130,24 +142,28 @@ class ModelRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class PlanInputs(_message.Message):
-    __slots__ = ("members", "digests", "model", "settings")
+    __slots__ = ("members", "digests", "model", "settings", "incumbent")
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    INCUMBENT_FIELD_NUMBER: _ClassVar[int]
     members: _containers.RepeatedScalarFieldContainer[str]
     digests: _containers.RepeatedScalarFieldContainer[str]
     model: ModelRef
     settings: str
-    def __init__(self, members: _Optional[_Iterable[str]] = ..., digests: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelRef, _Mapping]] = ..., settings: _Optional[str] = ...) -> None: ...
+    incumbent: PlanRef
+    def __init__(self, members: _Optional[_Iterable[str]] = ..., digests: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelRef, _Mapping]] = ..., settings: _Optional[str] = ..., incumbent: _Optional[_Union[PlanRef, _Mapping]] = ...) -> None: ...
 
 class PlanRef(_message.Message):
-    __slots__ = ("plan_id", "stage_members")
+    __slots__ = ("plan_id", "stage_members", "layout")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     stage_members: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, plan_id: _Optional[str] = ..., stage_members: _Optional[_Iterable[str]] = ...) -> None: ...
+    layout: str
+    def __init__(self, plan_id: _Optional[str] = ..., stage_members: _Optional[_Iterable[str]] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("inputs", "plan", "refusal")
@@ -160,18 +176,20 @@ class Proposal(_message.Message):
     def __init__(self, inputs: _Optional[_Union[PlanInputs, _Mapping]] = ..., plan: _Optional[_Union[PlanRef, _Mapping]] = ..., refusal: _Optional[str] = ...) -> None: ...
 
 class ProposalMessage(_message.Message):
-    __slots__ = ("sender", "incarnation", "seq", "proposal", "committed")
+    __slots__ = ("sender", "incarnation", "seq", "proposal", "committed", "active")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
     sender: str
     incarnation: int
     seq: int
     proposal: Proposal
     committed: bool
-    def __init__(self, sender: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., committed: _Optional[bool] = ...) -> None: ...
+    active: PlanRef
+    def __init__(self, sender: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., committed: _Optional[bool] = ..., active: _Optional[_Union[PlanRef, _Mapping]] = ...) -> None: ...
 
 class ProposeAck(_message.Message):
     __slots__ = ()
@@ -306,7 +324,7 @@ class PeerStatus(_message.Message):
     def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., joined_at: _Optional[float] = ..., source: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class MeshStatus(_message.Message):
-    __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at", "agreement", "memory", "http_url")
+    __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at", "agreement", "memory", "http_url", "requests", "transitions", "tensor_parallel_groups", "tensor_parallel_runners")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_NAME_FIELD_NUMBER: _ClassVar[int]
     MESH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +338,10 @@ class MeshStatus(_message.Message):
     AGREEMENT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     HTTP_URL_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TRANSITIONS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_RUNNERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     mesh_name: str
     mesh_fingerprint: str
@@ -333,7 +355,91 @@ class MeshStatus(_message.Message):
     agreement: AgreementStatus
     memory: RuntimeMemory
     http_url: str
-    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ..., agreement: _Optional[_Union[AgreementStatus, _Mapping]] = ..., memory: _Optional[_Union[RuntimeMemory, _Mapping]] = ..., http_url: _Optional[str] = ...) -> None: ...
+    requests: _containers.RepeatedCompositeFieldContainer[RequestStatus]
+    transitions: PlanTransitions
+    tensor_parallel_groups: _containers.RepeatedCompositeFieldContainer[TensorParallelGroup]
+    tensor_parallel_runners: _containers.RepeatedCompositeFieldContainer[TensorParallelRunner]
+    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ..., agreement: _Optional[_Union[AgreementStatus, _Mapping]] = ..., memory: _Optional[_Union[RuntimeMemory, _Mapping]] = ..., http_url: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., transitions: _Optional[_Union[PlanTransitions, _Mapping]] = ..., tensor_parallel_groups: _Optional[_Iterable[_Union[TensorParallelGroup, _Mapping]]] = ..., tensor_parallel_runners: _Optional[_Iterable[_Union[TensorParallelRunner, _Mapping]]] = ...) -> None: ...
+
+class RequestStatus(_message.Message):
+    __slots__ = ("request_id", "plan_id", "prompt_tokens", "max_tokens", "started_at")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    plan_id: str
+    prompt_tokens: int
+    max_tokens: int
+    started_at: float
+    def __init__(self, request_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., started_at: _Optional[float] = ...) -> None: ...
+
+class PlanTransitions(_message.Message):
+    __slots__ = ("moving", "stage_loads", "layers_loaded", "layers_kept", "bytes_loaded", "last_install", "requests_resumed", "last_pause_s", "leaving")
+    MOVING_FIELD_NUMBER: _ClassVar[int]
+    STAGE_LOADS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_KEPT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    LAST_INSTALL_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_RESUMED_FIELD_NUMBER: _ClassVar[int]
+    LAST_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    moving: str
+    stage_loads: int
+    layers_loaded: int
+    layers_kept: int
+    bytes_loaded: int
+    last_install: str
+    requests_resumed: int
+    last_pause_s: float
+    leaving: bool
+    def __init__(self, moving: _Optional[str] = ..., stage_loads: _Optional[int] = ..., layers_loaded: _Optional[int] = ..., layers_kept: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., last_install: _Optional[str] = ..., requests_resumed: _Optional[int] = ..., last_pause_s: _Optional[float] = ..., leaving: _Optional[bool] = ...) -> None: ...
+
+class TensorParallelGroup(_message.Message):
+    __slots__ = ("stage", "members", "addresses", "backend", "link", "layer_start", "layer_end")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    members: _containers.RepeatedScalarFieldContainer[str]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    backend: str
+    link: str
+    layer_start: int
+    layer_end: int
+    def __init__(self, stage: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., link: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
+class TensorParallelRunner(_message.Message):
+    __slots__ = ("plan_id", "stage", "rank", "size", "backend", "link", "state", "pid", "error", "held_bytes", "members")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    stage: int
+    rank: int
+    size: int
+    backend: str
+    link: str
+    state: str
+    pid: int
+    error: str
+    held_bytes: int
+    members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, plan_id: _Optional[str] = ..., stage: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., backend: _Optional[str] = ..., link: _Optional[str] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ..., error: _Optional[str] = ..., held_bytes: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RuntimeMemory(_message.Message):
     __slots__ = ("mlx_active", "mlx_peak", "rss", "peak_rss", "budget", "planned")
@@ -405,6 +511,18 @@ class RemeasureRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LeaveRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ("message", "grace_s")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    grace_s: float
+    def __init__(self, message: _Optional[str] = ..., grace_s: _Optional[float] = ...) -> None: ...
+
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens", "stop")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -426,18 +544,30 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "sampling", "model", "plan_id", "chat_template")
+    __slots__ = ("prompt", "sampling", "model", "plan_id", "chat_template", "return_logits")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     sampling: Sampling
     model: str
     plan_id: str
     chat_template: bool
-    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., model: _Optional[str] = ..., plan_id: _Optional[str] = ..., chat_template: _Optional[bool] = ...) -> None: ...
+    return_logits: bool
+    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., model: _Optional[str] = ..., plan_id: _Optional[str] = ..., chat_template: _Optional[bool] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+
+class TokenLogits(_message.Message):
+    __slots__ = ("token_id", "index", "logits")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    index: int
+    logits: bytes
+    def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., logits: _Optional[bytes] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -460,7 +590,7 @@ class ChatRequest(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., model: _Optional[str] = ..., plan_id: _Optional[str] = ...) -> None: ...
 
 class GenerationDone(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "ttft_s", "decode_tokens_per_s", "total_s", "plan_id", "model", "seed")
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "ttft_s", "decode_tokens_per_s", "total_s", "plan_id", "model", "seed", "resumes", "paused_s")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -470,6 +600,8 @@ class GenerationDone(_message.Message):
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_S_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
@@ -479,15 +611,19 @@ class GenerationDone(_message.Message):
     plan_id: str
     model: str
     seed: int
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., plan_id: _Optional[str] = ..., model: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+    resumes: int
+    paused_s: float
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., plan_id: _Optional[str] = ..., model: _Optional[str] = ..., seed: _Optional[int] = ..., resumes: _Optional[int] = ..., paused_s: _Optional[float] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("text", "done")
+    __slots__ = ("text", "done", "token")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     text: str
     done: GenerationDone
-    def __init__(self, text: _Optional[str] = ..., done: _Optional[_Union[GenerationDone, _Mapping]] = ...) -> None: ...
+    token: TokenLogits
+    def __init__(self, text: _Optional[str] = ..., done: _Optional[_Union[GenerationDone, _Mapping]] = ..., token: _Optional[_Union[TokenLogits, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "architecture", "size_bytes", "layers", "source", "path")
@@ -518,16 +654,18 @@ class ModelList(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., selected: _Optional[str] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("model", "strategy", "context_length", "concurrency")
+    __slots__ = ("model", "strategy", "context_length", "concurrency", "parallelism")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    PARALLELISM_FIELD_NUMBER: _ClassVar[int]
     model: str
     strategy: str
     context_length: int
     concurrency: int
-    def __init__(self, model: _Optional[str] = ..., strategy: _Optional[str] = ..., context_length: _Optional[int] = ..., concurrency: _Optional[int] = ...) -> None: ...
+    parallelism: str
+    def __init__(self, model: _Optional[str] = ..., strategy: _Optional[str] = ..., context_length: _Optional[int] = ..., concurrency: _Optional[int] = ..., parallelism: _Optional[str] = ...) -> None: ...
 
 class LoadModelReply(_message.Message):
     __slots__ = ("model", "digest", "message")

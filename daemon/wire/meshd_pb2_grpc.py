@@ -412,6 +412,11 @@ class LocalStub:
                 request_serializer=meshd__pb2.RemeasureRequest.SerializeToString,
                 response_deserializer=meshd__pb2.MeshStatus.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/meshd.v1.Local/Leave',
+                request_serializer=meshd__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=meshd__pb2.LeaveReply.FromString,
+                _registered_method=True)
 
 
 class LocalServicer:
@@ -471,6 +476,14 @@ class LocalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """Leave the mesh gracefully (as on SIGTERM): stop taking requests, let the mesh plan
+        without this node, move or finish the requests in flight within the grace, then exit 0.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LocalServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -513,6 +526,11 @@ def add_LocalServicer_to_server(servicer, server):
                     servicer.Remeasure,
                     request_deserializer=meshd__pb2.RemeasureRequest.FromString,
                     response_serializer=meshd__pb2.MeshStatus.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=meshd__pb2.LeaveRequest.FromString,
+                    response_serializer=meshd__pb2.LeaveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -731,6 +749,33 @@ class Local:
             '/meshd.v1.Local/Remeasure',
             meshd__pb2.RemeasureRequest.SerializeToString,
             meshd__pb2.MeshStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshd.v1.Local/Leave',
+            meshd__pb2.LeaveRequest.SerializeToString,
+            meshd__pb2.LeaveReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -81,11 +81,15 @@ class Mesh:
         self.nodes: dict[str, Node] = {}
         self._plan_ids = itertools.count()
 
-    def add_node(self, node_id: str, **plane_options: Any) -> Node:
+    def add_node(self, node_id: str, *, follow: bool = False, **plane_options: Any) -> Node:
+        """A node; with ``follow`` its origin follows the committed plans (``active`` of
+        :meth:`install`) and moves its requests to the next one, as a daemon's does."""
         credentials = security.load_or_create_node_credentials(
             self.state_dir / node_id, self.secret, node_id
         )
         committed = CommittedPlans(node_id)
+        if follow:
+            plane_options["served"] = committed.view
 
         async def start() -> Node:
             plane = DataPlane(
@@ -108,16 +112,27 @@ class Mesh:
         )
         return Assignment(f"plan-{next(self._plan_ids)}", model_dir, stages)
 
-    def install(self, assignment: Assignment, nodes: Sequence[str] | None = None) -> None:
-        """Commit and install ``assignment`` on ``nodes`` (default: every node)."""
+    def install(
+        self, assignment: Assignment, nodes: Sequence[str] | None = None, *, active: bool = True
+    ) -> None:
+        """Commit and install ``assignment`` on ``nodes`` (default: every node), as the
+        active plan unless ``active`` is False."""
+        self.loop.run(self.install_async(assignment, nodes, active=active))
+
+    async def install_async(
+        self, assignment: Assignment, nodes: Sequence[str] | None = None, *, active: bool = True
+    ) -> None:
+        """:meth:`install` from the loop thread (e.g. while a request streams)."""
         targets = [self.nodes[n] for n in (nodes or self.nodes)]
         for node in targets:
-            node.committed.add(assignment.plan_id)
+            node.committed.add(assignment.plan_id, active=active)
+        await asyncio.gather(*(node.plane.install(assignment) for node in targets))
 
-        async def install_all() -> None:
-            await asyncio.gather(*(node.plane.install(assignment) for node in targets))
-
-        self.loop.run(install_all())
+    async def uninstall_async(self, plan_id: str, reason: str = "test over") -> None:
+        """:meth:`uninstall` from the loop thread."""
+        for node in self.nodes.values():
+            node.committed.discard(plan_id)
+            await node.plane.uninstall(plan_id, reason)
 
     def uninstall(self, plan_id: str) -> None:
         async def uninstall_all() -> None:

@@ -112,9 +112,10 @@ function drawGraph(status) {
     const [a, b] = key.split("|");
     const bw = Math.min(...links.map((l) => num(l.bandwidth)));
     const latency = links.reduce((s, l) => s + num(l.latency_s), 0) / links.length;
+    const trusted = links.length === 2 && links.every((l) => l.trusted);
     elements.push({ group: "edges", data: {
       id: key, source: a, target: b, width: 1.5 + 4 * bw / maxBw,
-      label: `${rate(bw)} · ${ms(latency)}` } });
+      label: `${rate(bw)} · ${ms(latency)}${trusted ? " · TP" : ""}` } });
   }
   const shape = [...ids].sort().join(",");
   cy.batch(() => {
@@ -202,21 +203,30 @@ function drawPlan(status) {
   $("plan-axis").replaceChildren();
   $("plan-memory").replaceChildren();
   $("plan-prediction").textContent = "";
-  if (!plan) { $("plan-model").textContent = view.model ? `model ${view.model}` : ""; return; }
+  $("plan-groups").replaceChildren();
+  if (!plan) { $("plan-model").textContent = view.model ? `model ${view.model}` : ""; drawTensorParallel(status); return; }
   $("plan-model").textContent = `${plan.model_name}: ${plan.num_layers} layers over ` +
-    `${plan.stages.length} stage${plan.stages.length === 1 ? "" : "s"} · ${plan.strategy} strategy` +
+    `${plan.stages.length} stage${plan.stages.length === 1 ? "" : "s"}` +
+    `${plan.layout ? " · " + plan.layout + " layout" : ""} · ${plan.strategy} strategy` +
     (view.draining.length ? ` · draining ${view.draining.map((p) => p.slice(0, 8)).join(", ")}` : "");
+  const groups = {};
+  for (const g of status.tensor_parallel_groups || []) groups[g.stage] = g;
   plan.stages.forEach((stage, i) => {
     const count = stage.layer_end - stage.layer_start;
     const names = stage.nodes.map((n) => nameOf(status, n)).join(" + ");
     const extra = [stage.has_embedding ? "embed" : "", stage.has_head ? "head" : ""].filter(Boolean);
+    const group = groups[i];
+    const tp = stage.nodes.length > 1
+      ? ` (TP×${stage.nodes.length}${group ? ", " + group.backend : ""})` : "";
+    const title = `${names}: layers ${stage.layer_start}–${stage.layer_end - 1}` +
+      (group ? `\ntensor-parallel over ${group.link}` : "");
     bars.append(el("div", {
       className: "stage", "data-stage": String(i),
-      style: `flex:${count} 1 0; background:${STAGE_COLORS[i % STAGE_COLORS.length]}`,
-      title: `${names}: layers ${stage.layer_start}–${stage.layer_end - 1}` },
-      el("span", {}, names + (stage.nodes.length > 1 ? " (TP)" : "")),
+      style: `flex:${count} 1 0; background:${STAGE_COLORS[i % STAGE_COLORS.length]}`, title },
+      el("span", {}, names + tp),
       el("small", {}, `${stage.layer_start}–${stage.layer_end - 1}` + (extra.length ? ` · ${extra.join(", ")}` : ""))));
   });
+  drawTensorParallel(status);
   const axis = $("plan-axis");
   axis.append(el("span", {}, "layer 0"), el("span", {}, `layer ${plan.num_layers - 1}`));
   for (const m of plan.memory) {
@@ -230,6 +240,35 @@ function drawPlan(status) {
   const p = plan.prediction;
   if (p) $("plan-prediction").textContent = `predicted ${num(p.tokens_per_s).toFixed(1)} tokens/s, ` +
     `first token ${(num(p.ttft_s) * 1e3).toFixed(0)} ms for ${p.prompt_len} prompt tokens`;
+}
+
+// Tensor-parallel groups of the plan (ranks, backend, the link and why it may carry them),
+// this node's runner processes, and why links were not trusted for tensor parallelism.
+function drawTensorParallel(status) {
+  const box = $("plan-groups");
+  box.replaceChildren();
+  for (const g of status.tensor_parallel_groups || []) {
+    const ranks = g.members.map((n, rank) =>
+      `rank ${rank} ${nameOf(status, n)}${g.addresses && g.addresses[rank] ? " (" + g.addresses[rank] + ")" : ""}`);
+    box.append(el("div", { className: "tp-group", "data-stage": String(g.stage) },
+      el("b", {}, `stage ${g.stage}: tensor-parallel ×${g.members.length}`),
+      ` · ${g.backend} · ${ranks.join(", ")}`,
+      el("div", { className: "muted small" }, `link: ${g.link}`)));
+  }
+  for (const r of status.tensor_parallel_runners || []) {
+    box.append(el("div", { className: "tp-runner muted small" },
+      `runner here: plan ${r.plan_id.slice(0, 12)} stage ${r.stage}, rank ${r.rank} of ${r.size}, ` +
+      `pid ${r.pid || "—"}, ${mb(r.held_bytes)}: ${r.state}${r.error ? " (" + r.error + ")" : ""}`));
+  }
+  const refused = {};
+  for (const link of status.links) {
+    if (!link.trusted && link.trust_reason) (refused[link.trust_reason] = refused[link.trust_reason] || []).push(link);
+  }
+  for (const [reason, links] of Object.entries(refused)) {
+    const which = links.map((l) => `${nameOf(status, l.src)}→${nameOf(status, l.dst)}`).join(", ");
+    box.append(el("div", { className: "tp-refused muted small" },
+      `no tensor parallelism on ${which}: ${reason}`));
+  }
 }
 
 // ------------------------------------------------------------------ events, header

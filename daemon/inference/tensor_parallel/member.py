@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -107,9 +107,11 @@ class TensorParallelMember:
         command_prefix: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         if not 0 <= rank < spec.size:
             raise TensorParallelUnsupported(f"rank {rank} is outside a group of {spec.size}")
+        self._on_change = on_change  # told (on the loop) whenever state or error change
         self.spec = spec
         self.rank = rank
         self._python = python
@@ -145,6 +147,7 @@ class TensorParallelMember:
             raise RuntimeError(f"runner of {self.spec.name} rank {self.rank} was started already")
         self.state = RunnerState.STARTING
         self.started_at = time.monotonic()
+        self._changed()
         try:
             check_tensor_parallel(self.spec.model_dir, self.spec.size, self.spec.expert_ranges)
             await self._spawn()
@@ -161,6 +164,7 @@ class TensorParallelMember:
             raise TensorParallelError(f"{self.spec.name} rank {self.rank}: {reason}")
         self.ready_info = {k: v for k, v in header.items() if k != "type"}
         self.state = RunnerState.READY
+        self._changed()
         self._cleanup()  # the spec (with its token) and the hostfile were read at start-up
         self._reader_task = asyncio.get_running_loop().create_task(
             self._read_replies(), name=f"tp-reader-{self.spec.name}-{self.rank}"
@@ -257,6 +261,7 @@ class TensorParallelMember:
         self._fail_pending(TensorParallelError(f"{self.spec.name} was stopped"))
         await self._close_channel()
         self._cleanup()
+        self._changed()
 
     def abort(self, reason: str) -> None:
         """Kill the runner now (SIGKILL by PID) and fail every pending step with ``reason``.
@@ -272,10 +277,18 @@ class TensorParallelMember:
         self.error = self.error or reason
         self.state = RunnerState.FAILED
         self._kill()
-        self._fail_pending(TensorParallelError(f"{self.spec.name}: {reason}"))
+        self._fail_pending(TensorParallelError(f"{self.spec.name}: {self.error}"))
         if self._writer is not None:
             self._writer.close()
         self._cleanup()
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            try:
+                self._on_change()
+            except Exception:  # a status hook must never break the runner's bookkeeping
+                log.exception("the runner status hook failed")
 
     def _kill(self) -> None:
         """SIGKILL by PID, then reap it without blocking the loop for more than a moment."""
@@ -423,12 +436,16 @@ class TensorParallelMember:
         frame means the runner is gone, which fails the group."""
         assert self._reader is not None
         reason = "the runner exited"
+        lost: str | None = None  # the runner's own word on why the group ended
         try:
             while True:
                 frame = await read_frame_async(self._reader)
                 if frame is None:
                     break
                 header, payload = frame
+                if header.get("type") == "lost":
+                    lost = str(header.get("message") or "the group was lost")
+                    continue
                 future = self._pending.get(header.get("id"))  # type: ignore[arg-type]
                 if future is not None and not future.done():
                     future.set_result((header, payload))
@@ -436,6 +453,7 @@ class TensorParallelMember:
             reason = f"the runner sent a malformed frame: {error}"
         except (ConnectionError, OSError) as error:
             reason = f"the runner's channel failed: {error}"
+        reason = lost or reason
         if self.state is RunnerState.READY:
             code = await self._exit_code_soon()
             detail = f"{reason} (exit code {code})" if code is not None else reason
@@ -501,13 +519,23 @@ class RunnerSupervisor:
         command_prefix: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self._python = python
         self._prefix = list(command_prefix)
         self._env = dict(env or {})
         self._startup_timeout_s = startup_timeout_s
+        self._on_change = on_change  # told whenever a runner starts, stops or fails
         self._members: dict[tuple[str, int], TensorParallelMember] = {}
+
+    def set_on_change(self, on_change: Callable[[], None] | None) -> None:
+        """Call ``on_change()`` (on the loop) whenever a runner starts, stops or fails."""
+        self._on_change = on_change
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
 
     def member(self, plan_id: str, stage_index: int) -> TensorParallelMember | None:
         return self._members.get((plan_id, stage_index))
@@ -518,13 +546,13 @@ class RunnerSupervisor:
         if key in self._members:
             raise TensorParallelError(f"{spec.name} already has a runner on this node", fatal=False)
         rank = spec.rank_of(self.node_id)
-        mine = spec.members[rank]
-        for other in self._members.values():
-            if other.alive and _ports(other) & {(mine.host, mine.port), spec.control_address}:
-                raise TensorParallelError(
-                    f"{spec.name} would listen on a port {other.spec.name}'s runner still "
-                    "holds; it can start once that plan's runners stop"
-                )
+        holders = self.plans_holding_ports(spec)
+        if holders:
+            other = self._members[holders[0]]
+            raise TensorParallelError(
+                f"{spec.name} would listen on a port {other.spec.name}'s runner still "
+                "holds; it can start once that plan's runners stop"
+            )
         member = TensorParallelMember(
             spec,
             rank,
@@ -532,19 +560,44 @@ class RunnerSupervisor:
             command_prefix=self._prefix,
             env=self._env,
             startup_timeout_s=self._startup_timeout_s,
+            on_change=self._changed,
         )
         self._members[key] = member
         try:
             await member.start()
         except BaseException:
             self._members.pop(key, None)
+            self._changed()
             raise
         return member
+
+    def plans_holding_ports(self, spec: TensorParallelSpec) -> list[tuple[str, int]]:
+        """The (plan, stage) of live runners here that hold a port ``spec``'s rank of this
+        node would listen on (two plans' slots coincide 1 time in 64)."""
+        mine = spec.members[spec.rank_of(self.node_id)]
+        wanted = {(mine.host, mine.port), spec.control_address}
+        return [
+            key
+            for key, other in self._members.items()
+            if key != (spec.plan_id, spec.stage_index) and other.alive and _ports(other) & wanted
+        ]
 
     async def stop_plan(self, plan_id: str) -> None:
         """Stop every runner of ``plan_id`` on this node (bounded; SIGKILL if needed)."""
         keys = [key for key in self._members if key[0] == plan_id]
         await asyncio.gather(*(self._members.pop(key).stop() for key in keys))
+        if keys:
+            self._changed()
+
+    def abort_starting(self, plan_id: str, reason: str) -> list[str]:
+        """Kill the runners of ``plan_id`` still starting (their group waits for members that
+        will not come: the plan was withdrawn); returns the stages' names."""
+        aborted = []
+        for (plan, _), member in self._members.items():
+            if plan == plan_id and member.state is RunnerState.STARTING:
+                member.abort(reason)
+                aborted.append(member.spec.name)
+        return aborted
 
     def member_lost(self, node_id: str, reason: str = "a group member was lost") -> list[str]:
         """Kill at once every runner whose group includes ``node_id`` (its collectives would
@@ -563,6 +616,7 @@ class RunnerSupervisor:
         members = list(self._members.values())
         self._members.clear()
         await asyncio.gather(*(member.stop() for member in members), return_exceptions=True)
+        self._changed()
 
 
 def _ports(member: TensorParallelMember) -> set[tuple[str, int]]:

@@ -131,21 +131,35 @@ def _report_failure(ipc: socket.socket, message: str) -> None:
         send_frame(ipc, {"type": "failed", "message": message})
 
 
-class Watchdog:
-    """Ends the process when the daemon dies, or a step overruns or loses a connection."""
+def _report_lost(ipc: socket.socket, message: str) -> None:
+    """Tell the daemon why the group ended (which member left), before exiting: the daemon's
+    error for the request in flight, and its status, name the lost member."""
+    with contextlib.suppress(OSError):
+        send_frame(ipc, {"type": "lost", "message": message})
 
-    def __init__(self, parent_pid: int, step_timeout_s: float) -> None:
+
+class Watchdog:
+    """Ends the process when the daemon dies, or a step overruns or loses a connection.
+
+    Before it ends the process it tells the daemon why (a ``lost`` frame): it does so only
+    while a step runs, when the main thread is inside the step's evaluation and does not write
+    to the daemon itself.
+    """
+
+    def __init__(self, parent_pid: int, step_timeout_s: float, ipc: socket.socket) -> None:
         self._parent_pid = parent_pid
         self._step_timeout_s = step_timeout_s
+        self._ipc = ipc
         self._step_started: float | None = None
-        self._watched: list[socket.socket] = []
+        self._watched: list[tuple[socket.socket, str]] = []
         self._thread = threading.Thread(target=self._loop, name="tp-watchdog", daemon=True)
 
-    def start(self, watched: list[socket.socket]) -> None:
+    def start(self, watched: list[tuple[socket.socket, str]]) -> None:
+        """Watch ``(connection, who is at its other end)`` pairs."""
         self._watched = list(watched)
         self._thread.start()
 
-    def watch(self, watched: list[socket.socket]) -> None:
+    def watch(self, watched: list[tuple[socket.socket, str]]) -> None:
         self._watched = list(watched)
 
     @contextlib.contextmanager
@@ -169,12 +183,13 @@ class Watchdog:
                     EXIT_STEP_TIMEOUT,
                     f"a step ran longer than {self._step_timeout_s:g} s (a peer hangs?)",
                 )
-            for sock in self._watched:
+            for sock, who in self._watched:
                 if _closed(sock):
-                    self._die(EXIT_GROUP_LOST, "the daemon or a group member closed its connection")
+                    self._die(EXIT_GROUP_LOST, f"{who} closed its connection during a step")
 
-    @staticmethod
-    def _die(code: int, reason: str) -> None:
+    def _die(self, code: int, reason: str) -> None:
+        if self._step_started is not None:
+            _report_lost(self._ipc, reason)
         with contextlib.suppress(Exception):
             sys.stderr.write(f"meshd-tp runner {os.getpid()}: {reason}; exiting\n")
             sys.stderr.flush()
@@ -203,7 +218,7 @@ class Runner:
         self.rank = rank
         self.ipc = ipc
         self.peers: list[socket.socket] = []  # rank 0: ranks 1.. in order; others: rank 0
-        self.watchdog = Watchdog(parent_pid, spec.step_timeout_s)
+        self.watchdog = Watchdog(parent_pid, spec.step_timeout_s, ipc)
         self.stage: StageModel | None = None
         self.caches: RequestCaches | None = None
         self.group: Any = None
@@ -213,13 +228,24 @@ class Runner:
 
     # ------------------------------------------------------------------ start-up
 
+    def member(self, rank: int) -> str:
+        """Rank ``rank`` in words, with its node: what messages about a lost member say."""
+        return f"member {self.spec.members[rank].node_id} (rank {rank})"
+
+    def _peer_names(self) -> list[str]:
+        """Who is at the other end of each connection in ``self.peers``."""
+        if self.rank == 0:
+            return [self.member(rank) for rank in range(1, self.spec.size)]
+        return [self.member(0)]
+
     def run(self, startup_timeout_s: float) -> int:
-        self.watchdog.start([self.ipc])
+        self.watchdog.start([(self.ipc, "the daemon")])
         deadline = time.monotonic() + startup_timeout_s
         started = time.monotonic()
         try:
             self._connect_control(deadline)
-            self.watchdog.watch([self.ipc, *self.peers])
+            named = list(zip(self.peers, self._peer_names(), strict=True))
+            self.watchdog.watch([(self.ipc, "the daemon"), *named])
             if self.spec.size > 1:
                 self.group = mx.distributed.init(backend=self.spec.backend, strict=True)
                 if (self.group.size(), self.group.rank()) != (self.spec.size, self.rank):
@@ -259,6 +285,7 @@ class Runner:
             return self._serve_follower()
         except (GroupLost, FrameError, OSError) as error:
             log.error("group lost: %s", error)
+            _report_lost(self.ipc, str(error))
             return EXIT_GROUP_LOST
 
     def _connect_control(self, deadline: float) -> None:
@@ -310,7 +337,7 @@ class Runner:
                     if frame is not None and frame[0]["type"] == "leaving":
                         log.info("rank %d was stopped by its daemon; the group ends", key.data)
                         return EXIT_STOPPED
-                    raise GroupLost(f"rank {key.data} closed its control connection")
+                    raise GroupLost(f"{self.member(key.data)} closed its control connection")
                 if self._serve_leader_frame() is not None:
                     return EXIT_STOPPED
 
@@ -365,7 +392,7 @@ class Runner:
                         send_frame(self.ipc, reply)
                     continue
                 if frame is None:
-                    raise GroupLost("rank 0 closed the control connection")
+                    raise GroupLost(f"{self.member(0)} closed the control connection")
                 header, payload = frame
                 if header["type"] == "stop":
                     return EXIT_STOPPED

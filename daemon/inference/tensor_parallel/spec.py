@@ -9,9 +9,9 @@ rank in a runner process of its own (:mod:`.runner`, owned by :mod:`.member`).
 Nothing here is hand-written per cluster: :func:`build_group_spec` derives everything from the
 plan (plan id, stage index, the stage's ordered nodes, layer range, expert placement), the
 addresses the members reach each other on, the mesh secret and the link verdict
-(:mod:`.links`). Every member computes the same spec from the same inputs; rank = index in the
-stage's node order. The backend's configuration (MLX's ring hostfile, JACCL's or NCCL's
-environment) follows from the spec (:func:`backend_files_and_env`).
+(:mod:`meshd.mesh.link_trust`). Every member computes the same spec from the same inputs;
+rank = index in the stage's node order. The backend's configuration (MLX's ring hostfile,
+JACCL's or NCCL's environment) follows from the spec (:func:`backend_files_and_env`).
 
 Ports are derived too (:func:`group_ports`): ``base_port + PORT_STRIDE * slot + rank`` for the
 collective backend and ``... + PORT_STRIDE - 1`` for the runners' control channel, with ``slot``
@@ -32,6 +32,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Which architectures may run tensor-parallel is a fact about models, which the model
+# description (meshd.models.info) carries to the planner; re-exported here for the runner side.
+from meshd.models.tensor_parallel_support import (
+    NOT_TENSOR_PARALLEL as NOT_TENSOR_PARALLEL,
+)
+from meshd.models.tensor_parallel_support import (
+    TENSOR_PARALLEL_ARCHITECTURES as TENSOR_PARALLEL_ARCHITECTURES,
+)
+from meshd.models.tensor_parallel_support import architecture_of as architecture_of
+from meshd.models.tensor_parallel_support import (
+    supports_tensor_parallel as supports_tensor_parallel,
+)
+from meshd.models.tensor_parallel_support import (
+    tensor_parallel_refusal as tensor_parallel_refusal,
+)
+
 BACKENDS = ("ring", "jaccl", "nccl")
 DEFAULT_BASE_PORT = 53400
 PORT_STRIDE = 16  # ports per slot: one per rank, the last one for the control channel
@@ -39,35 +55,6 @@ PORT_SLOTS = 64
 MAX_GROUP_SIZE = PORT_STRIDE - 1
 DEFAULT_STEP_TIMEOUT_S = 120.0
 SPEC_VERSION = 1
-
-# mlx-lm model modules whose ``shard(group)`` runs on a pipeline stage's layers (see
-# meshd.inference.shard.ARCHITECTURES) and whose tensor-parallel stages are verified against one
-# mlx-lm process by tests/test_tensor_parallel_architectures.py. Values: the attribute of an MoE
-# layer's block that holds its routed experts (a SwitchGLU), for expert placement; None for
-# dense-only families.
-TENSOR_PARALLEL_ARCHITECTURES: dict[str, str | None] = {
-    "llama": None,  # also mistral and the other families mlx-lm maps to llama
-    "qwen2": None,
-    "qwen3": None,
-    "qwen3_moe": "switch_mlp",
-    "deepseek_v3": "switch_mlp",  # also kimi_k2
-    "glm4_moe": "switch_mlp",
-    "gpt_oss": "experts",
-}
-# Architectures stages run whose tensor parallelism is refused, and why.
-NOT_TENSOR_PARALLEL: dict[str, str] = {
-    "mixtral": "mlx-lm's mixtral model has no shard(group)",
-    "qwen3_next": "mlx-lm's qwen3_next model has no shard(group)",
-    "qwen3_5": (
-        "mlx-lm's qwen3_5 shard(group) also splits the LM head over the vocabulary and gathers "
-        "the logits inside the model's own call, which a pipeline stage's head does not make"
-    ),
-    "qwen3_5_moe": (
-        "mlx-lm's qwen3_5_moe shard(group) also splits the LM head over the vocabulary and "
-        "gathers the logits inside the model's own call, which a pipeline stage's head does not "
-        "make"
-    ),
-}
 
 
 class TensorParallelUnsupported(ValueError):
@@ -95,7 +82,8 @@ class TensorParallelSpec:
     expert_ranges: per rank, the routed experts ``[start, end)`` it holds in every MoE layer of
         the stage (expert parallelism: a token's expert runs where the expert is); empty =
         mlx-lm's even split (every rank holds a slice of every expert).
-    link: which link the group runs over and why that is allowed (for status; :mod:`.links`).
+    link: which link the group runs over and why that is allowed (for status;
+        :mod:`meshd.mesh.link_trust`).
     token: hex key that authenticates the runners' control channel (never shown in status).
     step_timeout_s: a runner that spends longer on one step exits (a hung collective's backstop).
     """
@@ -303,7 +291,7 @@ def build_group_spec(
 
     stage_nodes: the stage's nodes in plan order (rank = index).
     addresses: node id -> the IP its runner is reached on over the group's link (the link
-        :func:`meshd.inference.tensor_parallel.links.group_link_verdict` allowed).
+        :func:`meshd.mesh.link_trust.group_link_verdict` allowed).
     link: the verdict's description (why this link may carry the collectives in clear).
     expert_shards: ``(node, first expert, end)`` per member, in member order (the planner's
         expert placement); empty = mlx-lm's even split.
@@ -372,40 +360,6 @@ def backend_files_and_env(spec: TensorParallelSpec, rank: int) -> tuple[dict[str
 
 
 # --- Which models can run tensor-parallel ------------------------------------------------------
-
-
-def architecture_of(model_type: str) -> str:
-    """mlx-lm's model module for a config's ``model_type`` (its aliases resolved)."""
-    from meshd.runtime.lazy_imports import import_model_runtime
-
-    import_model_runtime()
-    from mlx_lm.utils import MODEL_REMAPPING
-
-    return MODEL_REMAPPING.get(model_type, model_type)
-
-
-def tensor_parallel_refusal(model_type: str) -> str | None:
-    """Why ``model_type`` cannot run as a tensor-parallel stage, or None when it can."""
-    architecture = architecture_of(model_type)
-    if architecture in TENSOR_PARALLEL_ARCHITECTURES:
-        return None
-    reason = NOT_TENSOR_PARALLEL.get(architecture)
-    if reason is not None:
-        return reason
-    return (
-        f"mlx-lm's {architecture} has not been verified to run as a tensor-parallel stage; "
-        f"verified: {', '.join(sorted(TENSOR_PARALLEL_ARCHITECTURES))}"
-    )
-
-
-def supports_tensor_parallel(model_type: str) -> bool:
-    """Whether the planner may offer tensor-parallel groups for this ``model_type``.
-
-    True only for architectures whose mlx-lm ``shard(group)`` runs on a pipeline stage's layers
-    and is verified exact here; head counts and group sizes are checked by
-    :func:`check_tensor_parallel`.
-    """
-    return tensor_parallel_refusal(model_type) is None
 
 
 def check_tensor_parallel(

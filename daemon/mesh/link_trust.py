@@ -18,6 +18,18 @@ Anything else (a shared LAN, Wi-Fi) is refused with the reason, and the plan fal
 pipeline stages there (the planner's ``trusted`` link attribute comes from the same rule).
 :func:`collective_link_verdict` is the rule, pure (facts + config in, verdict out);
 :func:`describe_local_link` gathers the facts about this machine's side of a link.
+
+The mesh's view (:func:`mesh_link_verdict`): every node judges its side of each link it
+measures (its own address on that link, the peer's) and publishes the verdict with the link's
+measurement (``LinkMeasurement.trusted``, ``trust_reason``); the mesh graph marks a link
+trusted only when both sides allowed it, so every node plans from the same flags. One more
+clause applies there: two daemons on one machine (loopback) are safe, but tensor parallelism
+between them only shares the same cores while the planner counts each daemon's cores as its
+own, so the mesh offers it only where the user marks loopback trusted (``127.0.0.0/8`` or
+``::1/128`` in ``tensor_parallel_trusted_networks``: tests and benchmarks do).
+
+This module lives in :mod:`meshd.mesh` (the mesh publishes the verdicts; the layering contract
+keeps the mesh below inference); :mod:`meshd.inference.tensor_parallel` re-exports it.
 """
 
 from __future__ import annotations
@@ -104,6 +116,29 @@ def group_link_verdict(
         return LinkVerdict(False, refused[0])
     reasons = sorted({v.reason for v in verdicts})
     return LinkVerdict(True, "; ".join(reasons))
+
+
+def mesh_link_verdict(
+    local_address: str, peer_address: str, trusted_networks: Iterable[str] = ()
+) -> LinkVerdict:
+    """This node's side of the link to a peer, as the mesh publishes it (module docstring):
+    the rule for the local interface's facts, except that loopback needs marking too."""
+    networks = list(trusted_networks)
+    try:
+        local = ipaddress.ip_address(local_address)
+        peer = ipaddress.ip_address(peer_address)
+        marked = [ipaddress.ip_network(text, strict=False) for text in networks]
+    except ValueError as error:
+        return LinkVerdict(False, f"refused: {error}")
+    same_machine = local.is_loopback and peer.is_loopback
+    if same_machine and not any(local in net and peer in net for net in marked):
+        return LinkVerdict(
+            False,
+            f"refused: loopback {peer} is this machine; tensor-parallel members there "
+            "would share its cores, which planning cannot see; add 127.0.0.0/8 to "
+            "tensor_parallel_trusted_networks to allow it (tests, benchmarks)",
+        )
+    return collective_link_verdict(describe_local_link(local_address, peer_address), networks)
 
 
 def describe_local_link(local_address: str, peer_address: str) -> LinkFacts:

@@ -1,0 +1,184 @@
+"""Peers and strangers at the peer port: malformed bodies from members, refused outsiders,
+idle connections. Real daemon processes on loopback (no mDNS), real mutual TLS."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+
+from meshd.mesh import channels, security
+
+LOOPBACK = ["--no-mdns", "--peer-host", "127.0.0.1", "--peer-port", "0"]
+
+
+def member_channel(token: str, folder: Path, port: int, node_id: str = "tester"):
+    """A channel to 127.0.0.1:port with a certificate of the token's mesh (asyncio side)."""
+    secret = security.decode_join_token(token)
+    creds = security.load_or_create_node_credentials(folder, secret, node_id)
+    return channels.peer_channel(f"127.0.0.1:{port}", security.channel_credentials(creds))
+
+
+def peer_port(status) -> int:
+    return int(status.peer_address.rpartition(":")[2])
+
+
+def test_malformed_body_from_a_member_is_invalid_argument_and_one_warning(
+    daemons, mesh_token, tmp_path
+) -> None:
+    daemon = daemons([*LOOPBACK, "--join", mesh_token])
+    port = peer_port(daemon.wait_ready())
+
+    async def call() -> list[tuple[grpc.StatusCode, str]]:
+        async with member_channel(mesh_token, tmp_path, port) as channel:
+            answers = []
+            for method in ("/meshd.v1.Peer/Propose", "/meshd.dataplane.v1.DataPlane/Stats"):
+                try:
+                    await channel.unary_unary(method)(b"\xff\xff\xff", timeout=5)
+                except grpc.aio.AioRpcError as error:
+                    answers.append((error.code(), error.details() or ""))
+            return answers
+
+    answers = asyncio.run(call())
+    assert [code for code, _ in answers] == [grpc.StatusCode.INVALID_ARGUMENT] * 2, answers
+    assert "not a valid Propose message" in answers[0][1]
+    log = daemon.log_tail(400)
+    assert log.count("refused a malformed meshd.v1.Peer/Propose request") == 1, log
+    assert log.count("refused a malformed meshd.dataplane.v1.DataPlane/Stats request") == 1, log
+    assert "Traceback" not in log and "ERROR" not in log, log
+
+
+class DyingPeer:
+    """A peer that says Hello and beats, but whose state call fails as a killed peer's does."""
+
+    def __new__(cls):
+        from meshd.wire import pb, rpc
+
+        class Servicer(rpc.PeerServicer):
+            async def Hello(self, request, context):
+                return pb.HelloReply(accepted=True, node_id="dying", instance_id="i1")
+
+            async def Heartbeat(self, request_iterator, context):
+                async for beat in request_iterator:
+                    yield pb.Beat(node_id="dying", seq=beat.seq)
+
+            async def Ping(self, request, context):
+                return pb.PingReply(payload=request.payload)
+
+            async def GetState(self, request, context):
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+
+        return Servicer()
+
+
+def test_a_peer_lost_in_the_middle_of_a_call_is_one_line_not_a_traceback(caplog) -> None:
+    """An expected failure (the peer died while this node fetched its state) ends the session
+    with the 'lost' line in words; no ERROR, no traceback (those are for bugs)."""
+    import logging
+
+    import trio
+
+    from meshd.mesh.identity import Identity
+    from meshd.mesh.membership import Membership
+    from meshd.runtime.bridge import AsyncioThread
+    from meshd.runtime.events import EventLog
+    from meshd.wire import rpc
+
+    async def start_peer() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        rpc.add_PeerServicer_to_server(DyingPeer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    async def main() -> None:
+        async with AsyncioThread() as bridge:
+            server, port = await bridge.run(start_peer)
+            membership = Membership(
+                Identity("me-00000001", "me"),
+                "test",
+                bridge,
+                lambda address, _probe: grpc.aio.insecure_channel(address),
+                EventLog(),
+                heartbeat_interval_s=0.05,
+                peer_timeout_s=1.0,
+                link_probe_interval_s=30.0,
+            )
+            async with trio.open_nursery() as nursery:
+                await nursery.start(membership.run)
+                membership.want(f"127.0.0.1:{port}", "static")
+                with trio.fail_after(10):
+                    while "dying" not in membership.peers or membership.peers["dying"].alive:
+                        await trio.sleep(0.02)
+                await trio.sleep(0.3)  # the session's retry is under way too
+                nursery.cancel_scope.cancel()
+            await bridge.run(server.stop, None)
+
+    with caplog.at_level(logging.DEBUG):
+        trio.run(main)
+    ours = [r for r in caplog.records if r.name.startswith("meshd")]  # not the fake peer's
+    errors = [r for r in ours if r.levelno >= logging.ERROR or r.exc_info]
+    assert not errors, [r.getMessage() for r in errors]
+    lost = [r.getMessage() for r in caplog.records if "peer dying lost" in r.getMessage()]
+    assert lost and "UNAVAILABLE" in lost[0], lost
+
+
+def test_a_daemon_of_another_mesh_is_named_once_on_both_sides(daemons, mesh_token) -> None:
+    import time
+
+    from meshd.api.launcher import alive_ids
+
+    member = daemons([*LOOPBACK, "--join", mesh_token, "--peer-handshake-timeout", "1"])
+    member_status = member.wait_ready()
+    port = peer_port(member_status)
+    outsider_token = security.encode_join_token(security.create_mesh_secret("other"))
+    outsider = daemons([*LOOPBACK, "--join", outsider_token, "--peer", f"127.0.0.1:{port}"])
+    outsider.wait_ready()
+    time.sleep(8)  # several redials and handshake timeouts
+    assert alive_ids(member.status()) == {member_status.node_id}
+    dialler = outsider.log_tail(400)
+    said = [line for line in dialler.splitlines() if "is not a member of mesh 'other'" in line]
+    assert len(said) == 1, dialler
+    assert f"127.0.0.1:{port} is not a member" in said[0]
+    assert "not signed by this mesh's key" in said[0]
+    assert "Handshake failed" not in dialler and "Traceback" not in dialler, dialler
+    refusing = member.log_tail(400)
+    heard = [line for line in refusing.splitlines() if "did not complete the TLS handshake" in line]
+    assert len(heard) == 1, refusing
+    assert "127.0.0.1 opened" in heard[0] and "mesh 'test'" in heard[0]
+
+
+def test_idle_connections_are_bounded_per_address_and_in_time(daemons, mesh_token) -> None:
+    import socket
+    import time
+
+    member = daemons([*LOOPBACK, "--join", mesh_token, "--peer-handshake-timeout", "2"])
+    port = peer_port(member.wait_ready())
+    idle = []
+    try:
+        for _ in range(40):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(0.5)
+
+        def closed(sock: socket.socket) -> bool:
+            sock.setblocking(False)
+            try:
+                return sock.recv(1) == b""
+            except BlockingIOError:
+                return False  # open, nothing to read
+            except OSError:
+                return True
+
+        shut_at_once = sum(closed(sock) for sock in idle)
+        assert shut_at_once == 40 - 32, shut_at_once  # the bound per address
+        time.sleep(2.5)
+        assert all(closed(sock) for sock in idle), "the handshake timeout closes the rest"
+    finally:
+        for sock in idle:
+            sock.close()
+    time.sleep(2)
+    log = member.log_tail(200)
+    assert "refused 8 connection(s) from 127.0.0.1" in log, log
+    # The member still serves: a member's call goes through.
+    assert member.status().node_id

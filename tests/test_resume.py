@@ -1,0 +1,229 @@
+"""A request moved to another plan mid-stream goes on exactly where it was.
+
+The origin holds the prompt and every token so far; when its plan is withdrawn or loses a
+stage, it starts the request on the next plan with those tokens: the new stages prefill the
+prompt as the first run cut it and replay each generated token alone, and the sampler goes
+on at the same position of the same seed. So the tokens, and the logits each was sampled
+from, are bit-identical to one uninterrupted mlx-lm run, on any CPU, whatever the layouts
+before and after (stage boundaries do not change any layer's arithmetic; replaying the
+tokens in one chunk would). Real gRPC nodes in one process (``tests/support/dataplane_mesh``)
+with random float32 llama weights; the daemon-level tests (``test_resume_netns.py``) kill,
+cut and stop real daemons running the real model.
+"""
+
+# ruff: noqa: E402
+from meshd.runtime.blas import enable_fast_blas
+
+enable_fast_blas()  # before mlx.core: float32 matmuls on OpenBLAS
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshd.inference.assignment import Assignment
+from meshd.inference.errors import ErrorKind, InferenceError
+from meshd.inference.origin import FinalEvent, TokenEvent
+from meshd.inference.sampling import SamplingParams
+from tests.support.dataplane_mesh import LoopThread, Mesh, mlx_lm_reference
+from tests.support.random_model import make_random_model_dir
+
+PROMPT = [(index * 29 + 5) % 300 for index in range(13)]
+CHUNK = 4  # the prompt goes in three chunks and its last token: replay must cut it alike
+TOKENS = 24
+MOVE_AFTER = 9
+GREEDY = SamplingParams(max_tokens=TOKENS)
+SAMPLED = SamplingParams(
+    temperature=1.0, top_p=0.9, top_k=60, repetition_penalty=1.3, seed=11, max_tokens=TOKENS
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_model_dir(
+        tmp_path_factory.mktemp("model") / "llama",
+        "llama",
+        layers=6,
+        hidden=256,  # wide enough that a 4-token chunk and 4 single steps round apart here
+        heads=4,
+        kv_heads=2,
+        vocab=320,
+        seed=5,
+    )
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """n1-n3 hold stages; every origin follows the committed plans (moves its requests)."""
+    loop = LoopThread()
+    built = Mesh(loop, tmp_path_factory.mktemp("mesh"))
+    try:
+        for node_id in ("n1", "n2", "n3"):
+            built.add_node(node_id, follow=True, resume_timeout_s=20.0)
+        yield built
+    finally:
+        built.close()
+        loop.close()
+
+
+def run_and_switch(
+    mesh: Mesh,
+    origin: str,
+    before: Assignment,
+    after: Assignment | None,
+    params: SamplingParams,
+    *,
+    switch,
+) -> tuple[list[TokenEvent], FinalEvent | InferenceError, float]:
+    """Stream a request on ``before``; after MOVE_AFTER tokens run ``switch()`` on the loop
+    (it withdraws ``before`` its own way and commits ``after``). Returns the token events,
+    the outcome and how long the stream paused at the switch."""
+    plane = mesh.nodes[origin].plane
+
+    async def run() -> tuple[list[TokenEvent], FinalEvent | InferenceError, float]:
+        tokens: list[TokenEvent] = []
+        arrivals: list[float] = []
+        stream = plane.generate(
+            before.plan_id,
+            PROMPT,
+            params,
+            request_id=f"moved-{time.monotonic_ns()}",
+            return_logits=True,
+            prefill_chunk=CHUNK,
+            ignore_eos=True,
+        )
+        try:
+            async for event in stream:
+                if isinstance(event, FinalEvent):
+                    return tokens, event, _pause(arrivals)
+                tokens.append(event)
+                arrivals.append(time.monotonic())
+                if len(tokens) == MOVE_AFTER:
+                    await switch()
+        except InferenceError as error:
+            return tokens, error, _pause(arrivals)
+        raise AssertionError("the stream ended without a FinalEvent")
+
+    return mesh.loop.run(run(), timeout=120)
+
+
+def _pause(arrivals: list[float]) -> float:
+    gaps = np.diff(arrivals) if len(arrivals) > 1 else np.array([0.0])
+    return float(gaps.max())
+
+
+def assert_exact(model_dir: Path, tokens: list[TokenEvent], params: SamplingParams) -> None:
+    expected, logits = mlx_lm_reference(model_dir, PROMPT, params, prefill_chunk=CHUNK)
+    assert [event.token_id for event in tokens] == expected
+    for index, (event, reference) in enumerate(zip(tokens, logits, strict=True)):
+        assert event.logits is not None
+        assert np.array_equal(event.logits, reference), f"token {index}: logits differ"
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_request_moved_to_another_layout_is_bit_identical_to_one_run(
+    mesh: Mesh, model_dir: Path, params: SamplingParams
+) -> None:
+    """Plan A (n1: 0-2, n2: 3-5) is withdrawn after 9 tokens; plan B (n3: 0-0, n1: 1-5)
+    takes over: the stream goes on with no error and the same bits as mlx-lm alone."""
+    before = mesh.assignment_for(model_dir, [("n1", (0, 3)), ("n2", (3, 6))])
+    after = mesh.assignment_for(model_dir, [("n3", (0, 1)), ("n1", (1, 6))])
+    mesh.install(before)
+
+    async def switch() -> None:
+        await mesh.install_async(after)
+        await mesh.uninstall_async(before.plan_id, "withdrawn: the mesh re-planned")
+
+    tokens, outcome, _ = run_and_switch(mesh, "n2", before, after, params, switch=switch)
+    try:
+        assert isinstance(outcome, FinalEvent), outcome
+        assert outcome.usage.resumes == 1 and outcome.usage.plan_id == after.plan_id
+        assert outcome.usage.completion_tokens == TOKENS and outcome.finish_reason == "length"
+        assert [event.index for event in tokens] == list(range(TOKENS))
+        assert_exact(model_dir, tokens, params)
+        assert mesh.nodes["n2"].plane.origin.requests_resumed >= 1
+        mesh.wait_all_freed(after.plan_id)
+    finally:
+        mesh.uninstall(after.plan_id)
+
+
+def test_a_request_whose_stage_dies_goes_on_on_the_survivors(
+    mesh: Mesh, model_dir: Path, tmp_path: Path
+) -> None:
+    """A stage node stops answering (its server and data plane close, as on kill -9): the
+    origin notices the broken link, waits for the survivors' plan and goes on, exactly."""
+    doomed = mesh.add_node("doomed", follow=True)
+    before = mesh.assignment_for(model_dir, [("n1", (0, 2)), ("doomed", (2, 6))])
+    after = mesh.assignment_for(model_dir, [("n1", (0, 2)), ("n3", (2, 6))])
+    mesh.install(before)
+
+    async def switch() -> None:
+        await doomed.server.stop(0)
+        await doomed.plane.close()
+        await asyncio.sleep(0.3)  # the mesh notices and re-plans a moment later
+        survivors = ["n1", "n2", "n3"]
+        for name in survivors:
+            mesh.nodes[name].committed.discard(before.plan_id)
+            await mesh.nodes[name].plane.uninstall(before.plan_id, "member doomed was lost")
+        await mesh.install_async(after, survivors)
+
+    tokens, outcome, pause = run_and_switch(mesh, "n2", before, after, GREEDY, switch=switch)
+    try:
+        assert isinstance(outcome, FinalEvent), outcome
+        assert outcome.usage.resumes == 1 and outcome.usage.paused_s >= 0.3
+        assert_exact(model_dir, tokens, GREEDY)
+        assert pause >= 0.3
+    finally:
+        mesh.nodes.pop("doomed")
+        mesh.uninstall(after.plan_id)
+
+
+def test_a_request_ends_at_once_when_the_mesh_can_no_longer_run_the_model(
+    mesh: Mesh, model_dir: Path
+) -> None:
+    before = mesh.assignment_for(model_dir, [("n1", (0, 3)), ("n2", (3, 6))])
+    mesh.install(before)
+    refusal = "not enough memory in this mesh for llama: need 900 MB, have 600 MB"
+    switched_at: list[float] = []
+
+    async def switch() -> None:
+        switched_at.append(time.monotonic())
+        for node in mesh.nodes.values():
+            node.committed.replace((), active="", refusal=refusal)
+            await node.plane.uninstall(before.plan_id, "member n3 was lost")
+
+    tokens, outcome, _ = run_and_switch(mesh, "n1", before, None, GREEDY, switch=switch)
+    ended_after = time.monotonic() - switched_at[0]
+    assert isinstance(outcome, InferenceError), outcome
+    assert outcome.kind is ErrorKind.UNAVAILABLE
+    assert refusal in str(outcome) and f"after {MOVE_AFTER} tokens" in str(outcome)
+    assert len(tokens) == MOVE_AFTER
+    assert ended_after < 3.0, f"the client waited {ended_after:.1f} s for the refusal"
+
+
+def test_a_client_that_named_its_plan_is_not_moved(mesh: Mesh, model_dir: Path) -> None:
+    before = mesh.assignment_for(model_dir, [("n1", (0, 3)), ("n2", (3, 6))])
+    after = mesh.assignment_for(model_dir, [("n2", (0, 3)), ("n1", (3, 6))])
+    mesh.install(before)
+    plane = mesh.nodes["n3"].plane
+
+    async def run() -> InferenceError | None:
+        stream = plane.generate(before.plan_id, PROMPT, GREEDY, request_id="pinned", resume=False)
+        try:
+            async for event in stream:
+                if isinstance(event, TokenEvent) and event.index == 2:
+                    await mesh.install_async(after)
+                    await mesh.uninstall_async(before.plan_id, "withdrawn")
+        except InferenceError as error:
+            return error
+        return None
+
+    try:
+        error = mesh.loop.run(run(), timeout=60)
+        assert error is not None and error.kind is ErrorKind.UNAVAILABLE
+        assert "withdrawn" in str(error)
+    finally:
+        mesh.uninstall(after.plan_id)
