@@ -295,6 +295,8 @@ def run_steps(engine: StageEngine, works: Sequence[Work], cores_share: int) -> l
         return results  # type: ignore[return-value]
     except TooManyRequests as error:
         return [ComputeFailed(FailureKind.OVERLOADED, str(error)) for _ in works]
+    except StageUnavailable as error:
+        return [ComputeFailed(FailureKind.UNREACHABLE, str(error)) for _ in works]
     except Exception as error:
         reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         return [ComputeFailed(FailureKind.INTERNAL, reason) for _ in works]
