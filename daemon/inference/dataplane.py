@@ -117,6 +117,7 @@ class DataPlane:
         *,
         compute: ComputeExecutor | None = None,
         max_requests_per_stage: int = 64,
+        max_queued_per_plan: int = 64,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         link_timeout_s: float = 5.0,
         first_token_timeout_s: float = 300.0,
@@ -153,6 +154,7 @@ class DataPlane:
             check_serving,
             max_requests=max_requests_per_stage,
             idle_timeout_s=stage_idle_timeout_s,
+            max_queued=max_queued_per_plan,
         )
         self.runners = runners or RunnerSupervisor(node_id)
         self.runners.set_on_change(self._publish_runners)
@@ -484,6 +486,10 @@ class DataPlane:
                     open_requests=self.stage.caches_held(plan.plan_id),
                     origin_requests=self.origin.count(plan.plan_id),
                     batched_rows=plan.engine.batched_rows if plan.engine else 0,
+                    queued_requests=self.stage.core.queued_requests(plan.plan_id),
+                    reserved_tokens=self.stage.core.reserved_tokens(plan.plan_id),
+                    budget_tokens=plan.assignment.kv_budget_tokens,
+                    queue_limit=self.stage.core.max_queued,
                 )
             )
         return reply

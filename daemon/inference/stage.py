@@ -100,9 +100,15 @@ class StageRuntime:
         *,
         max_requests: int = 64,
         idle_timeout_s: float = 600.0,
+        max_queued: int = 64,
     ) -> None:
         self.node_id = node_id
-        self.core = StageCore(node_id, max_requests=max_requests, idle_timeout_s=idle_timeout_s)
+        self.core = StageCore(
+            node_id,
+            max_requests=max_requests,
+            idle_timeout_s=idle_timeout_s,
+            max_queued=max_queued,
+        )
         self._transport = transport
         self._compute = compute
         self._check_serving = check_serving
@@ -185,9 +191,11 @@ class StageRuntime:
     def on_end(self, sender: str, frame: dp.Frame) -> None:
         event = EndFrame(sender, frame.plan_id, frame.request_id)
         self._carry_out(self.core.on_end(event))
+        self._pump()  # a request that ended may have made room for a queued one
 
     def on_peer_lost(self, peer: str, reason: str) -> None:
         self._carry_out(self.core.on_peer_lost(peer, reason))
+        self._pump()
 
     @contextlib.contextmanager
     def holding_steps(self) -> Iterator[None]:
@@ -282,6 +290,7 @@ class StageRuntime:
 
     def _unreachable(self, plan_id: str, request_id: str, node: str) -> None:
         self._carry_out(self.core.on_unreachable(plan_id, request_id, node))
+        self._pump()
 
     def _release(self, action: Release) -> None:
         """Free the request's caches after its queued step (the compute thread is FIFO)."""
@@ -384,6 +393,7 @@ class StageRuntime:
         while not self._closed:
             await asyncio.sleep(interval)
             self._carry_out(self.core.sweep(time.monotonic()))
+            self._pump()
 
     async def close(self) -> None:
         self._closed = True

@@ -22,6 +22,7 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_UNREACHABLE: _ClassVar[FailureKind]
     FAILURE_INTERNAL: _ClassVar[FailureKind]
     FAILURE_BAD_REQUEST: _ClassVar[FailureKind]
+    FAILURE_QUEUE_FULL: _ClassVar[FailureKind]
 FINISH_NONE: FinishReason
 FINISH_EOS: FinishReason
 FINISH_LENGTH: FinishReason
@@ -32,6 +33,7 @@ FAILURE_OVERLOADED: FailureKind
 FAILURE_UNREACHABLE: FailureKind
 FAILURE_INTERNAL: FailureKind
 FAILURE_BAD_REQUEST: FailureKind
+FAILURE_QUEUE_FULL: FailureKind
 
 class Frame(_message.Message):
     __slots__ = ("plan_id", "request_id", "hello", "start", "activation", "token", "end", "failure", "bundle")
@@ -156,7 +158,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PlanStats(_message.Message):
-    __slots__ = ("plan_id", "stage_index", "layer_start", "layer_end", "weight_bytes", "open_requests", "origin_requests", "batched_rows", "queued_requests", "admit_limit", "queue_limit")
+    __slots__ = ("plan_id", "stage_index", "layer_start", "layer_end", "weight_bytes", "open_requests", "origin_requests", "batched_rows", "queued_requests", "reserved_tokens", "budget_tokens", "queue_limit")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -166,7 +168,8 @@ class PlanStats(_message.Message):
     ORIGIN_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BATCHED_ROWS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    ADMIT_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     stage_index: int
@@ -177,9 +180,10 @@ class PlanStats(_message.Message):
     origin_requests: int
     batched_rows: int
     queued_requests: int
-    admit_limit: int
+    reserved_tokens: int
+    budget_tokens: int
     queue_limit: int
-    def __init__(self, plan_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., open_requests: _Optional[int] = ..., origin_requests: _Optional[int] = ..., batched_rows: _Optional[int] = ..., queued_requests: _Optional[int] = ..., admit_limit: _Optional[int] = ..., queue_limit: _Optional[int] = ...) -> None: ...
+    def __init__(self, plan_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., open_requests: _Optional[int] = ..., origin_requests: _Optional[int] = ..., batched_rows: _Optional[int] = ..., queued_requests: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., budget_tokens: _Optional[int] = ..., queue_limit: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("node_id", "plans", "rss_bytes", "peak_rss_bytes", "frames_received", "frames_sent")
