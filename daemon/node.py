@@ -35,6 +35,7 @@ from meshd.mesh.peer_service import PeerService
 from meshd.models.share import PartExporter
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
+from meshd.runtime.lazy_imports import import_model_runtime
 from meshd.runtime.rpc_guard import add_guarded_servicer
 from meshd.service.notify import notify_ready
 from meshd.state_lock import hold_state_dir
@@ -614,6 +615,7 @@ def _check_model_type(model_dir: Path) -> None:
     """Raise UnsupportedModel/StageLoadError (with the reason) for a model stages cannot run.
 
     Reads only config.json; the stage code (and mlx-lm) is imported on this first use."""
+    import_model_runtime()  # first: a worker thread may be importing mlx-lm at this moment
     from meshd.inference.shard import check_model_type
 
     check_model_type(model_dir)

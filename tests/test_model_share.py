@@ -49,7 +49,7 @@ def test_a_node_without_the_model_fetches_only_its_layers(daemons, mesh_token, t
     done = [e.done for e in client.stream_generation(fetcher.api, request) if e.HasField("done")]
     assert done and done[0].completion_tokens > 0
 
-    parts = list((fetcher.state_dir / "models" / "parts").iterdir())
+    parts = list((fetcher.state_dir / "parts").iterdir())
     assert len(parts) == 1
     names = [n for f in parts[0].glob("*.safetensors") for n in safetensors_tensor_names(f)]
     layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
@@ -118,7 +118,7 @@ def test_a_mesh_that_flips_back_reuses_the_kept_part(daemons, mesh_token, tmp_pa
     fetches = [e for e in last.events if "fetched layers" in e]
     if own_layers(last) == own_layers(first):
         assert len(fetches) == 2, fetches  # the first part, the 3-node part, not the first again
-    parts = sorted(p.name for p in (fetcher.state_dir / "models" / "parts").iterdir())
+    parts = sorted(p.name for p in (fetcher.state_dir / "parts").iterdir())
     assert len(parts) <= 2, parts  # the one in use and at most one spare
 
 

@@ -88,7 +88,10 @@ def test_moe_bigger_than_any_node_answers_across_namespaced_daemons(
         else:
             text.append(event.text)
     assert done is not None and done.completion_tokens > 0
-    assert "".join(text) == mlx_lm_answer(big_moe)
+    # A random model's bytes are rarely valid UTF-8: where max_tokens cuts a character, mlx-lm
+    # flushes it as U+FFFD and the mesh holds it back (it never sends a character the model
+    # did not produce); everything before is the same text.
+    assert "".join(text) == mlx_lm_answer(big_moe).removesuffix("\ufffd")
 
     held = 0
     for node in nodes:
