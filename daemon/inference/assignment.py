@@ -118,6 +118,10 @@ class Assignment:
     # a request whose prompt plus max_tokens exceeds it is refused. 0: no limit (a pipeline
     # built by hand, without a plan).
     context_length: int = 0
+    # Sequences the plan reserves KV cache for (the partitioner's ``concurrency``): with
+    # ``context_length``, the KV tokens the first stage may admit at once (see
+    # :attr:`kv_budget_tokens`). 0: no bound but the stages' request limit.
+    concurrency: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -129,6 +133,8 @@ class Assignment:
         nodes = self.member_ids
         if len(set(nodes)) != len(nodes):
             raise InvalidAssignment(f"{what}: a node holds more than one stage ({list(nodes)})")
+        if self.concurrency < 0:
+            raise InvalidAssignment(f"{what}: concurrency {self.concurrency} < 0")
         if self.context_length < 0:
             raise InvalidAssignment(f"{what}: context length {self.context_length} < 0")
 
@@ -138,12 +144,24 @@ class Assignment:
         needed = prompt_tokens + max_tokens
         if not self.context_length or needed <= self.context_length:
             return None
+        room = self.context_length - prompt_tokens
+        advice = (
+            f"shorten the prompt or lower max_tokens (at most {room} for this prompt)"
+            if room > 0
+            else f"the prompt alone fills it: shorten it below {self.context_length} tokens"
+        )
         return (
             f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) need "
             f"{needed} tokens of context, but plan {self.plan_id[:12]} reserves "
-            f"{self.context_length} per sequence; shorten the prompt or lower max_tokens "
-            f"(at most {max(0, self.context_length - prompt_tokens)} for this prompt)"
+            f"{self.context_length} per sequence; {advice}"
         )
+
+    @property
+    def kv_budget_tokens(self) -> int:
+        """KV tokens the plan's memory prediction reserves on every node (context length x
+        concurrency): the requests running at once may together reserve no more (0: no bound).
+        """
+        return self.context_length * self.concurrency
 
     @property
     def node_ids(self) -> tuple[str, ...]:
@@ -197,6 +215,7 @@ class Assignment:
             model_dir=Path(model_dir),
             stages=tuple(stages),
             context_length=int(getattr(plan, "context_length", 0) or 0),
+            concurrency=int(getattr(plan, "concurrency", 0) or 0),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -212,6 +231,7 @@ class Assignment:
                 for stage in self.stages
             ],
             "context_length": self.context_length,
+            "concurrency": self.concurrency,
         }
 
     @classmethod
@@ -221,4 +241,5 @@ class Assignment:
             model_dir=Path(data["model_dir"]),
             stages=tuple(StageSpec(**stage) for stage in data["stages"]),
             context_length=int(data.get("context_length", 0)),
+            concurrency=int(data.get("concurrency", 0)),
         )

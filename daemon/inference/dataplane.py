@@ -123,6 +123,7 @@ class DataPlane:
         *,
         compute: ComputeExecutor | None = None,
         max_requests_per_stage: int = 64,
+        max_queued_per_plan: int = 64,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         link_timeout_s: float = 5.0,
         first_token_timeout_s: float = 300.0,
@@ -159,6 +160,7 @@ class DataPlane:
             check_serving,
             max_requests=max_requests_per_stage,
             idle_timeout_s=stage_idle_timeout_s,
+            max_queued=max_queued_per_plan,
         )
         self.runners = runners or RunnerSupervisor(node_id)
         self.runners.set_on_change(self._publish_runners)
@@ -176,6 +178,7 @@ class DataPlane:
             "token": self._on_token,
             "end": self.stage.on_end,
             "failure": self.origin.on_failure,
+            "bundle": self._on_bundle,
         }
 
     def servicer(self) -> DataPlaneServicer:
@@ -250,7 +253,7 @@ class DataPlane:
             self.record_load_failure(assignment.plan_id, str(error))
             raise
         plan.ready.set_result(None)
-        self.stage.plan_loaded(assignment.plan_id)
+        self.stage.plan_loaded(assignment.plan_id, vocab_size=plan.vocab_size)
         log.info(
             "installed plan %s (stage %s of %d)",
             assignment.plan_id[:12],
@@ -517,6 +520,17 @@ class DataPlane:
             return
         handler(sender, frame)
 
+    def _on_bundle(self, sender: str, frame: dp.Frame) -> None:
+        """The frames of one batched step, handled in order; the stage decides what to
+        compute next only after the last (so the batch's rows can run together here)."""
+        with self.stage.holding_steps():
+            for inner in frame.bundle.frames:
+                kind = inner.WhichOneof("body")
+                if kind == "bundle":
+                    log.warning("a bundle from %s holds a bundle: ignored", sender)
+                    continue
+                self.on_frame(sender, inner)
+
     def _on_token(self, sender: str, frame: dp.Frame) -> None:
         self.origin.on_token(sender, frame)
         self.stage.on_token(sender, frame)
@@ -550,6 +564,11 @@ class DataPlane:
                     weight_bytes=plan.engine.weight_bytes if plan.engine else 0,
                     open_requests=self.stage.caches_held(plan.plan_id),
                     origin_requests=self.origin.count(plan.plan_id),
+                    batched_rows=plan.engine.batched_rows if plan.engine else 0,
+                    queued_requests=self.stage.core.queued_requests(plan.plan_id),
+                    reserved_tokens=self.stage.core.reserved_tokens(plan.plan_id),
+                    budget_tokens=plan.assignment.kv_budget_tokens,
+                    queue_limit=self.stage.core.max_queued,
                 )
             )
         return reply

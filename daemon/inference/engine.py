@@ -135,6 +135,7 @@ class StageEngine:
     weight_bytes: int = 0
     _caches: RequestCaches | None = None
     _samplers: dict[str, _SamplerState] = field(default_factory=dict)
+    batched_rows: int = 0  # decode steps run batched with other requests' (read in stats)
 
     def load(
         self, shared: StageModel | None = None, donors: list[StageModel] | None = None
@@ -178,6 +179,30 @@ class StageEngine:
         mx.eval(output)
         return output
 
+    @property
+    def batchable(self) -> bool:
+        """Whether this stage may run several requests' decode steps in one forward pass."""
+        return self.stage is not None and self.stage.batchable
+
+    def run_batch(self, inputs: dict[str, mx.array], *, head: bool) -> tuple[list[str], mx.array]:
+        """One decode step of several requests in one forward pass on their batched caches
+        (:meth:`RequestCaches.batch`), evaluated: the requests in row order, and the hidden
+        states ``(rows, 1, hidden)`` or, with ``head``, the logits ``(rows, 1, vocab)``.
+        ``inputs`` holds each request's input, ``(1, 1)`` token ids or ``(1, 1, hidden)``."""
+        if self.stage is None or self._caches is None:
+            raise RuntimeError("this node's stage is not loaded")
+        cache, order = self._caches.batch(list(inputs))
+        batch = mx.concatenate([inputs[request_id] for request_id in order], axis=0)
+        output = self.stage.run(batch, cache, logits="last" if head else "none")
+        mx.eval(output)
+        self.batched_rows += len(order)
+        return order, output
+
+    @property
+    def batched_groups(self) -> int:
+        """Groups of requests whose caches are merged here (decoding together)."""
+        return self._caches.groups if self._caches is not None else 0
+
     def sample(self, request_id: str, logits: mx.array) -> tuple[int, bytes]:
         """The request's next token from the step's logits ``(1, 1, vocab)``, and the logits
         row as float32 bytes when the request asked for them (else b"")."""
@@ -211,6 +236,92 @@ class StageEngine:
         self._samplers.clear()
         self.stage = None
         mx.clear_cache()
+
+
+def is_decode_step(work: Work) -> bool:
+    """Whether ``work`` runs one position (a decode step, which may join a batch)."""
+    if work.follows:
+        return True
+    if work.tokens is not None:
+        return len(work.tokens) == 1
+    shape = getattr(work.payload, "shape", ())
+    return len(shape) == 3 and shape[0] == 1 and shape[1] == 1
+
+
+def run_steps(engine: StageEngine, works: Sequence[Work], cores_share: int) -> list[StepResult]:
+    """Compute thread: one decode step of each request of ``works`` (one plan, all with the
+    same ``head``) in one forward pass on their batched caches, each row's result in order.
+    Rows whose step is skipped (a single stage's following step after a stop token) drop out;
+    a batch left with one row runs that row alone (:func:`run_step`), on its own cache."""
+    from meshd.inference.stage_model import TooManyRequests
+
+    set_blas_threads(None if cores_share <= 1 else default_blas_threads() // cores_share)
+    started = time.perf_counter()
+    results: list[StepResult | None] = [None] * len(works)
+    inputs: dict[str, mx.array] = {}
+    try:
+        for row, work in enumerate(works):
+            if work.follows:
+                token = engine.last_token(work.request_id)
+                if token in work.stop_ids:
+                    results[row] = Skipped()
+                    continue
+                inputs[work.request_id] = mx.array([[token]])
+            elif work.tokens is not None:
+                inputs[work.request_id] = mx.array([work.tokens])
+            else:
+                payload: Any = work.payload
+                inputs[work.request_id] = decode_hidden(payload.dtype, payload.shape, payload.data)
+            if work.sampler is not None:
+                engine.open_sampler(work.request_id, work.sampler)
+        if len(inputs) < 2:
+            return [
+                result if result is not None else run_step(engine, work, cores_share)
+                for work, result in zip(works, results, strict=True)
+            ]
+        order, output = engine.run_batch(inputs, head=works[0].head)
+        elapsed = time.perf_counter() - started
+        rows = {request_id: row for row, request_id in enumerate(order)}
+        hidden = None if engine.key.has_head else _host_rows(output)
+        for index, work in enumerate(works):
+            if results[index] is not None:
+                continue
+            row = rows[work.request_id]
+            if hidden is not None:
+                states = _row_states(hidden, row, output.dtype)
+                results[index] = Hidden(states, work.upstream_s + elapsed)
+            elif not work.head:
+                results[index] = Advanced(work.upstream_s + elapsed)
+            else:
+                token, logits = engine.sample(work.request_id, output[row : row + 1])
+                spent = work.upstream_s + time.perf_counter() - started
+                results[index] = Sampled(token, logits, spent)
+        assert all(result is not None for result in results)
+        return results  # type: ignore[return-value]
+    except TooManyRequests as error:
+        return [ComputeFailed(FailureKind.OVERLOADED, str(error)) for _ in works]
+    except StageUnavailable as error:
+        return [ComputeFailed(FailureKind.UNREACHABLE, str(error)) for _ in works]
+    except Exception as error:
+        reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        return [ComputeFailed(FailureKind.INTERNAL, reason) for _ in works]
+
+
+def _host_rows(hidden: mx.array) -> np.ndarray:
+    """A batch's evaluated hidden states as host memory (bfloat16 as its uint16 bits)."""
+    return np.array(hidden.view(mx.uint16) if hidden.dtype == mx.bfloat16 else hidden)
+
+
+def _row_states(hidden: np.ndarray, row: int, dtype: mx.Dtype) -> HiddenStates:
+    """Row ``row`` of a batch's hidden states ``(rows, 1, hidden)`` in wire form, as
+    :func:`encode_hidden` gives it."""
+    name = _WIRE_NAMES.get(dtype)
+    if name is None:
+        raise ValueError(
+            f"hidden states of dtype {dtype} cannot be sent; supported: {', '.join(_WIRE_DTYPES)}"
+        )
+    one = hidden[row : row + 1]
+    return HiddenStates(name, tuple(one.shape), one.tobytes())
 
 
 def run_step(engine: StageEngine, work: Work, cores_share: int) -> StepResult:

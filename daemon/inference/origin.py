@@ -75,6 +75,8 @@ _FAILURE_KINDS: dict[FailureKind, ErrorKind] = {
     FailureKind.UNREACHABLE: ErrorKind.UNAVAILABLE,
     FailureKind.INTERNAL: ErrorKind.INTERNAL,
     FailureKind.BAD_REQUEST: ErrorKind.UNAVAILABLE,  # the stage's view of the plan differs
+    # Not retried here: the client decides (429 / RESOURCE_EXHAUSTED), it knows its deadline.
+    FailureKind.QUEUE_FULL: ErrorKind.OVERLOADED,
 }
 # Failures another attempt can get past: on the next plan, or on this one shortly (a stage
 # still loading or full, or one that has not committed the plan yet or already left it: the

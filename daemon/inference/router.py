@@ -275,6 +275,14 @@ class RequestRouter:
                 f"the chat template of {self._serving().model} does not support tools; "
                 "send the request without tools",
             )
+        if (messages is not None or chat_template) and not getattr(
+            self._plane.tokenizer(plan_id), "has_chat_template", True
+        ):
+            raise InferenceError(
+                ErrorKind.BAD_INPUT,
+                f"{self._serving().model} has no chat template (a base model): send the text "
+                "as a plain prompt (Generate with chat_template false, or a completion)",
+            )
         if messages is not None:
             return self._plane.encode_chat(plan_id, messages, tools)
         if chat_template:

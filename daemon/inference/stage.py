@@ -10,6 +10,14 @@ request's steps is the core's, and the compute thread does not wait for this loo
 two steps (of different requests, or of one request on a single stage). Frames that carry
 hidden states on are built on the compute thread too, off this loop.
 
+Continuous batching: the decode steps ready at once (one position each, of one plan) run in
+one forward pass on the requests' merged caches (:meth:`meshd.inference.stage_model.
+RequestCaches.batch`, mlx-lm's batch caches); prefill chunks run alone, interleaved with
+them. The frames of one batched step go to each node as one Bundle, and a bundle's frames are
+read before the next steps are handed out, so a batch stays together down the pipeline. The
+first stage cuts its batch into as many micro-batches as the plan has stages, so every stage
+has one to compute while the others compute theirs.
+
 Cores: stages of one plan on the same machine (the daemon knows from the peers' machine
 fingerprints) take turns while one request runs, so each may use every core; with several
 requests in flight they compute at the same time, and each then uses its share.
@@ -21,13 +29,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from meshd.inference.assignment import Assignment
-from meshd.inference.engine import StageEngine, run_step
+from meshd.inference.engine import StageEngine, is_decode_step, run_step, run_steps
 from meshd.inference.fencing import FenceCheck
 from meshd.inference.frames import (
     failure_to_proto,
@@ -91,14 +100,22 @@ class StageRuntime:
         *,
         max_requests: int = 64,
         idle_timeout_s: float = 600.0,
+        max_queued: int = 64,
     ) -> None:
         self.node_id = node_id
-        self.core = StageCore(node_id, max_requests=max_requests, idle_timeout_s=idle_timeout_s)
+        self.core = StageCore(
+            node_id,
+            max_requests=max_requests,
+            idle_timeout_s=idle_timeout_s,
+            max_queued=max_queued,
+        )
         self._transport = transport
         self._compute = compute
         self._check_serving = check_serving
         self._stages: dict[str, _Stage] = {}
-        self._queued_steps = 0  # steps submitted to the compute thread, not yet back
+        self._queued_steps = 0  # jobs submitted to the compute thread, not yet back
+        self._holding = 0  # > 0 while the frames of a bundle are read: no step handed out
+        self._outbox: dict[tuple[str, str | None, bool], list[dp.Frame]] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -112,8 +129,9 @@ class StageRuntime:
         self.core.add_plan(assignment)
         self._start_sweeper()
 
-    def plan_loaded(self, plan_id: str) -> None:
-        self.core.plan_loaded(plan_id)
+    def plan_loaded(self, plan_id: str, vocab_size: int = 0) -> None:
+        """The plan's stage is loaded; token ids outside ``vocab_size`` are refused."""
+        self.core.plan_loaded(plan_id, vocab_size=vocab_size)
 
     def plan_failed(self, plan_id: str, reason: str) -> None:
         self._carry_out(self.core.plan_failed(plan_id, reason))
@@ -174,9 +192,22 @@ class StageRuntime:
     def on_end(self, sender: str, frame: dp.Frame) -> None:
         event = EndFrame(sender, frame.plan_id, frame.request_id)
         self._carry_out(self.core.on_end(event))
+        self._pump()  # a request that ended may have made room for a queued one
 
     def on_peer_lost(self, peer: str, reason: str) -> None:
         self._carry_out(self.core.on_peer_lost(peer, reason))
+        self._pump()
+
+    @contextlib.contextmanager
+    def holding_steps(self) -> Iterator[None]:
+        """Read several frames (a bundle) before handing out the next steps, so the rows of
+        one batched step upstream can run together here."""
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+            self._pump()
 
     def _fence(self, plan_id: str) -> str | None:
         """The agreement's verdict: None when ``plan_id`` is committed here, else why not."""
@@ -205,7 +236,11 @@ class StageRuntime:
         if action.start is not None:
             frame.activation.start.CopyFrom(start_to_proto(action.start))
         address = stage.addresses.get(action.to) if stage is not None else None
-        if address is None or not self._transport.send(action.to, address, frame):
+        if address is None:
+            self._unreachable(action.plan_id, action.request_id, action.to)
+        elif self._outbox is not None:
+            self._outbox.setdefault((action.to, address, False), []).append(frame)
+        elif not self._transport.send(action.to, address, frame):
             self._unreachable(action.plan_id, action.request_id, action.to)
 
     def _send_token(self, action: SendToken) -> None:
@@ -220,8 +255,30 @@ class StageRuntime:
         frame = dp.Frame(plan_id=action.plan_id, request_id=action.request_id, token=token)
         for node in action.to:
             address = stage.addresses.get(node) if stage is not None else None
-            if not self._transport.route(node, address, frame) and address is not None:
+            if self._outbox is not None:
+                self._outbox.setdefault((node, address, True), []).append(frame)
+            elif not self._transport.route(node, address, frame) and address is not None:
                 self._unreachable(action.plan_id, action.request_id, node)
+
+    def _carry_out_bundled(self, actions: list[Action]) -> None:
+        """Carry out the actions of one batched step, the frames to each node as one bundle
+        (one frame per step per link, whatever the batch's size)."""
+        self._outbox = {}
+        try:
+            self._carry_out(actions)
+            outbox = self._outbox
+        finally:
+            self._outbox = None
+        for (node, address, routed), frames in outbox.items():
+            frame = frames[0] if len(frames) == 1 else dp.Frame(bundle=dp.Bundle(frames=frames))
+            if routed:
+                sent = self._transport.route(node, address, frame) or address is None
+            else:
+                assert address is not None
+                sent = self._transport.send(node, address, frame)
+            if not sent:
+                for lost in frames:
+                    self._unreachable(lost.plan_id, lost.request_id, node)
 
     def _send_failure(self, action: SendFailure) -> None:
         stage = self._stages.get(action.plan_id)
@@ -234,6 +291,7 @@ class StageRuntime:
 
     def _unreachable(self, plan_id: str, request_id: str, node: str) -> None:
         self._carry_out(self.core.on_unreachable(plan_id, request_id, node))
+        self._pump()
 
     def _release(self, action: Release) -> None:
         """Free the request's caches after its queued step (the compute thread is FIFO)."""
@@ -251,39 +309,78 @@ class StageRuntime:
     # ------------------------------------------------------------ compute
 
     def _pump(self) -> None:
-        """Give the compute thread the core's next step, if it is idle and one is ready."""
+        """Give the compute thread the core's next steps, if it is idle and some are ready:
+        the decode steps of one plan's requests run together (continuous batching,
+        :func:`_jobs`), each prefill chunk alone."""
         while self._queued_steps < QUEUED_STEPS and not self._closed and not self._compute.closed:
-            batch = self.core.next_batch(time.monotonic())
-            if not batch:
+            if self._holding:
                 return
-            (work,) = batch
-            stage = self._stages.get(work.plan_id)
-            if stage is None or stage.engine is None:
-                reason = ComputeFailed(FailureKind.INTERNAL, "this node holds no loaded stage")
-                self._carry_out(self.core.on_computed(work, reason, time.monotonic()))
-                continue
-            busy = self.core.total_open_requests() > 1
-            share = stage.colocated_stages if busy else 1
-            self._queued_steps += 1
-            then = partial(self._computed, stage, work)
-            self._compute.submit_then(_step_job, (stage.engine, work, share), then)
+            works = self.core.next_batch(time.monotonic(), max_items=self.core.max_requests)
+            if not works:
+                return
+            for job in self._jobs(works):
+                self._submit(job)
 
-    def _computed(self, stage: _Stage, work: Work, future: Future[StepResult]) -> None:
+    def _jobs(self, works: list[Work]) -> list[list[Work]]:
+        """The forward passes that compute ``works`` (one step each of other requests):
+        decode steps of one plan with the same head run together when the stage can batch,
+        split on the first stage into as many micro-batches as the plan has stages, so each
+        stage has a micro-batch to compute while the others compute theirs; prefill chunks
+        run alone (each request's prefill runs on its own caches, as mlx-lm's)."""
+        jobs: list[list[Work]] = []
+        batches: dict[tuple[str, bool], list[Work]] = {}
+        for work in works:
+            stage = self._stages.get(work.plan_id)
+            engine = stage.engine if stage is not None else None
+            if engine is not None and engine.batchable and is_decode_step(work):
+                batches.setdefault((work.plan_id, work.head), []).append(work)
+            else:
+                jobs.append([work])
+        for (plan_id, _), rows in batches.items():
+            stage = self._stages[plan_id]
+            first = stage.assignment.stage_index(self.node_id) == 0
+            parts = len(stage.assignment.stages) if first else 1
+            size = -(-max(len(rows), self.core.open_requests(plan_id)) // parts)
+            count = -(-len(rows) // size)  # near-equal micro-batches of at most ``size``
+            jobs += [rows[part::count] for part in range(count)]
+        return jobs
+
+    def _submit(self, job: list[Work]) -> None:
+        stage = self._stages.get(job[0].plan_id)
+        if stage is None or stage.engine is None:
+            reason = ComputeFailed(FailureKind.INTERNAL, "this node holds no loaded stage")
+            for work in job:
+                self._carry_out(self.core.on_computed(work, reason, time.monotonic()))
+            return
+        busy = self.core.total_open_requests() > 1
+        share = stage.colocated_stages if busy else 1
+        self._queued_steps += 1
+        then = partial(self._computed, stage, job)
+        self._compute.submit_then(_steps_job, (stage.engine, job, share), then)
+
+    def _computed(self, stage: _Stage, job: list[Work], future: Future[list[StepResult]]) -> None:
         self._queued_steps -= 1
-        result: StepResult
+        results: list[StepResult]
         if future.cancelled():
-            result = ComputeFailed(FailureKind.INTERNAL, "the compute thread stopped")
+            failed = ComputeFailed(FailureKind.INTERNAL, "the compute thread stopped")
+            results = [failed] * len(job)
         elif future.exception() is not None:
             error = future.exception()
             assert error is not None
-            result = ComputeFailed(FailureKind.INTERNAL, describe_error(error))
+            results = [ComputeFailed(FailureKind.INTERNAL, describe_error(error))] * len(job)
         else:
-            result = future.result()
-        if not isinstance(result, ComputeFailed):
-            stage.cached.add(work.request_id)
-        actions = self.core.on_computed(work, result, time.monotonic())
+            results = future.result()
+        actions: list[Action] = []
+        now = time.monotonic()
+        for work, result in zip(job, results, strict=True):
+            if not isinstance(result, ComputeFailed):
+                stage.cached.add(work.request_id)
+            actions += self.core.on_computed(work, result, now)
         self._pump()  # the compute thread's next step first, then the frames
-        self._carry_out(actions)
+        if len(job) > 1:
+            self._carry_out_bundled(actions)
+        else:
+            self._carry_out(actions)
 
     # ------------------------------------------------------------ housekeeping
 
@@ -297,6 +394,7 @@ class StageRuntime:
         while not self._closed:
             await asyncio.sleep(interval)
             self._carry_out(self.core.sweep(time.monotonic()))
+            self._pump()
 
     async def close(self) -> None:
         self._closed = True
@@ -306,10 +404,19 @@ class StageRuntime:
                 await self._sweeper
 
 
-def _step_job(engine: StageEngine, work: Work, cores_share: int) -> StepResult:
-    """Compute thread: one step and, for hidden states, the frame that carries them on (built
-    here, off the asyncio thread; the loop adds only the forwarded Start of step 0)."""
-    result = run_step(engine, work, cores_share)
+def _steps_job(engine: StageEngine, job: list[Work], cores_share: int) -> list[StepResult]:
+    """Compute thread: one forward pass for the steps of ``job`` (one step alone, or the
+    decode steps of several requests batched) and, for hidden states, the frames that carry
+    them on (built here, off the asyncio thread; the loop adds only the forwarded Start of
+    step 0)."""
+    if len(job) == 1:
+        results = [run_step(engine, job[0], cores_share)]
+    else:
+        results = run_steps(engine, job, cores_share)
+    return [_with_frame(work, result) for work, result in zip(job, results, strict=True)]
+
+
+def _with_frame(work: Work, result: StepResult) -> StepResult:
     if not isinstance(result, Hidden):
         return result
     hidden: Any = result.payload

@@ -36,6 +36,12 @@ Rules (each refusal ends the request on this node and tells its origin with a Fa
   overtake its Start; a late frame may follow a refusal).
 * Bounds: a plan holds at most ``max_requests`` requests on this stage (``OVERLOADED``); a
   request silent for ``idle_timeout_s`` is dropped (its origin vanished without a word).
+* Admission (first stage): the requests running at once reserve at most the KV tokens the
+  plan reserved (:attr:`Assignment.kv_budget_tokens`: context length x concurrency), each its
+  context plus the tokens it may still generate. A Start that does not fit waits, in arrival
+  order, in the plan's queue of at most ``max_queued`` (a Start arriving to a full queue is
+  refused ``QUEUE_FULL``, which the APIs answer 429 / RESOURCE_EXHAUSTED); the
+  queue's head is admitted as soon as requests that ended free enough.
 
 Scheduling: a request's steps run in order, one at a time, except on a single stage, whose
 next step's input is the token its current step samples: that following step is handed out
@@ -45,12 +51,13 @@ whose next input has arrived wait in one round-robin queue: after each step hand
 request goes to the back, so a long prompt's prefill chunks interleave with other requests'
 steps and a short request's first token never waits for a long prompt to finish.
 :meth:`StageCore.next_batch` may hand out steps of several requests at once (one per
-request): the runtime runs one step per batch today; a batched forward pass can take more.
+request): the runtime runs the decode steps among them in one batched forward pass.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from meshd.inference.assignment import Assignment
@@ -108,6 +115,7 @@ class _Request:
     in_flight: int = 0  # steps on the compute thread (2 only for a following step)
     queued: bool = False
     ended: bool = False
+    reserved: int = 0  # KV tokens reserved at admission (first stage of a bounded plan)
 
 
 @dataclass(eq=False, slots=True)
@@ -116,6 +124,23 @@ class _Plan:
     index: int | None
     ready: bool = False
     requests: dict[str, _Request] = field(default_factory=dict)
+    vocab_size: int = 0  # the model's token ids are 0 <= id < vocab_size (0: unknown)
+
+    def token_error(self, tokens: Sequence[int]) -> str | None:
+        """Why ``tokens`` cannot be embedded (an id outside the vocabulary), or None. The
+        embedding lookup checks no bounds: an id past the table reads outside it."""
+        if not self.vocab_size:
+            return None
+        bad = next((token for token in tokens if not 0 <= token < self.vocab_size), None)
+        if bad is None:
+            return None
+        return (
+            f"token id {bad} is not a token of the model of plan {self.plan_id[:12]} "
+            f"(0 <= id < {self.vocab_size})"
+        )
+
+    waiting: deque[StartFrame] = field(default_factory=deque)  # Starts not admitted yet, FIFO
+    reserved_tokens: int = 0  # KV tokens the admitted requests reserve (first stage)
 
     @property
     def plan_id(self) -> str:
@@ -139,16 +164,27 @@ class _Plan:
 class StageCore:
     """The stages of every plan installed on node ``node_id``, and their open requests."""
 
-    def __init__(self, node_id: str, *, max_requests: int = 64, idle_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        node_id: str,
+        *,
+        max_requests: int = 64,
+        idle_timeout_s: float = 600.0,
+        max_queued: int = 64,
+    ):
         if max_requests < 1:
             raise ValueError(f"max_requests must be at least 1, got {max_requests}")
+        if max_queued < 0:
+            raise ValueError(f"max_queued must be at least 0, got {max_queued}")
         self.node_id = node_id
         self.max_requests = max_requests
+        self.max_queued = max_queued
         self.idle_timeout_s = idle_timeout_s
         self._plans: dict[str, _Plan] = {}
         self._load_failures: OrderedDict[str, str] = OrderedDict()
         self._ended: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._ready: deque[_Request] = deque()
+        self._clock = 0.0  # the latest ``now`` an event brought (when a queued Start is admitted)
 
     # ------------------------------------------------------------ plans
 
@@ -160,10 +196,13 @@ class StageCore:
             self._plans[assignment.plan_id] = _Plan(assignment, index)
         self._load_failures.pop(assignment.plan_id, None)
 
-    def plan_loaded(self, plan_id: str) -> None:
+    def plan_loaded(self, plan_id: str, vocab_size: int = 0) -> None:
+        """The plan's stage is loaded here; ``vocab_size`` (when known) bounds the token ids
+        the first stage accepts."""
         plan = self._plans.get(plan_id)
         if plan is not None:
             plan.ready = True
+            plan.vocab_size = vocab_size
 
     def plan_failed(self, plan_id: str, reason: str) -> list[Action]:
         """This node cannot serve ``plan_id`` (its part could not be fetched or loaded):
@@ -183,7 +222,24 @@ class StageCore:
         actions: list[Action] = []
         for request in list(plan.requests.values()):
             actions += self._drop(plan, request, FailureKind.FENCED, reason)
+        while plan.waiting:
+            frame = plan.waiting.popleft()
+            self._remember_ended(plan.plan_id, frame.request_id)
+            kind = FailureKind.FENCED
+            actions.append(
+                SendFailure(frame.start.origin, plan.plan_id, frame.request_id, kind, reason)
+            )
         return actions
+
+    def queued_requests(self, plan_id: str) -> int:
+        """Starts waiting to be admitted on this (first) stage of ``plan_id``."""
+        plan = self._plans.get(plan_id)
+        return len(plan.waiting) if plan is not None else 0
+
+    def reserved_tokens(self, plan_id: str) -> int:
+        """KV tokens the admitted requests of ``plan_id`` reserve here (first stage)."""
+        plan = self._plans.get(plan_id)
+        return plan.reserved_tokens if plan is not None else 0
 
     def has_plan(self, plan_id: str) -> bool:
         return plan_id in self._plans
@@ -214,9 +270,46 @@ class StageCore:
                 f"node {self.node_id} holds stage {plan.index} of plan {plan.plan_id}, not the "
                 "first: the origin has another view of the plan",
             )
+        self._clock = max(self._clock, now)
+        if refused := self._wait_for_room(plan, frame):
+            return refused
+        if plan.waiting and plan.waiting[-1] is frame:
+            return []  # it waits for room
+        return self._admit(plan, frame, now)
+
+    def _wait_for_room(self, plan: _Plan, frame: StartFrame) -> list[Action]:
+        """Queue ``frame`` when the plan's KV budget has no room for it now (or others wait
+        before it), refuse it when the queue is full; nothing when it may start at once."""
+        budget = plan.assignment.kv_budget_tokens
+        if not budget:
+            return []
+        if frame.request_id in plan.requests or any(
+            waiting.request_id == frame.request_id for waiting in plan.waiting
+        ):
+            return self._refuse(
+                frame.start.origin, frame, f"request {frame.request_id} is already open"
+            )
+        if not plan.waiting and plan.reserved_tokens + _reservation(frame.start) <= budget:
+            return []
+        if len(plan.waiting) >= self.max_queued:
+            message = (
+                f"queue full: plan {plan.plan_id[:12]} runs requests reserving "
+                f"{plan.reserved_tokens} of its {budget} KV tokens and {len(plan.waiting)} wait "
+                f"on node {self.node_id} (its limit); retry later"
+            )
+            return self._refuse(frame.start.origin, frame, message, FailureKind.QUEUE_FULL)
+        plan.waiting.append(frame)
+        return []
+
+    def _admit(self, plan: _Plan, frame: StartFrame, now: float) -> list[Action]:
+        """Open a request on the first stage and queue its prompt's steps."""
+        start = frame.start
         opened = self._open(plan, frame, start, now)
         if not isinstance(opened, _Request):
             return opened
+        if plan.assignment.kv_budget_tokens:
+            opened.reserved = _reservation(start)
+            plan.reserved_tokens += opened.reserved
         context = start.prompt + start.generated
         offset = 0
         for step, size in enumerate(_steps_of(start)):
@@ -282,6 +375,8 @@ class StageCore:
             return self._refuse(
                 request.origin, frame, f"token {frame.index} arrived, expected {request.next_index}"
             )
+        if bad_token := plan.token_error((frame.token_id,)):
+            return self._refuse(request.origin, frame, bad_token)
         request.next_index += 1
         request.last_activity = now
         request.inputs.append(_Input(request.next_step, tokens=(frame.token_id,)))
@@ -295,6 +390,14 @@ class StageCore:
         request = plan.requests.get(frame.request_id) if plan is not None else None
         if request is None:
             self._remember_ended(frame.plan_id, frame.request_id)  # End may overtake a Start
+            if plan is not None:
+                self._unqueue(
+                    plan,
+                    lambda waiting: (
+                        waiting.request_id == frame.request_id
+                        and frame.sender in (waiting.start.origin, self.node_id)
+                    ),
+                )
             return []
         assert plan is not None
         if frame.sender not in (request.origin, self.node_id):
@@ -308,6 +411,18 @@ class StageCore:
         actions: list[Action] = []
         for plan in list(self._plans.values()):
             involved = peer in plan.assignment.node_ids
+            for frame in self._unqueue(plan, lambda w, hit=involved: hit or w.start.origin == peer):
+                if frame.start.origin != peer:
+                    message = _unreachable(plan.assignment, peer, reason)
+                    actions.append(
+                        SendFailure(
+                            frame.start.origin,
+                            plan.plan_id,
+                            frame.request_id,
+                            FailureKind.UNREACHABLE,
+                            message,
+                        )
+                    )
             for request in list(plan.requests.values()):
                 if request.origin == peer:
                     actions += self._drop(plan, request, None, "")
@@ -331,6 +446,7 @@ class StageCore:
         """The steps to compute next: the first ``max_items`` requests of the round-robin
         queue whose next input has arrived, one step each (a request is queued again behind
         the others). Empty when nothing is ready."""
+        self._clock = max(self._clock, now)
         batch: list[Work] = []
         taken: list[_Request] = []
         while self._ready and len(batch) < max_items:
@@ -349,6 +465,7 @@ class StageCore:
 
     def on_computed(self, work: Work, result: StepResult, now: float) -> list[Action]:
         """A step finished on the compute thread: where its result goes."""
+        self._clock = max(self._clock, now)
         plan = self._plans.get(work.plan_id)
         request = plan.requests.get(work.request_id) if plan is not None else None
         if plan is None or request is None or request.ended:
@@ -383,6 +500,7 @@ class StageCore:
 
     def sweep(self, now: float) -> list[Action]:
         """Drop requests silent for ``idle_timeout_s`` (their origin vanished without a word)."""
+        self._clock = max(self._clock, now)
         deadline = now - self.idle_timeout_s
         actions: list[Action] = []
         for plan in list(self._plans.values()):
@@ -439,6 +557,10 @@ class StageCore:
             return self._refuse(start.origin, frame, "a request needs a prompt and a chunk size")
         if plan.is_first and len(start.prompt) != start.prompt_length:
             return self._refuse(start.origin, frame, "the first stage needs the prompt's tokens")
+        # Every stage checks: the first embeds the tokens, the last's repetition penalty
+        # indexes its logits with them.
+        if bad_token := plan.token_error(start.prompt + start.generated):
+            return self._refuse(start.origin, frame, bad_token)
         too_long = plan.assignment.context_error(start.prompt_length, start.sampling.max_tokens)
         if too_long is not None:  # no KV cache grows past what the plan reserved
             return self._refuse(start.origin, frame, too_long)
@@ -583,7 +705,32 @@ class StageCore:
             actions.append(
                 SendFailure(request.origin, plan.plan_id, request.request_id, kind, message)
             )
+        if request.reserved:
+            plan.reserved_tokens -= request.reserved
+            request.reserved = 0
+            actions += self._admit_waiting(plan, self._clock)
         return actions
+
+    def _admit_waiting(self, plan: _Plan, now: float) -> list[Action]:
+        """Admit the queue's head while the plan's KV budget has room for it (in order)."""
+        actions: list[Action] = []
+        if self._plans.get(plan.plan_id) is not plan:
+            return actions  # the plan is being removed: its queue is refused there
+        budget = plan.assignment.kv_budget_tokens
+        while plan.waiting and (
+            plan.reserved_tokens + _reservation(plan.waiting[0].start) <= budget
+            or not plan.requests
+        ):
+            actions += self._admit(plan, plan.waiting.popleft(), now)
+        return actions
+
+    def _unqueue(self, plan: _Plan, which: Callable[[StartFrame], bool]) -> list[StartFrame]:
+        """Take the waiting Starts ``which`` selects out of the queue (they end here)."""
+        taken = [frame for frame in plan.waiting if which(frame)]
+        for frame in taken:
+            plan.waiting.remove(frame)
+            self._remember_ended(plan.plan_id, frame.request_id)
+        return taken
 
     def _remember_ended(self, plan_id: str, request_id: str) -> None:
         self._ended[(plan_id, request_id)] = None
@@ -595,6 +742,13 @@ class StageCore:
 def _steps_of(start: RequestStart) -> tuple[int, ...]:
     """The context steps of a request (see the module docstring)."""
     return request_steps(start.prompt_length, len(start.generated), start.prefill_chunk)
+
+
+def _reservation(start: RequestStart) -> int:
+    """KV tokens a request may come to hold: its context and the tokens it may still
+    generate (a resumed request has generated some already)."""
+    max_tokens = start.sampling.max_tokens if start.sampling is not None else 0
+    return start.context_length + max(0, max_tokens - len(start.generated))
 
 
 def _unreachable(assignment: Assignment, peer: str, reason: str) -> str:

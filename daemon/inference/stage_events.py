@@ -25,6 +25,7 @@ class FailureKind(enum.Enum):
     UNREACHABLE = enum.auto()  # a node of the request could not be reached
     INTERNAL = enum.auto()  # the stage failed (to load, to compute, or the request went idle)
     BAD_REQUEST = enum.auto()  # the frame contradicts the plan (sender, order, contents)
+    QUEUE_FULL = enum.auto()  # the plan's reserved KV memory is taken and its queue is full
 
 
 class Finish(enum.Enum):

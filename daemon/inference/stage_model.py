@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -61,9 +62,13 @@ class StageRecipe:
     ``full_mask_as_array``: the model builds its full-attention mask with ``return_array=True``
     (DeepSeek's multi-head latent attention adds the mask to its scores, so it needs an array
     where other models pass the string "causal").
+    ``batched``: several requests' decode steps may run in one forward pass on mlx-lm's batch
+    caches (per-row positions); False decodes each request alone (tests/test_batching.py
+    checks every architecture either way).
     """
 
     full_mask_as_array: bool = False
+    batched: bool = True
 
 
 @dataclass(frozen=True)
@@ -214,6 +219,14 @@ class StageModel:
         return self._has_embedding
 
     @property
+    def batchable(self) -> bool:
+        """Whether requests may decode together here (:meth:`RequestCaches.batch`): the
+        architecture's recipe allows it and every layer's cache has a batch variant."""
+        return self._recipe.batched and all(
+            hasattr(type(cache), "merge") for cache in self._empty_caches
+        )
+
+    @property
     def has_head(self) -> bool:
         return self._has_head
 
@@ -329,36 +342,132 @@ class RequestCaches:
     """The KV caches one stage keeps per request, freed when the request ends.
 
     Bounded: opening more than ``max_requests`` raises instead of silently evicting a live one.
+
+    Continuous batching (:meth:`batch`): requests that decode together keep their caches
+    merged in a *group* (mlx-lm's batch caches: ``BatchKVCache``, ``BatchRotatingKVCache``,
+    ``ArraysCache``, left-padded to a common length), as mlx-lm's ``BatchGenerator`` does: a
+    request is prefilled alone on its own cache, merged into a group when it first decodes
+    with others, and filtered out when it leaves. A group is reused as long as the same
+    requests step together; only a change of company copies caches (merge, extend, filter).
+    A request that runs alone (:meth:`get`) always runs on its own plain cache, so a request
+    alone computes exactly what one mlx-lm process computes.
     """
 
     def __init__(self, stage: StageModel, max_requests: int = MAX_OPEN_REQUESTS) -> None:
         self._stage = stage
         self._max_requests = max_requests
-        self._caches: OrderedDict[str, Cache] = OrderedDict()
+        self._caches: OrderedDict[str, Cache] = OrderedDict()  # requests not in a group
+        self._groups: dict[str, _Group] = {}  # request id -> the group it decodes in
 
     def get(self, request_id: str) -> Cache:
-        """The cache of ``request_id``, created empty on first use."""
+        """The plain cache of ``request_id`` (taken out of its group if it is in one), created
+        empty on first use."""
         cache = self._caches.get(request_id)
         if cache is not None:
             return cache
-        if len(self._caches) >= self._max_requests:
+        if request_id in self._groups:
+            self._take_out(self._groups[request_id], [request_id])
+            return self._caches[request_id]
+        if len(self) >= self._max_requests:
             raise TooManyRequests(
-                f"This stage already holds {len(self._caches)} request caches (limit "
+                f"This stage already holds {len(self)} request caches (limit "
                 f"{self._max_requests}); release finished requests first."
             )
         cache = self._stage.make_cache()
         self._caches[request_id] = cache
         return cache
 
+    def batch(self, request_ids: Sequence[str]) -> tuple[Cache, list[str]]:
+        """Batched caches whose rows are exactly ``request_ids`` (each already holding a cache:
+        its prefill ran alone), and the request of each row, in row order (the group's order,
+        which may differ from the order asked)."""
+        wanted = set(request_ids)
+        if len(wanted) != len(request_ids) or len(wanted) < 2:
+            raise ValueError("a batch has two rows or more, one per request")
+        missing = [rid for rid in request_ids if rid not in self]
+        if missing:
+            raise RuntimeError(f"no cache for {missing[0]}: its prefill has not run here")
+        groups = {id(group): group for rid in request_ids if (group := self._groups.get(rid))}
+        for group in groups.values():
+            if set(group.ids) == wanted:
+                return group.cache, list(group.ids)
+        pieces: list[_Group] = []
+        for group in groups.values():
+            outside = [rid for rid in group.ids if rid not in wanted]
+            if outside:
+                self._take_out(group, [rid for rid in group.ids if rid in wanted])
+            else:
+                self._forget(group)
+                pieces.append(group)
+        alone = [rid for rid in request_ids if rid in self._caches]
+        if alone:
+            caches = [self._caches.pop(rid) for rid in alone]
+            merged = [_merge_layer(list(layer)) for layer in zip(*caches, strict=True)]
+            pieces.append(_Group(alone, merged))
+        group = pieces[0]
+        for piece in pieces[1:]:
+            for mine, theirs in zip(group.cache, piece.cache, strict=True):
+                mine.extend(theirs)
+            group.ids.extend(piece.ids)
+        for rid in group.ids:
+            self._groups[rid] = group
+        return group.cache, list(group.ids)
+
     def release(self, request_id: str) -> None:
         """Drop the cache of ``request_id`` (no error if it has none)."""
-        self._caches.pop(request_id, None)
+        if self._caches.pop(request_id, None) is not None:
+            return
+        group = self._groups.get(request_id)
+        if group is not None:
+            self._take_out(group, [request_id])
+            self._caches.pop(request_id, None)
+
+    @property
+    def groups(self) -> int:
+        """Groups of requests whose caches are merged (decoding together)."""
+        return len({id(group) for group in self._groups.values()})
+
+    def _take_out(self, group: _Group, leaving: list[str]) -> None:
+        """Move ``leaving`` rows of ``group`` to plain caches of their own; a group left with
+        one row is dissolved (its request runs alone on a plain cache again)."""
+        staying = [rid for rid in group.ids if rid not in leaving]
+        if len(staying) < 2:
+            leaving, staying = list(group.ids), []
+        for rid in leaving:
+            row = group.ids.index(rid)
+            self._caches[rid] = [layer.extract(row) for layer in group.cache]
+            del self._groups[rid]
+        if staying:
+            rows = mx.array([group.ids.index(rid) for rid in staying])
+            for layer in group.cache:
+                layer.filter(rows)
+            group.ids[:] = staying
+
+    def _forget(self, group: _Group) -> None:
+        for rid in group.ids:
+            del self._groups[rid]
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._caches
+        return request_id in self._caches or request_id in self._groups
 
     def __len__(self) -> int:
-        return len(self._caches)
+        return len(self._caches) + len(self._groups)
+
+
+@dataclass(eq=False)
+class _Group:
+    """Requests whose caches are merged: row ``i`` of every layer cache is ``ids[i]``'s."""
+
+    ids: list[str]
+    cache: Cache
+
+
+def _merge_layer(caches: list[Any]) -> Any:
+    """One layer's caches of several requests merged into its batch variant (mlx-lm's)."""
+    merge = getattr(type(caches[0]), "merge", None)
+    if merge is None:
+        raise UnsupportedModel(f"{type(caches[0]).__name__} caches cannot be batched")
+    return caches[0].merge(caches)
 
 
 def prefill_chunks(tokens: mx.array, chunk_size: int) -> list[mx.array]:

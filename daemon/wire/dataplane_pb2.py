@@ -24,39 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x64\x61taplane.proto\x12\x12meshd.dataplane.v1\"\xc6\x02\n\x05\x46rame\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12*\n\x05hello\x18\x03 \x01(\x0b\x32\x19.meshd.dataplane.v1.HelloH\x00\x12*\n\x05start\x18\x04 \x01(\x0b\x32\x19.meshd.dataplane.v1.StartH\x00\x12\x34\n\nactivation\x18\x05 \x01(\x0b\x32\x1e.meshd.dataplane.v1.ActivationH\x00\x12*\n\x05token\x18\x06 \x01(\x0b\x32\x19.meshd.dataplane.v1.TokenH\x00\x12&\n\x03\x65nd\x18\x07 \x01(\x0b\x32\x17.meshd.dataplane.v1.EndH\x00\x12.\n\x07\x66\x61ilure\x18\x08 \x01(\x0b\x32\x1b.meshd.dataplane.v1.FailureH\x00\x42\x06\n\x04\x62ody\"\x18\n\x05Hello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x8a\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x01\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\"\xdc\x01\n\x05Start\x12\x16\n\x0eorigin_node_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\r\x12\x15\n\rprompt_length\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.meshd.dataplane.v1.Sampling\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x15\n\rprefill_chunk\x18\x06 \x01(\r\x12\x15\n\rreturn_logits\x18\x07 \x01(\x08\x12\x18\n\x10generated_tokens\x18\x08 \x03(\r\"\x89\x01\n\nActivation\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x19.meshd.dataplane.v1.Start\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x11\n\tcompute_s\x18\x07 \x01(\x01J\x04\x08\x03\x10\x04\"}\n\x05Token\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x30\n\x06\x66inish\x18\x03 \x01(\x0e\x32 .meshd.dataplane.v1.FinishReason\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x0e\n\x06logits\x18\x05 \x01(\x0c\"\x15\n\x03\x45nd\x12\x0e\n\x06reason\x18\x01 \x01(\t\"Z\n\x07\x46\x61ilure\x12-\n\x04kind\x18\x01 \x01(\x0e\x32\x1f.meshd.dataplane.v1.FailureKind\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x0e\n\x0cStatsRequest\"\x9f\x01\n\tPlanStats\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x13\n\x0bstage_index\x18\x02 \x01(\x05\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x14\n\x0cweight_bytes\x18\x05 \x01(\x04\x12\x15\n\ropen_requests\x18\x06 \x01(\r\x12\x17\n\x0forigin_requests\x18\x07 \x01(\r\"\xa4\x01\n\nStatsReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12,\n\x05plans\x18\x02 \x03(\x0b\x32\x1d.meshd.dataplane.v1.PlanStats\x12\x11\n\trss_bytes\x18\x03 \x01(\x04\x12\x16\n\x0epeak_rss_bytes\x18\x04 \x01(\x04\x12\x17\n\x0f\x66rames_received\x18\x05 \x01(\x04\x12\x13\n\x0b\x66rames_sent\x18\x06 \x01(\x04*B\n\x0c\x46inishReason\x12\x0f\n\x0b\x46INISH_NONE\x10\x00\x12\x0e\n\nFINISH_EOS\x10\x01\x12\x11\n\rFINISH_LENGTH\x10\x02*\xb2\x01\n\x0b\x46\x61ilureKind\x12\x17\n\x13\x46\x41ILURE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x46\x41ILURE_FENCED\x10\x01\x12\x16\n\x12\x46\x41ILURE_NOT_LOADED\x10\x02\x12\x16\n\x12\x46\x41ILURE_OVERLOADED\x10\x03\x12\x17\n\x13\x46\x41ILURE_UNREACHABLE\x10\x04\x12\x14\n\x10\x46\x41ILURE_INTERNAL\x10\x05\x12\x17\n\x13\x46\x41ILURE_BAD_REQUEST\x10\x06\x32\x98\x01\n\tDataPlane\x12@\n\x04Link\x12\x19.meshd.dataplane.v1.Frame\x1a\x19.meshd.dataplane.v1.Frame(\x01\x30\x01\x12I\n\x05Stats\x12 .meshd.dataplane.v1.StatsRequest\x1a\x1e.meshd.dataplane.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x64\x61taplane.proto\x12\x12meshd.dataplane.v1\"\xf4\x02\n\x05\x46rame\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12*\n\x05hello\x18\x03 \x01(\x0b\x32\x19.meshd.dataplane.v1.HelloH\x00\x12*\n\x05start\x18\x04 \x01(\x0b\x32\x19.meshd.dataplane.v1.StartH\x00\x12\x34\n\nactivation\x18\x05 \x01(\x0b\x32\x1e.meshd.dataplane.v1.ActivationH\x00\x12*\n\x05token\x18\x06 \x01(\x0b\x32\x19.meshd.dataplane.v1.TokenH\x00\x12&\n\x03\x65nd\x18\x07 \x01(\x0b\x32\x17.meshd.dataplane.v1.EndH\x00\x12.\n\x07\x66\x61ilure\x18\x08 \x01(\x0b\x32\x1b.meshd.dataplane.v1.FailureH\x00\x12,\n\x06\x62undle\x18\t \x01(\x0b\x32\x1a.meshd.dataplane.v1.BundleH\x00\x42\x06\n\x04\x62ody\"3\n\x06\x42undle\x12)\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x19.meshd.dataplane.v1.Frame\"\x18\n\x05Hello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x8a\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x01\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\"\xdc\x01\n\x05Start\x12\x16\n\x0eorigin_node_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\r\x12\x15\n\rprompt_length\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.meshd.dataplane.v1.Sampling\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x15\n\rprefill_chunk\x18\x06 \x01(\r\x12\x15\n\rreturn_logits\x18\x07 \x01(\x08\x12\x18\n\x10generated_tokens\x18\x08 \x03(\r\"\x89\x01\n\nActivation\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x19.meshd.dataplane.v1.Start\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x11\n\tcompute_s\x18\x07 \x01(\x01J\x04\x08\x03\x10\x04\"}\n\x05Token\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x30\n\x06\x66inish\x18\x03 \x01(\x0e\x32 .meshd.dataplane.v1.FinishReason\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x0e\n\x06logits\x18\x05 \x01(\x0c\"\x15\n\x03\x45nd\x12\x0e\n\x06reason\x18\x01 \x01(\t\"Z\n\x07\x46\x61ilure\x12-\n\x04kind\x18\x01 \x01(\x0e\x32\x1f.meshd.dataplane.v1.FailureKind\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x0e\n\x0cStatsRequest\"\x93\x02\n\tPlanStats\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x13\n\x0bstage_index\x18\x02 \x01(\x05\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x14\n\x0cweight_bytes\x18\x05 \x01(\x04\x12\x15\n\ropen_requests\x18\x06 \x01(\r\x12\x17\n\x0forigin_requests\x18\x07 \x01(\r\x12\x14\n\x0c\x62\x61tched_rows\x18\x08 \x01(\x04\x12\x17\n\x0fqueued_requests\x18\t \x01(\r\x12\x17\n\x0freserved_tokens\x18\n \x01(\x04\x12\x15\n\rbudget_tokens\x18\x0b \x01(\x04\x12\x13\n\x0bqueue_limit\x18\x0c \x01(\r\"\xa4\x01\n\nStatsReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12,\n\x05plans\x18\x02 \x03(\x0b\x32\x1d.meshd.dataplane.v1.PlanStats\x12\x11\n\trss_bytes\x18\x03 \x01(\x04\x12\x16\n\x0epeak_rss_bytes\x18\x04 \x01(\x04\x12\x17\n\x0f\x66rames_received\x18\x05 \x01(\x04\x12\x13\n\x0b\x66rames_sent\x18\x06 \x01(\x04*B\n\x0c\x46inishReason\x12\x0f\n\x0b\x46INISH_NONE\x10\x00\x12\x0e\n\nFINISH_EOS\x10\x01\x12\x11\n\rFINISH_LENGTH\x10\x02*\xca\x01\n\x0b\x46\x61ilureKind\x12\x17\n\x13\x46\x41ILURE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x46\x41ILURE_FENCED\x10\x01\x12\x16\n\x12\x46\x41ILURE_NOT_LOADED\x10\x02\x12\x16\n\x12\x46\x41ILURE_OVERLOADED\x10\x03\x12\x17\n\x13\x46\x41ILURE_UNREACHABLE\x10\x04\x12\x14\n\x10\x46\x41ILURE_INTERNAL\x10\x05\x12\x17\n\x13\x46\x41ILURE_BAD_REQUEST\x10\x06\x12\x16\n\x12\x46\x41ILURE_QUEUE_FULL\x10\x07\x32\x98\x01\n\tDataPlane\x12@\n\x04Link\x12\x19.meshd.dataplane.v1.Frame\x1a\x19.meshd.dataplane.v1.Frame(\x01\x30\x01\x12I\n\x05Stats\x12 .meshd.dataplane.v1.StatsRequest\x1a\x1e.meshd.dataplane.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dataplane_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1485
-  _globals['_FINISHREASON']._serialized_end=1551
-  _globals['_FAILUREKIND']._serialized_start=1554
-  _globals['_FAILUREKIND']._serialized_end=1732
+  _globals['_FINISHREASON']._serialized_start=1700
+  _globals['_FINISHREASON']._serialized_end=1766
+  _globals['_FAILUREKIND']._serialized_start=1769
+  _globals['_FAILUREKIND']._serialized_end=1971
   _globals['_FRAME']._serialized_start=40
-  _globals['_FRAME']._serialized_end=366
-  _globals['_HELLO']._serialized_start=368
-  _globals['_HELLO']._serialized_end=392
-  _globals['_SAMPLING']._serialized_start=395
-  _globals['_SAMPLING']._serialized_end=533
-  _globals['_START']._serialized_start=536
-  _globals['_START']._serialized_end=756
-  _globals['_ACTIVATION']._serialized_start=759
-  _globals['_ACTIVATION']._serialized_end=896
-  _globals['_TOKEN']._serialized_start=898
-  _globals['_TOKEN']._serialized_end=1023
-  _globals['_END']._serialized_start=1025
-  _globals['_END']._serialized_end=1046
-  _globals['_FAILURE']._serialized_start=1048
-  _globals['_FAILURE']._serialized_end=1138
-  _globals['_STATSREQUEST']._serialized_start=1140
-  _globals['_STATSREQUEST']._serialized_end=1154
-  _globals['_PLANSTATS']._serialized_start=1157
-  _globals['_PLANSTATS']._serialized_end=1316
-  _globals['_STATSREPLY']._serialized_start=1319
-  _globals['_STATSREPLY']._serialized_end=1483
-  _globals['_DATAPLANE']._serialized_start=1735
-  _globals['_DATAPLANE']._serialized_end=1887
+  _globals['_FRAME']._serialized_end=412
+  _globals['_BUNDLE']._serialized_start=414
+  _globals['_BUNDLE']._serialized_end=465
+  _globals['_HELLO']._serialized_start=467
+  _globals['_HELLO']._serialized_end=491
+  _globals['_SAMPLING']._serialized_start=494
+  _globals['_SAMPLING']._serialized_end=632
+  _globals['_START']._serialized_start=635
+  _globals['_START']._serialized_end=855
+  _globals['_ACTIVATION']._serialized_start=858
+  _globals['_ACTIVATION']._serialized_end=995
+  _globals['_TOKEN']._serialized_start=997
+  _globals['_TOKEN']._serialized_end=1122
+  _globals['_END']._serialized_start=1124
+  _globals['_END']._serialized_end=1145
+  _globals['_FAILURE']._serialized_start=1147
+  _globals['_FAILURE']._serialized_end=1237
+  _globals['_STATSREQUEST']._serialized_start=1239
+  _globals['_STATSREQUEST']._serialized_end=1253
+  _globals['_PLANSTATS']._serialized_start=1256
+  _globals['_PLANSTATS']._serialized_end=1531
+  _globals['_STATSREPLY']._serialized_start=1534
+  _globals['_STATSREPLY']._serialized_end=1698
+  _globals['_DATAPLANE']._serialized_start=1974
+  _globals['_DATAPLANE']._serialized_end=2126
 # @@protoc_insertion_point(module_scope)

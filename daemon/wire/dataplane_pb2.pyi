@@ -22,6 +22,7 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_UNREACHABLE: _ClassVar[FailureKind]
     FAILURE_INTERNAL: _ClassVar[FailureKind]
     FAILURE_BAD_REQUEST: _ClassVar[FailureKind]
+    FAILURE_QUEUE_FULL: _ClassVar[FailureKind]
 FINISH_NONE: FinishReason
 FINISH_EOS: FinishReason
 FINISH_LENGTH: FinishReason
@@ -32,9 +33,10 @@ FAILURE_OVERLOADED: FailureKind
 FAILURE_UNREACHABLE: FailureKind
 FAILURE_INTERNAL: FailureKind
 FAILURE_BAD_REQUEST: FailureKind
+FAILURE_QUEUE_FULL: FailureKind
 
 class Frame(_message.Message):
-    __slots__ = ("plan_id", "request_id", "hello", "start", "activation", "token", "end", "failure")
+    __slots__ = ("plan_id", "request_id", "hello", "start", "activation", "token", "end", "failure", "bundle")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +45,7 @@ class Frame(_message.Message):
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     request_id: str
     hello: Hello
@@ -51,7 +54,14 @@ class Frame(_message.Message):
     token: Token
     end: End
     failure: Failure
-    def __init__(self, plan_id: _Optional[str] = ..., request_id: _Optional[str] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., activation: _Optional[_Union[Activation, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
+    bundle: Bundle
+    def __init__(self, plan_id: _Optional[str] = ..., request_id: _Optional[str] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., activation: _Optional[_Union[Activation, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., bundle: _Optional[_Union[Bundle, _Mapping]] = ...) -> None: ...
+
+class Bundle(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[Frame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[Frame, _Mapping]]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("node_id",)
@@ -148,7 +158,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PlanStats(_message.Message):
-    __slots__ = ("plan_id", "stage_index", "layer_start", "layer_end", "weight_bytes", "open_requests", "origin_requests")
+    __slots__ = ("plan_id", "stage_index", "layer_start", "layer_end", "weight_bytes", "open_requests", "origin_requests", "batched_rows", "queued_requests", "reserved_tokens", "budget_tokens", "queue_limit")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +166,11 @@ class PlanStats(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     OPEN_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     stage_index: int
     layer_start: int
@@ -163,7 +178,12 @@ class PlanStats(_message.Message):
     weight_bytes: int
     open_requests: int
     origin_requests: int
-    def __init__(self, plan_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., open_requests: _Optional[int] = ..., origin_requests: _Optional[int] = ...) -> None: ...
+    batched_rows: int
+    queued_requests: int
+    reserved_tokens: int
+    budget_tokens: int
+    queue_limit: int
+    def __init__(self, plan_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., open_requests: _Optional[int] = ..., origin_requests: _Optional[int] = ..., batched_rows: _Optional[int] = ..., queued_requests: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., budget_tokens: _Optional[int] = ..., queue_limit: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("node_id", "plans", "rss_bytes", "peak_rss_bytes", "frames_received", "frames_sent")

@@ -364,7 +364,32 @@ class Peer:
 
 
 class LocalStub:
-    """Missing associated documentation comment in .proto file."""
+    """The local client API: what `meshd status/generate/chat/load`, the status app and any client
+    of yours use. The contract:
+
+    Where: a Unix socket, `unix:<state-dir>/api.sock` (state dir: `--state-dir`, else
+    $XDG_STATE_HOME/meshd or ~/.local/state/meshd; macOS ~/Library/Application Support/meshd),
+    or the loopback TCP address set with `api = "127.0.0.1:PORT"`. Plain gRPC (no TLS): the
+    socket's file permissions are the access control. Every node serves it; a request to
+    any node runs on the whole mesh.
+    Messages: at most 4 MiB (4194304 bytes) each way; a larger request is answered
+    RESOURCE_EXHAUSTED by gRPC itself. A prompt that long is far past any context anyway.
+    Deadlines: set one on every call. Generate/Chat have no server-side limit beyond
+    max_tokens; cancelling the call (or its deadline) cancels the request on every stage
+    at once, and the daemon logs it as cancelled.
+    Errors: gRPC statuses with a message in words that says what to do:
+    INVALID_ARGUMENT     the request is wrong: an undecodable body, a blank prompt, a
+    sampling value out of range (named), a chat without a template,
+    prompt + max_tokens beyond the plan's context (with the numbers).
+    NOT_FOUND            the model named is not the mesh's model / not in the store.
+    FAILED_PRECONDITION  no committed plan (no model selected, not enough memory in the
+    mesh, still agreeing), or the plan_id asked for is not committed.
+    UNAVAILABLE          a stage was lost or is still loading its layers: retry.
+    RESOURCE_EXHAUSTED   a stage holds as many requests as it may: retry shortly.
+    INTERNAL             a bug (a stage failed to compute); the message says where.
+    A Generate/Chat that fails before its first event gets the status at once; one that
+    fails mid-stream ends the stream with the status (no GenerationDone).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -420,7 +445,32 @@ class LocalStub:
 
 
 class LocalServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The local client API: what `meshd status/generate/chat/load`, the status app and any client
+    of yours use. The contract:
+
+    Where: a Unix socket, `unix:<state-dir>/api.sock` (state dir: `--state-dir`, else
+    $XDG_STATE_HOME/meshd or ~/.local/state/meshd; macOS ~/Library/Application Support/meshd),
+    or the loopback TCP address set with `api = "127.0.0.1:PORT"`. Plain gRPC (no TLS): the
+    socket's file permissions are the access control. Every node serves it; a request to
+    any node runs on the whole mesh.
+    Messages: at most 4 MiB (4194304 bytes) each way; a larger request is answered
+    RESOURCE_EXHAUSTED by gRPC itself. A prompt that long is far past any context anyway.
+    Deadlines: set one on every call. Generate/Chat have no server-side limit beyond
+    max_tokens; cancelling the call (or its deadline) cancels the request on every stage
+    at once, and the daemon logs it as cancelled.
+    Errors: gRPC statuses with a message in words that says what to do:
+    INVALID_ARGUMENT     the request is wrong: an undecodable body, a blank prompt, a
+    sampling value out of range (named), a chat without a template,
+    prompt + max_tokens beyond the plan's context (with the numbers).
+    NOT_FOUND            the model named is not the mesh's model / not in the store.
+    FAILED_PRECONDITION  no committed plan (no model selected, not enough memory in the
+    mesh, still agreeing), or the plan_id asked for is not committed.
+    UNAVAILABLE          a stage was lost or is still loading its layers: retry.
+    RESOURCE_EXHAUSTED   a stage holds as many requests as it may: retry shortly.
+    INTERNAL             a bug (a stage failed to compute); the message says where.
+    A Generate/Chat that fails before its first event gets the status at once; one that
+    fails mid-stream ends the stream with the status (no GenerationDone).
+    """
 
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -429,16 +479,17 @@ class LocalServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
-        """Stream text for a prompt; ends with GenerationDone. Errors are gRPC statuses:
-        INVALID_ARGUMENT (bad input), NOT_FOUND (unknown model), FAILED_PRECONDITION (no
-        committed plan, or the asked plan is not committed), UNAVAILABLE (a stage was lost).
+        """Stream text for a prompt: GenerateEvent.text pieces as tokens arrive, then exactly one
+        GenerationDone. With temperature 0 (the default) the output does not depend on how the
+        mesh is split (the same tokens as mlx-lm in one process).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Chat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """As Generate, for a conversation rendered with the model's chat template.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -450,21 +501,25 @@ class LocalServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LoadModel(self, request, context):
-        """Select the model the mesh runs (every node adopts it and re-plans).
+        """Select the model the mesh runs (every node adopts it and re-plans); the reply comes
+        once the choice is made, before the plan is committed: watch Status for the plan.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def WatchStatus(self, request, context):
-        """Streams a new MeshStatus whenever the mesh changes (at most every min_interval_s).
+        """A MeshStatus at once, then whenever the mesh changes, at most every min_interval_s
+        (default 0.5 s, floor 0.05 s), and at least every ~5 s when nothing changes (a
+        keepalive: a client may treat ~15 s of silence as a dead daemon). Runs until cancelled.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetToken(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The mesh's join token (a secret: it admits a machine to the mesh).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -541,7 +596,32 @@ def add_LocalServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Local:
-    """Missing associated documentation comment in .proto file."""
+    """The local client API: what `meshd status/generate/chat/load`, the status app and any client
+    of yours use. The contract:
+
+    Where: a Unix socket, `unix:<state-dir>/api.sock` (state dir: `--state-dir`, else
+    $XDG_STATE_HOME/meshd or ~/.local/state/meshd; macOS ~/Library/Application Support/meshd),
+    or the loopback TCP address set with `api = "127.0.0.1:PORT"`. Plain gRPC (no TLS): the
+    socket's file permissions are the access control. Every node serves it; a request to
+    any node runs on the whole mesh.
+    Messages: at most 4 MiB (4194304 bytes) each way; a larger request is answered
+    RESOURCE_EXHAUSTED by gRPC itself. A prompt that long is far past any context anyway.
+    Deadlines: set one on every call. Generate/Chat have no server-side limit beyond
+    max_tokens; cancelling the call (or its deadline) cancels the request on every stage
+    at once, and the daemon logs it as cancelled.
+    Errors: gRPC statuses with a message in words that says what to do:
+    INVALID_ARGUMENT     the request is wrong: an undecodable body, a blank prompt, a
+    sampling value out of range (named), a chat without a template,
+    prompt + max_tokens beyond the plan's context (with the numbers).
+    NOT_FOUND            the model named is not the mesh's model / not in the store.
+    FAILED_PRECONDITION  no committed plan (no model selected, not enough memory in the
+    mesh, still agreeing), or the plan_id asked for is not committed.
+    UNAVAILABLE          a stage was lost or is still loading its layers: retry.
+    RESOURCE_EXHAUSTED   a stage holds as many requests as it may: retry shortly.
+    INTERNAL             a bug (a stage failed to compute); the message says where.
+    A Generate/Chat that fails before its first event gets the status at once; one that
+    fails mid-stream ends the stream with the status (no GenerationDone).
+    """
 
     @staticmethod
     def Status(request,

@@ -230,11 +230,14 @@ def mlx_lm_reference(
     *,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     eos_ids: frozenset[int] = frozenset(),
+    model: Any = None,
 ) -> tuple[list[int], list[np.ndarray]]:
     """What one mlx-lm process generates: ``generate_step`` with ``prefill_step_size`` equal
     to the mesh's prefill chunk and the mesh's per-request sampler, until EOS (not included)
-    or ``params.max_tokens``; the tokens and the logits each was sampled from."""
-    model, _ = load_model(model_dir)
+    or ``params.max_tokens``; the tokens and the logits each was sampled from. ``model``: the
+    model of ``model_dir`` already loaded by ``load_model`` (several references, one load)."""
+    if model is None:
+        model, _ = load_model(model_dir)
     chunks = len(prefill_steps(len(prompt), prefill_chunk)) - 1
     recorder = _LogitsRecorder(model, chunks)
     sampler = TokenSampler(params)

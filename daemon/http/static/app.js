@@ -318,6 +318,7 @@ function onActivity(activity) {
   $("tokens-per-s").textContent = num(activity.tokens_per_s).toFixed(1);
   $("requests").textContent = String(activity.requests);
   $("stage-requests").textContent = String(activity.stage_requests);
+  $("queued-requests").textContent = String(activity.queued_requests ?? 0);
   const now = Date.now() / 1000;
   state.rates[0].push(now);
   state.rates[1].push(num(activity.tokens_per_s));

@@ -63,6 +63,12 @@ class TensorParallelEngine(StageEngine):
         self.member = member
         self.weight_bytes = int(member.ready_info.get("held_bytes") or 0)
 
+    @property
+    def batchable(self) -> bool:
+        """False: the runners keep one cache per request, so the stage runtime runs a
+        tensor-parallel stage's decode steps request by request (never batched)."""
+        return False
+
     def load(self, shared: Any = None) -> None:
         """Nothing to load here: the runners hold the weights (started by the data plane)."""
 

@@ -1,0 +1,254 @@
+"""Continuous batching, measured on the product: real `meshd run` daemons vs one mlx-lm process.
+
+Two loopback daemons (`--strategy memory`: the embedded SmolLM2-135M-Instruct split in two
+stages), each pinned to its own core with taskset to stand in for two machines, serve N
+concurrent streaming chat requests over the OpenAI HTTP API (greedy, ``--max-tokens``
+each). The reference is one mlx-lm process pinned to the same cores, decoding the same
+prompts with mlx-lm's own ``BatchGenerator`` (continuous batching in one process). For each
+N: aggregate tokens/s (all completion tokens / wall time from the first request sent to the
+last token), p50/p99 time to first token, p50/p99 inter-token latency (time between two
+streamed chunks of one request), and the load average when the row started (this machine is
+shared: read the numbers with it).
+
+    .venv/bin/python benchmarks/bench_batching.py [--concurrency 1 4 8 16] [--max-tokens 64]
+
+Daemons announce on 127.0.0.1 only and talk over loopback; everything they create is in a
+temporary directory removed at the end, and they are killed by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from meshd.runtime.blas import enable_fast_blas
+
+enable_fast_blas()  # before mlx.core (the profile measurement runs MLX)
+
+from meshd.api.launcher import DaemonProcess
+from meshd.mesh import security
+from meshd.mesh.profiling import load_or_measure_profile
+from meshd.models.store import ModelStore
+
+LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
+TOPICS = [
+    "a lighthouse", "a dragon", "the sea", "a city at night", "a robot", "a garden",
+    "a mountain", "a train", "a library", "a storm", "a cat", "the moon", "a market",
+    "a river", "a forest", "a clock",
+]  # fmt: skip
+
+
+def prompts_for(n: int) -> list[list[dict[str, str]]]:
+    return [
+        [{"role": "user", "content": f"Write a long story about {TOPICS[k % len(TOPICS)]}."}]
+        for k in range(n)
+    ]
+
+
+@dataclass
+class Row:
+    n: int
+    tokens: int
+    wall_s: float
+    ttft_s: list[float]
+    itl_s: list[float]
+    load: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    def line(self, who: str) -> str:
+        ttft = [pct(self.ttft_s, q) * 1e3 for q in (50, 99)]
+        itl = [pct(self.itl_s, q) * 1e3 for q in (50, 99)]
+        return (
+            f"{who:<10} N={self.n:<3} {self.tokens_per_s:7.1f} tok/s  "
+            f"TTFT p50 {ttft[0]:7.0f} ms p99 {ttft[1]:7.0f} ms"
+            f"  ITL p50 {itl[0]:6.1f} ms p99 {itl[1]:6.1f} ms"
+            f"  ({self.tokens} tokens, {self.wall_s:.1f} s, load {self.load:.2f})"
+        )
+
+
+def pct(values: list[float], q: int) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+# --- The mesh ---------------------------------------------------------------------------------
+
+
+class PinnedDaemon(DaemonProcess):
+    """A daemon whose every thread runs on ``cpus`` (what a separate machine's cores are)."""
+
+    def __init__(self, state_dir: Path, args: list[str], cpus: str) -> None:
+        super().__init__(state_dir, args)
+        self.cpus = cpus
+
+    def command(self) -> list[str]:
+        return ["taskset", "-c", self.cpus, *super().command()]
+
+
+def start_mesh(root: Path, model: Path, cpus: list[str], max_n: int) -> list[DaemonProcess]:
+    profile = root / "profile"
+    profile.mkdir()
+    load_or_measure_profile(profile, memory_budget_override=None)
+    token = security.encode_join_token(security.create_mesh_secret("bench-batching"))
+    daemons: list[DaemonProcess] = []
+    for i, cpu in enumerate(cpus):
+        state = root / f"n{i}"
+        state.mkdir()
+        shutil.copyfile(profile / "profile.json", state / "profile.json")
+        args = [*LOOPBACK, "--join", token, "--name", f"b{i}", "--model", str(model),
+                "--strategy", "memory", "--context-length", "512", "--concurrency", str(max_n),
+                "--log-level", "WARNING"]  # fmt: skip
+        daemon = PinnedDaemon(state, args, cpu) if cpu else DaemonProcess(state, args)
+        daemons.append(daemon.start())
+    for daemon in daemons:
+        daemon.wait_for(
+            lambda s: (
+                bool(s.agreement.active_plan_id and s.agreement.plan_json)
+                and len(json.loads(s.agreement.plan_json)["stages"]) == len(cpus)
+            ),
+            180,
+            f"a committed {len(cpus)}-stage plan",
+        )
+    return daemons
+
+
+async def one_request(client, url: str, messages, max_tokens: int, sent: float) -> tuple:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    times: list[float] = []
+    tokens = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                times.append(time.perf_counter())
+    ttft = times[0] - sent if times else float("nan")
+    return tokens, ttft, [b - a for a, b in itertools.pairwise(times)], times[-1]
+
+
+async def mesh_row(url: str, n: int, max_tokens: int) -> Row:
+    import httpx
+
+    load = os.getloadavg()[0]
+    async with httpx.AsyncClient(timeout=600) as client:
+        started = time.perf_counter()
+        results = await asyncio.gather(
+            *(one_request(client, url, m, max_tokens, started) for m in prompts_for(n))
+        )
+    end = max(r[3] for r in results)
+    return Row(n, sum(r[0] for r in results), end - started, [r[1] for r in results],
+               [x for r in results for x in r[2]], load)  # fmt: skip
+
+
+# --- One mlx-lm process -----------------------------------------------------------------------
+
+REFERENCE = r"""
+import json, sys, time
+from meshd.runtime.blas import enable_fast_blas
+enable_fast_blas()
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
+model, tokenizer = load(sys.argv[1])
+max_tokens = int(sys.argv[2])
+for n in map(int, sys.argv[3:]):
+    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True)
+               for m in json.loads(sys.stdin.readline())]
+    stops = [[t] for t in tokenizer.eos_token_ids]
+    gen = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=stops,
+                         completion_batch_size=max(n, 1), prefill_batch_size=max(n, 1))
+    started = time.perf_counter()
+    uids = gen.insert(prompts, max_tokens=[max_tokens] * n)
+    times = {uid: [] for uid in uids}
+    while any(len(t) < max_tokens for t in times.values()):
+        responses = gen.next_generated()
+        if not responses:
+            break
+        now = time.perf_counter()
+        for r in responses:
+            times[r.uid].append(now)
+    gen.close()
+    print(json.dumps({"n": n, "started": started, "times": list(times.values())}), flush=True)
+"""
+
+
+def reference_rows(model: Path, ns: list[int], max_tokens: int, cpus: str) -> list[Row]:
+    command = [sys.executable, "-c", REFERENCE, str(model), str(max_tokens), *map(str, ns)]
+    if cpus:
+        command = ["taskset", "-c", cpus, *command]
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    rows = []
+    assert process.stdin is not None and process.stdout is not None
+    try:
+        for n in ns:
+            load = os.getloadavg()[0]
+            process.stdin.write(json.dumps(prompts_for(n)) + "\n")
+            process.stdin.flush()
+            result = json.loads(process.stdout.readline())
+            started, times = result["started"], result["times"]
+            end = max(t[-1] for t in times if t)
+            gaps = [b - a for t in times for a, b in itertools.pairwise(t)]
+            first = [t[0] - started for t in times if t]
+            rows.append(Row(n, sum(len(t) for t in times), end - started, first, gaps, load))
+    finally:
+        process.kill()
+        process.wait()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--no-pin", action="store_true", help="daemons share every core")
+    args = parser.parse_args()
+    cores = os.cpu_count() or 1
+    cpus = ["", ""] if args.no_pin or cores < 2 else ["0", "1"]
+    all_cpus = "" if args.no_pin or cores < 2 else "0,1"
+    print(f"{cores} cores; daemons pinned: {cpus}; load {os.getloadavg()}")
+    root = Path(tempfile.mkdtemp(prefix="bench-batching-"))
+    model = ModelStore(root / "store").ensure_default().path
+    daemons: list[DaemonProcess] = []
+    try:
+        daemons = start_mesh(root, model, cpus, max(args.concurrency))
+        url = daemons[0].status().http_url
+        asyncio.run(mesh_row(url, 1, 8))  # warm-up: first request of each stage
+        mesh_rows = [asyncio.run(mesh_row(url, n, args.max_tokens)) for n in args.concurrency]
+    finally:
+        for daemon in daemons:
+            daemon.kill()
+    ref_rows = reference_rows(model, args.concurrency, args.max_tokens, all_cpus)
+    shutil.rmtree(root, ignore_errors=True)
+    print()
+    for mesh, ref in zip(mesh_rows, ref_rows, strict=True):
+        print(mesh.line("2 stages"))
+        print(ref.line("mlx-lm"))
+        versus = mesh.tokens_per_s / ref.tokens_per_s
+        scaling = mesh.tokens_per_s / mesh_rows[0].tokens_per_s
+        print(f"{'':<10} mesh/mlx-lm {versus:.2f}x; mesh N={mesh.n} vs N=1: {scaling:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
