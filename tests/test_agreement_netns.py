@@ -100,19 +100,25 @@ def test_partition_runs_only_where_the_model_fits_and_heals(
     nodes = [start(daemons, mesh, i, mesh_token, model_dir) for i in range(4)]
     whole = wait_same_plan(nodes, 4, 30)
 
-    mesh.link_down(3)
-    side = wait_same_plan(nodes[:3], 3, 15)
+    # Cut a node that holds a stage: losing one that holds none changes no layout, so the
+    # other side would rightly keep serving the same plan (its id is its layout).
+    stages = json.loads(nodes[0].status().agreement.plan_json)["stages"]
+    holders = {node for stage in stages for node in stage["nodes"]}
+    cut = next(i for i, d in enumerate(nodes) if d.status().node_id in holders)
+    rest = [d for i, d in enumerate(nodes) if i != cut]
+    mesh.link_down(cut)
+    side = wait_same_plan(rest, 3, 15)
     assert side != whole
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        alone = nodes[3].status().agreement
+        alone = nodes[cut].status().agreement
         if not alone.active_plan_id and "not enough memory" in alone.refusal:
             break
         time.sleep(0.1)
     assert not alone.active_plan_id, "a host that cannot hold the model must serve nothing"
     assert "not enough memory in this mesh for tiny-llama: need" in alone.refusal
 
-    mesh.link_up(3)
+    mesh.link_up(cut)
     healed = wait_same_plan(nodes, 4, 30)
     # The healed node is a member again. A plan's id is its layout: the three-node layout is
     # kept unless the four-node one is predicted materially faster (issue 10), then it is the

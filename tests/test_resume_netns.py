@@ -4,10 +4,10 @@ Three daemons in network namespaces split the real default model (SmolLM2-135M, 
 the layers each). A greedy answer of up to 40 tokens streams from one node; after 12 text
 pieces the first, a middle or the last stage is killed with SIGKILL, or its veth is cut, or
 it is stopped with SIGTERM (it leaves gracefully and exits 0). The survivors commit a plan
-without it, the origin replays the request there (the prompt as the
-first run cut it, then each generated token alone) and the stream goes on: no error, the
-same text as a run nobody disturbed, one resume in the final event. The lost node then comes
-back (restart or link up) and the mesh returns to three stages for the next case.
+without it, the origin replays the request there (the prompt as the first run cut it, then
+each generated token alone) and the stream goes on: no error, the same text as a run nobody
+disturbed, a resume counted in the final event. The lost node then comes back (restart or
+link up) and the mesh returns to three stages for the next case.
 """
 
 from __future__ import annotations
@@ -155,7 +155,9 @@ def test_a_lost_stage_does_not_change_the_text(
         next_piece = min(t for t in arrivals if t > lost_at[0]) - lost_at[0]
         print(f"{case}: next piece {next_piece:.2f} s after the loss; {done.paused_s=:.2f}")
         assert text == uninterrupted
-        assert done.resumes == 1, done
+        # One move, or more when an overloaded host also misses heartbeats and the mesh
+        # re-plans again meanwhile: every move must keep the text exact.
+        assert done.resumes >= 1, done
         assert done.plan_id != before  # it finished on the survivors' plan
         status = origin.status()  # the move is visible: counted, and said in the event log
         assert status.transitions.requests_resumed >= 1
