@@ -223,7 +223,9 @@ def test_a_start_with_token_ids_outside_the_vocabulary_is_refused_by_the_stage(
             call = channel.stream_stream("/meshd.dataplane.v1.DataPlane/Link")(frames())
             replies = []
             async for raw in call:
-                replies.append(dp.Frame.FromString(raw))
+                frame = dp.Frame.FromString(raw)
+                # Frames a stage sends together arrive as one Bundle (continuous batching).
+                replies += frame.bundle.frames if frame.HasField("bundle") else [frame]
                 if any(r.token.finish for r in replies if r.request_id == "good"):
                     break
             call.cancel()

@@ -606,3 +606,28 @@ def test_queued_requests_are_refused_when_the_plan_goes_or_the_origin_is_lost() 
     refused = {f.request_id: f for f in failures(actions)}
     assert set(refused) == {"r1", "r3"} and refused["r3"].kind is FailureKind.FENCED
     assert core.queued_requests("p") == 0
+
+
+def test_a_start_that_can_never_run_is_refused_at_once_not_queued_forever() -> None:
+    """A Start the stage must refuse (past the context, bad sampling, ids outside the
+    vocabulary) is refused when it arrives, even while the KV budget is full: queued, it
+    would wait at the head of the queue for room it can never use and hold back every
+    request behind it."""
+    base = plan_of("p", "a")
+    plan = Assignment(base.plan_id, base.model_dir, base.stages, context_length=8, concurrency=1)
+    core = StageCore("a")
+    core.add_plan(plan)
+    core.plan_loaded("p", vocab_size=50)
+    fits = start_of((1, 2, 3), sampling=SamplingParams(max_tokens=4))
+    assert core.on_start(StartFrame("o", "p", "running", fits), None, T0) == []  # budget taken
+    for rid, start in (
+        ("too-long", start_of(tuple(range(1, 8)), sampling=SamplingParams(max_tokens=4))),
+        ("bad-sampling", start_of((1, 2), sampling=None)),
+        ("bad-token", start_of((1, 99), sampling=SamplingParams(max_tokens=2))),
+    ):
+        refused = only_failure(core.on_start(StartFrame("o", "p", rid, start), None, T0))
+        assert refused.kind is FailureKind.BAD_REQUEST and refused.request_id == rid
+    assert core.queued_requests("p") == 0
+    waits = start_of((1, 2), sampling=SamplingParams(max_tokens=2))
+    assert core.on_start(StartFrame("o", "p", "next", waits), None, T0) == []
+    assert core.queued_requests("p") == 1  # a valid Start still waits for room

@@ -271,11 +271,33 @@ class StageCore:
                 "first: the origin has another view of the plan",
             )
         self._clock = max(self._clock, now)
+        if refused := self._invalid_start(plan, frame):
+            return refused
         if refused := self._wait_for_room(plan, frame):
             return refused
         if plan.waiting and plan.waiting[-1] is frame:
             return []  # it waits for room
         return self._admit(plan, frame, now)
+
+    def _invalid_start(self, plan: _Plan, frame: StartFrame | ActivationFrame) -> list[Action]:
+        """The refusal of a Start this stage can never run, else nothing. Checked before a
+        Start may wait for room: queued, it would hold back every request behind it."""
+        start = frame.start
+        assert start is not None
+        if start.sampling is None:
+            return self._refuse(start.origin, frame, f"bad sampling parameters: {start.invalid}")
+        if start.prefill_chunk < 1 or start.context_length < 1:
+            return self._refuse(start.origin, frame, "a request needs a prompt and a chunk size")
+        if plan.is_first and len(start.prompt) != start.prompt_length:
+            return self._refuse(start.origin, frame, "the first stage needs the prompt's tokens")
+        # Every stage checks: the first embeds the tokens, the last's repetition penalty
+        # indexes its logits with them.
+        if bad_token := plan.token_error(start.prompt + start.generated):
+            return self._refuse(start.origin, frame, bad_token)
+        too_long = plan.assignment.context_error(start.prompt_length, start.sampling.max_tokens)
+        if too_long is not None:  # no KV cache grows past what the plan reserved
+            return self._refuse(start.origin, frame, too_long)
+        return []
 
     def _wait_for_room(self, plan: _Plan, frame: StartFrame) -> list[Action]:
         """Queue ``frame`` when the plan's KV budget has no room for it now (or others wait
@@ -551,19 +573,9 @@ class StageCore:
                 "requests (its limit); retry when one has finished"
             )
             return self._refuse(start.origin, frame, message, FailureKind.OVERLOADED)
-        if start.sampling is None:
-            return self._refuse(start.origin, frame, f"bad sampling parameters: {start.invalid}")
-        if start.prefill_chunk < 1 or start.context_length < 1:
-            return self._refuse(start.origin, frame, "a request needs a prompt and a chunk size")
-        if plan.is_first and len(start.prompt) != start.prompt_length:
-            return self._refuse(start.origin, frame, "the first stage needs the prompt's tokens")
-        # Every stage checks: the first embeds the tokens, the last's repetition penalty
-        # indexes its logits with them.
-        if bad_token := plan.token_error(start.prompt + start.generated):
-            return self._refuse(start.origin, frame, bad_token)
-        too_long = plan.assignment.context_error(start.prompt_length, start.sampling.max_tokens)
-        if too_long is not None:  # no KV cache grows past what the plan reserved
-            return self._refuse(start.origin, frame, too_long)
+        if refused := self._invalid_start(plan, frame):
+            return refused
+        assert start.sampling is not None
         chunk_steps = len(_steps_of(start)) - 1
         request = _Request(
             plan_id=plan.plan_id,

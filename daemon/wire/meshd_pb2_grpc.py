@@ -374,6 +374,9 @@ class LocalStub:
     any node runs on the whole mesh.
     Messages: at most 4 MiB (4194304 bytes) each way; a larger request is answered
     RESOURCE_EXHAUSTED by gRPC itself. A prompt that long is far past any context anyway.
+    Admission: a request runs once its prompt plus max_tokens fit in the KV memory the plan
+    reserved (`--concurrency` sequences of `--context-length`); until then it waits in
+    arrival order, so the first event may take longer while other requests run.
     Deadlines: set one on every call. Generate/Chat have no server-side limit beyond
     max_tokens; cancelling the call (or its deadline) cancels the request on every stage
     at once, and the daemon logs it as cancelled.
@@ -385,7 +388,8 @@ class LocalStub:
     FAILED_PRECONDITION  no committed plan (no model selected, not enough memory in the
     mesh, still agreeing), or the plan_id asked for is not committed.
     UNAVAILABLE          a stage was lost or is still loading its layers: retry.
-    RESOURCE_EXHAUSTED   a stage holds as many requests as it may: retry shortly.
+    RESOURCE_EXHAUSTED   the plan's reserved KV memory is taken and its queue of waiting
+    requests is full (`--queue-limit`): retry shortly.
     INTERNAL             a bug (a stage failed to compute); the message says where.
     A Generate/Chat that fails before its first event gets the status at once; one that
     fails mid-stream ends the stream with the status (no GenerationDone).
@@ -455,6 +459,9 @@ class LocalServicer:
     any node runs on the whole mesh.
     Messages: at most 4 MiB (4194304 bytes) each way; a larger request is answered
     RESOURCE_EXHAUSTED by gRPC itself. A prompt that long is far past any context anyway.
+    Admission: a request runs once its prompt plus max_tokens fit in the KV memory the plan
+    reserved (`--concurrency` sequences of `--context-length`); until then it waits in
+    arrival order, so the first event may take longer while other requests run.
     Deadlines: set one on every call. Generate/Chat have no server-side limit beyond
     max_tokens; cancelling the call (or its deadline) cancels the request on every stage
     at once, and the daemon logs it as cancelled.
@@ -466,7 +473,8 @@ class LocalServicer:
     FAILED_PRECONDITION  no committed plan (no model selected, not enough memory in the
     mesh, still agreeing), or the plan_id asked for is not committed.
     UNAVAILABLE          a stage was lost or is still loading its layers: retry.
-    RESOURCE_EXHAUSTED   a stage holds as many requests as it may: retry shortly.
+    RESOURCE_EXHAUSTED   the plan's reserved KV memory is taken and its queue of waiting
+    requests is full (`--queue-limit`): retry shortly.
     INTERNAL             a bug (a stage failed to compute); the message says where.
     A Generate/Chat that fails before its first event gets the status at once; one that
     fails mid-stream ends the stream with the status (no GenerationDone).
@@ -606,6 +614,9 @@ class Local:
     any node runs on the whole mesh.
     Messages: at most 4 MiB (4194304 bytes) each way; a larger request is answered
     RESOURCE_EXHAUSTED by gRPC itself. A prompt that long is far past any context anyway.
+    Admission: a request runs once its prompt plus max_tokens fit in the KV memory the plan
+    reserved (`--concurrency` sequences of `--context-length`); until then it waits in
+    arrival order, so the first event may take longer while other requests run.
     Deadlines: set one on every call. Generate/Chat have no server-side limit beyond
     max_tokens; cancelling the call (or its deadline) cancels the request on every stage
     at once, and the daemon logs it as cancelled.
@@ -617,7 +628,8 @@ class Local:
     FAILED_PRECONDITION  no committed plan (no model selected, not enough memory in the
     mesh, still agreeing), or the plan_id asked for is not committed.
     UNAVAILABLE          a stage was lost or is still loading its layers: retry.
-    RESOURCE_EXHAUSTED   a stage holds as many requests as it may: retry shortly.
+    RESOURCE_EXHAUSTED   the plan's reserved KV memory is taken and its queue of waiting
+    requests is full (`--queue-limit`): retry shortly.
     INTERNAL             a bug (a stage failed to compute); the message says where.
     A Generate/Chat that fails before its first event gets the status at once; one that
     fails mid-stream ends the stream with the status (no GenerationDone).

@@ -275,8 +275,10 @@ class Fuzzer:
                 async for reply in call:
                     if link:  # raw bytes: no deserializer on a generic call
                         with contextlib.suppress(DecodeError):
-                            kind = dp.Frame.FromString(reply).WhichOneof("body")
-                            self.tally.link_replies[kind or "empty"] += 1
+                            frame = dp.Frame.FromString(reply)
+                            inner = frame.bundle.frames if frame.HasField("bundle") else [frame]
+                            for one in inner:  # frames sent together arrive as one Bundle
+                                self.tally.link_replies[one.WhichOneof("body") or "empty"] += 1
             return True
         except TimeoutError:
             call.cancel()
