@@ -107,39 +107,3 @@ def test_submit_then_hands_each_result_back_on_the_loop_in_order() -> None:
         return seen
 
     assert asyncio.run(main()) == [(0, True), (2, True), (4, True), (6, True), (8, True)]
-
-
-def test_close_drops_queued_jobs_and_the_worker_releases_its_mlx_streams_last(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The running job finishes, queued ones are cancelled, and the worker thread's last act
-    is releasing its MLX streams (else the process may abort at exit: meshd.runtime.mlx_threads)."""
-    import meshd.runtime.compute as compute_module
-
-    events: list[tuple[str, int]] = []
-    monkeypatch.setattr(
-        compute_module,
-        "release_thread_streams",
-        lambda: events.append(("released", threading.get_ident())),
-    )
-
-    async def main() -> tuple[Any, Any]:
-        compute = ComputeExecutor("test-compute")
-        started = threading.Event()
-
-        def slow() -> str:
-            started.set()
-            time.sleep(0.2)
-            events.append(("slow done", threading.get_ident()))
-            return "done"
-
-        running = compute.submit(slow)
-        queued = compute.submit(lambda: events.append(("queued ran", threading.get_ident())))
-        await asyncio.to_thread(started.wait, 5)
-        await compute.close()
-        return await asyncio.gather(running, queued, return_exceptions=True)
-
-    finished, dropped = asyncio.run(main())
-    assert finished == "done" and isinstance(dropped, asyncio.CancelledError)
-    assert [name for name, _ in events] == ["slow done", "released"]
-    assert events[0][1] == events[1][1] != threading.get_ident()

@@ -6,12 +6,10 @@ stall behind a matrix multiplication. One thread, not a pool, because a node has
 worth of cores to give: two MLX evaluations at once only compete for them. Jobs run in
 submission order, so work submitted for one request runs in the order it was submitted.
 
-It is a ``concurrent.futures.Executor`` with one worker thread: an idle worker blocks in a
+It is a ``concurrent.futures.ThreadPoolExecutor`` with one worker: an idle worker blocks in a
 futex (it never spins, which matters when several stage processes share a small machine),
 and results come back to the asyncio loop as futures (``loop.run_in_executor``), so whoever
-submits a job owns its result and its errors. Not a ``ThreadPoolExecutor``: the worker's last
-act must be releasing its MLX streams (:mod:`meshd.runtime.mlx_threads`), or the process may
-abort at exit, and a pool has no hook for that.
+submits a job owns its result and its errors.
 """
 
 from __future__ import annotations
@@ -20,12 +18,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import queue
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
-
-from meshd.runtime.mlx_threads import release_thread_streams
 
 log = logging.getLogger("meshd.compute")
 
@@ -38,7 +32,7 @@ class ComputeExecutor:
     """One worker thread for MLX; use it from one asyncio loop."""
 
     def __init__(self, name: str = "meshd-compute") -> None:
-        self._pool = OneThreadExecutor(name)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._closed = False
 
     @property
@@ -88,68 +82,6 @@ class ComputeExecutor:
             await asyncio.wait_for(shutdown, timeout_s)
         except TimeoutError:
             log.warning("the compute thread did not finish its job within %g s", timeout_s)
-
-
-_Job = tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]]
-
-
-class OneThreadExecutor(concurrent.futures.Executor):
-    """One worker thread running jobs in submission order, that releases its MLX streams
-    when it stops (after the last job, or when ``shutdown`` dropped the queued ones)."""
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(
-        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
-    ) -> concurrent.futures.Future[T]:
-        if kwargs:
-            raise TypeError("OneThreadExecutor.submit takes positional arguments only")
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._lock:
-            if self._stopping:
-                raise RuntimeError("cannot schedule new jobs after shutdown")
-            self._jobs.put((future, fn, args))
-        return future
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self._lock:
-            if not self._stopping:
-                self._stopping = True
-                if cancel_futures:
-                    self._cancel_queued()
-                self._jobs.put(None)
-        if wait and threading.current_thread() is not self._thread:
-            self._thread.join()
-
-    def _cancel_queued(self) -> None:
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                job[0].cancel()
-
-    def _work(self) -> None:
-        try:
-            while (job := self._jobs.get()) is not None:
-                future, fn, args = job
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    result = fn(*args)
-                except BaseException as error:
-                    future.set_exception(error)
-                else:
-                    future.set_result(result)
-                del job, future, fn, args  # a job's arguments do not outlive it
-        finally:
-            release_thread_streams()
 
 
 def _run_then(
