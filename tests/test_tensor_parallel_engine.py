@@ -93,7 +93,14 @@ def test_engine_runs_steps_on_the_group_and_a_lost_member_is_unreachable(
             )
             assert isinstance(failed, ComputeFailed), failed
             assert failed.kind is FailureKind.UNREACHABLE, failed
-            assert "member b (rank 1)" in failed.reason and "a+b" in failed.reason, failed
+            # Whichever rank 0 sees first: its runner's watch of member b, or the ring's own
+            # error on the dead connection (it cannot tell which peer that was); both name the
+            # group, and the mesh's membership names the lost node.
+            assert "a+b" in failed.reason, failed
+            assert (
+                "member b (rank 1)" in failed.reason
+                or "connection to a peer was lost" in failed.reason
+            ), failed
             assert time.monotonic() - started < TEARDOWN_BOUND_S
             await wait_gone([leader.pid], TEARDOWN_BOUND_S)
             # Freeing the request's caches on a group that is gone is not an error.
