@@ -3,7 +3,7 @@ idle connections. Real daemon processes on loopback (no mDNS), real mutual TLS."
 
 from __future__ import annotations
 
-import asyncio
+import threading
 from pathlib import Path
 
 import grpc
@@ -13,11 +13,17 @@ from meshd.mesh import channels, security
 LOOPBACK = ["--no-mdns", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 
 
-def member_channel(token: str, folder: Path, port: int, node_id: str = "tester"):
-    """A channel to 127.0.0.1:port with a certificate of the token's mesh (asyncio side)."""
+def member_channel(token: str, folder: Path, port: int, node_id: str = "tester") -> grpc.Channel:
+    """A channel to 127.0.0.1:port with a certificate of the token's mesh. Synchronous gRPC:
+    grpc.aio objects left to the garbage collector after their event loop closed can hang the
+    test process when they are finalized (their poller thread is joined)."""
     secret = security.decode_join_token(token)
     creds = security.load_or_create_node_credentials(folder, secret, node_id)
-    return channels.peer_channel(f"127.0.0.1:{port}", security.channel_credentials(creds))
+    return grpc.secure_channel(
+        f"127.0.0.1:{port}",
+        security.channel_credentials(creds),
+        options=channels.PEER_CHANNEL_OPTIONS,
+    )
 
 
 def peer_port(status) -> int:
@@ -30,17 +36,13 @@ def test_malformed_body_from_a_member_is_invalid_argument_and_one_warning(
     daemon = daemons([*LOOPBACK, "--join", mesh_token])
     port = peer_port(daemon.wait_ready())
 
-    async def call() -> list[tuple[grpc.StatusCode, str]]:
-        async with member_channel(mesh_token, tmp_path, port) as channel:
-            answers = []
-            for method in ("/meshd.v1.Peer/Propose", "/meshd.dataplane.v1.DataPlane/Stats"):
-                try:
-                    await channel.unary_unary(method)(b"\xff\xff\xff", timeout=5)
-                except grpc.aio.AioRpcError as error:
-                    answers.append((error.code(), error.details() or ""))
-            return answers
-
-    answers = asyncio.run(call())
+    answers: list[tuple[grpc.StatusCode, str]] = []
+    with member_channel(mesh_token, tmp_path, port) as channel:
+        for method in ("/meshd.v1.Peer/Propose", "/meshd.dataplane.v1.DataPlane/Stats"):
+            try:
+                channel.unary_unary(method)(b"\xff\xff\xff", timeout=5)
+            except grpc.RpcError as error:
+                answers.append((error.code(), error.details() or ""))
     assert [code for code, _ in answers] == [grpc.StatusCode.INVALID_ARGUMENT] * 2, answers
     assert "not a valid Propose message" in answers[0][1]
     log = daemon.log_tail(400)
@@ -207,31 +209,27 @@ def test_a_start_with_token_ids_outside_the_vocabulary_is_refused_by_the_stage(
         )
         return dp.Frame(plan_id=status.agreement.active_plan_id, request_id=request_id, start=body)
 
-    async def link() -> list[dp.Frame]:
-        async with member_channel(mesh_token, tmp_path, peer_port(status)) as channel:
-            sent = [
-                dp.Frame(hello=dp.Hello(node_id="tester")),
-                start("bad", [1, 2, 5000]),
-                start("good", [1, 2, 3]),
-            ]
+    done = threading.Event()
 
-            async def frames():
-                for frame in sent:
-                    yield frame.SerializeToString()
-                await asyncio.sleep(30)  # keep the link open while the stage answers
+    def frames():
+        yield dp.Frame(hello=dp.Hello(node_id="tester")).SerializeToString()
+        yield start("bad", [1, 2, 5000]).SerializeToString()
+        yield start("good", [1, 2, 3]).SerializeToString()
+        done.wait(30)  # keep the link open while the stage answers
 
-            call = channel.stream_stream("/meshd.dataplane.v1.DataPlane/Link")(frames())
-            replies = []
-            async for raw in call:
+    replies: list[dp.Frame] = []
+    with member_channel(mesh_token, tmp_path, peer_port(status)) as channel:
+        call = channel.stream_stream("/meshd.dataplane.v1.DataPlane/Link")(frames(), timeout=60)
+        try:
+            for raw in call:
                 frame = dp.Frame.FromString(raw)
                 # Frames a stage sends together arrive as one Bundle (continuous batching).
                 replies += frame.bundle.frames if frame.HasField("bundle") else [frame]
                 if any(r.token.finish for r in replies if r.request_id == "good"):
                     break
+        finally:
+            done.set()
             call.cancel()
-            return replies
-
-    replies = asyncio.run(asyncio.wait_for(link(), 60))
     (failure,) = [r.failure for r in replies if r.request_id == "bad"]
     assert "token id 5000" in failure.message and "0 <= id < 320" in failure.message
     assert len([r for r in replies if r.request_id == "good" and r.HasField("token")]) == 4
