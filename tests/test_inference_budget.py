@@ -14,6 +14,7 @@ import pytest
 
 from meshd.api import client
 from meshd.wire import pb
+from tests.support.memory_checks import assert_nodes_hold_only_their_share
 
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 BUDGET = 120_000_000
@@ -45,15 +46,4 @@ def test_model_bigger_than_any_node_runs_within_every_budget(daemons, mesh_token
     done = [e.done for e in client.stream_generation(nodes[1].api, request) if e.HasField("done")]
     assert done and done[0].completion_tokens > 0
 
-    held = 0
-    for d in nodes:
-        status = d.status()
-        memory = status.memory
-        share = next(m for m in plan["memory"] if m["node"] == status.node_id)
-        assert memory.budget == BUDGET
-        assert 0 < memory.mlx_peak <= BUDGET, (status.node_id, memory)
-        assert memory.mlx_peak <= memory.planned, (status.node_id, memory, share)
-        # Only this node's layers are resident: its weights, not the whole model.
-        assert memory.mlx_active < share["weights_bytes"] * 1.15 + 4_000_000, (memory, share)
-        held += memory.mlx_active
-    assert held < weights * 1.3
+    assert_nodes_hold_only_their_share(nodes, plan, BUDGET, weights)

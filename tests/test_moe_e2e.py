@@ -19,6 +19,7 @@ import pytest
 
 from meshd.api import client
 from meshd.wire import pb
+from tests.support.memory_checks import assert_nodes_hold_only_their_share
 
 BUDGET = 120_000_000
 PROMPT = "mixture of experts, split three ways " * 4
@@ -93,15 +94,4 @@ def test_moe_bigger_than_any_node_answers_across_namespaced_daemons(
     # did not produce); everything before is the same text.
     assert "".join(text) == mlx_lm_answer(big_moe).removesuffix("\ufffd")
 
-    held = 0
-    for node in nodes:
-        status = node.status()
-        memory = status.memory
-        share = next(m for m in plan["memory"] if m["node"] == status.node_id)
-        assert memory.budget == BUDGET
-        assert 0 < memory.mlx_peak <= BUDGET, (status.node_id, memory)
-        assert memory.mlx_peak <= memory.planned, (status.node_id, memory, share)
-        # Only this node's layers are resident: its experts, not the whole model's.
-        assert memory.mlx_active < share["weights_bytes"] * 1.15 + 4_000_000, (memory, share)
-        held += memory.mlx_active
-    assert held < weights * 1.3
+    assert_nodes_hold_only_their_share(nodes, plan, BUDGET, weights)
