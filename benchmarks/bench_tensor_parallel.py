@@ -41,7 +41,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -55,7 +54,7 @@ from meshd.inference.tensor_parallel import (
     TensorParallelSpec,
     build_group_spec,
 )
-from meshd.inference.tensor_parallel.spec import group_ports
+from tests.support.ports import free_base_port
 from tests.support.random_model import make_random_model_dir
 
 MODELS: dict[str, dict[str, int]] = {
@@ -76,29 +75,10 @@ class Result:
     compute_ms_per_step: float | None = None
 
 
-def free_base(plan_id: str, stages: int, size: int) -> int:
-    for _ in range(200):
-        base = random.randrange(20000, 40000)
-        ports = [p for s in range(stages) for p in (*group_ports(plan_id, s, size, base)[0],)]
-        ports += [group_ports(plan_id, s, size, base)[1] for s in range(stages)]
-        if all(_bindable(port) for port in ports):
-            return base
-    raise RuntimeError("no free ports")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def specs_for(model_dir: Path, layers: int, sizes: list[int]) -> list[TensorParallelSpec]:
     """One spec per stage; ``sizes`` = ranks per stage; layers split evenly between stages."""
     plan_id = os.urandom(16).hex()
-    base = free_base(plan_id, len(sizes), max(sizes))
+    base = free_base_port(plan_id, range(len(sizes)), max(sizes))
     bounds = np.linspace(0, layers, len(sizes) + 1).astype(int)
     specs = []
     for index, size in enumerate(sizes):

@@ -21,7 +21,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,7 +46,7 @@ from meshd.inference.tensor_parallel import (
     describe_local_link,
     group_link_verdict,
 )
-from meshd.inference.tensor_parallel.spec import group_ports
+from tests.support.ports import free_base_port
 from tests.support.random_model import make_random_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,28 +69,6 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         intermediate=256,
         max_shard_bytes=300_000,
     )
-
-
-def free_base_port(plan_id: str, stage_indexes: Sequence[int], size: int) -> int:
-    """A base port whose derived ports (every stage of the plan) are all free on loopback."""
-    for _ in range(200):
-        base = random.randrange(20000, 40000)
-        ports = []
-        for stage in stage_indexes:
-            ranks, control = group_ports(plan_id, stage, size, base)
-            ports += [*ranks, control]
-        if all(_bindable(port) for port in ports):
-            return base
-    raise RuntimeError("no free port range on loopback")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def loopback_spec(
