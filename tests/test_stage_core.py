@@ -60,6 +60,7 @@ def start_of(
     eos: frozenset[int] = frozenset({99}),
     generated: tuple[int, ...] = (),
     forwarded: bool = False,
+    catch_up: bool = False,
 ) -> RequestStart:
     return RequestStart(
         origin=origin,
@@ -69,6 +70,7 @@ def start_of(
         eos_ids=eos,
         prefill_chunk=chunk,
         generated=generated,
+        catch_up=catch_up,
         invalid=None if sampling is not None else "top_p must be in (0, 1]",
     )
 
@@ -297,6 +299,40 @@ def test_a_resumed_request_replays_its_tokens_one_at_a_time_and_continues_counti
     token, release = core.on_computed(work, Sampled(11, b"", 0.1), T0)
     assert token.index == 4 and token.finish is Finish.LENGTH  # 5 tokens in all
     assert release == Release("p", "r")
+
+
+def test_a_catching_up_request_takes_known_tokens_from_its_origin_without_the_round_trip() -> None:
+    """A request moving in the background (catch_up): the origin sends the tokens an older
+    attempt delivered; the first stage queues each as its next step's input at once (several
+    ahead of the last stage), drops the last stage's later copy of an index it has, and takes
+    the last stage's token where the origin has none yet. Without catch_up, a Token from the
+    origin is not the request's business."""
+    sampling = SamplingParams(max_tokens=10)
+    core = core_on("a", plan_of("p", "a", "b"))
+    start = start_of((1, 2), chunk=8, sampling=sampling, generated=(7,), catch_up=True)
+    core.on_start(StartFrame("o", "p", "r", start), None, T0)
+    assert [w.tokens for w in drain(core)] == [(1,), (2,), (7,)]
+    for index, token in ((1, 8), (2, 9)):  # delivered by the old attempt meanwhile
+        assert core.on_token(TokenFrame("o", "p", "r", token, index, Finish.NONE), None, T0) == []
+    assert [(w.step, w.tokens) for w in drain(core)] == [(3, (8,)), (4, (9,))]
+    # the last stage's copies of indexes 1 and 2 come late: dropped, nothing to compute
+    for index, token in ((1, 8), (2, 9)):
+        assert core.on_token(TokenFrame("b", "p", "r", token, index, Finish.NONE), None, T0) == []
+    assert core.next_batch(T0) == []
+    # index 3 comes from the last stage first: taken; the origin's copy is dropped
+    assert core.on_token(TokenFrame("b", "p", "r", 10, 3, Finish.NONE), None, T0) == []
+    assert core.on_token(TokenFrame("o", "p", "r", 10, 3, Finish.NONE), None, T0) == []
+    assert [(w.step, w.tokens) for w in drain(core)] == [(5, (10,))]
+    refused = only_failure(core.on_token(TokenFrame("o", "p", "r", 12, 6, Finish.NONE), None, T0))
+    assert refused.kind is FailureKind.BAD_REQUEST and "token 6 arrived, expected 4" in (
+        refused.message
+    )
+
+    plain = core_on("a", plan_of("p", "a", "b"))
+    plain.on_start(StartFrame("o", "p", "r", start_of((1, 2), chunk=8)), None, T0)
+    drain(plain)
+    assert plain.on_token(TokenFrame("o", "p", "r", 8, 0, Finish.NONE), None, T0) == []
+    assert plain.next_batch(T0) == []  # the origin feeds only a request that catches up
 
 
 # --- The scheduler ------------------------------------------------------------------------------

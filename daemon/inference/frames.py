@@ -33,6 +33,7 @@ def start_to_proto(start: RequestStart) -> dp.Start:
         prefill_chunk=start.prefill_chunk,
         return_logits=start.return_logits,
         generated_tokens=start.generated,
+        catch_up=start.catch_up,
     )
 
 
@@ -53,6 +54,7 @@ def start_from_proto(message: dp.Start) -> RequestStart:
         prefill_chunk=message.prefill_chunk,
         return_logits=message.return_logits,
         generated=tuple(message.generated_tokens),
+        catch_up=message.catch_up,
     )
 
 

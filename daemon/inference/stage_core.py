@@ -22,6 +22,15 @@ the head. The first stage knows every prompt step from the Start; later stages r
 steps as Activations, in order; the first stage learns each generated token from the last
 stage's Token (a single stage feeds itself, with no frame at all).
 
+A request moving in the background (``RequestStart.catch_up``: its origin runs it on an older
+plan meanwhile) also learns generated tokens from its origin: the tokens the older attempt
+delivers after this one started come as Tokens from the origin, and the first stage queues
+each as the input of its next step at once, without waiting for the round trip through the
+last stage, so the new plan catches up as fast as its stages compute. The last stage still
+samples every step with the request's seeded sampler; whichever copy of a token index reaches
+the first stage first is its input, the other copy is dropped. (Whether the two agree is the
+origin's check: it compares every token of the new attempt with the one it delivered.)
+
 Rules (each refusal ends the request on this node and tells its origin with a Failure):
 
 * Fencing, for every Start, Activation and Token: the plan must be committed here (the
@@ -29,9 +38,11 @@ Rules (each refusal ends the request on this node and tells its origin with a Fa
   ``NOT_LOADED``, which the origin may retry; one that failed to load is ``INTERNAL`` with the
   reason), and hold a stage on this node.
 * Senders: a Start comes from its origin to the first stage; an Activation from the
-  previous stage of the plan; a Token that continues a request from its last stage; an End
-  from the origin. The transport authenticates senders (TLS certificate = node id).
-* Order: Activations arrive with consecutive steps, Tokens with consecutive indexes;
+  previous stage of the plan; a Token that continues a request from its last stage, or
+  from its origin when the Start said ``catch_up``; an End from the origin. The transport
+  authenticates senders (TLS certificate = node id).
+* Order: Activations arrive with consecutive steps, Tokens with consecutive indexes
+  (during a catch-up, per sender: an index the other sender already gave is dropped);
   anything else is refused. Frames of a request that ended here are dropped (an End may
   overtake its Start; a late frame may follow a refusal).
 * Bounds: a plan holds at most ``max_requests`` requests on this stage (``OVERLOADED``); a
@@ -382,17 +393,23 @@ class StageCore:
 
     def on_token(self, frame: TokenFrame, fence: str | None, now: float) -> list[Action]:
         """A sampled token, at the first stage of a multi-stage plan: the next step's input.
-        (The origin's copy of the token is not the core's business.)"""
+        From the last stage, or during a catch-up also from the origin (a token an older
+        attempt delivered; see the module docstring). (The origin's own copy of a sampled
+        token is not the core's business.)"""
         plan = self._plans.get(frame.plan_id)
         if plan is None or not plan.is_first or plan.is_last:
             return []
         request = plan.requests.get(frame.request_id)
         if request is None or request.ended or frame.finish is not Finish.NONE:
             return []
-        if frame.sender != plan.node(len(plan.assignment.stages) - 1):
+        catch_up = request.start.catch_up
+        from_origin = catch_up and frame.sender == request.origin
+        if frame.sender != plan.node(len(plan.assignment.stages) - 1) and not from_origin:
             return []
         if refused := self._admission(request.origin, frame, plan, fence):
             return refused
+        if catch_up and frame.index < request.next_index:
+            return []  # the other sender's copy of this token came first
         if frame.index != request.next_index:
             return self._refuse(
                 request.origin, frame, f"token {frame.index} arrived, expected {request.next_index}"

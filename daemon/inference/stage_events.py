@@ -51,6 +51,9 @@ class RequestStart:
     prefill_chunk: int
     return_logits: bool = False
     generated: tuple[int, ...] = ()  # a resumed request: tokens generated before, in order
+    # A background move: the origin feeds the first stage the tokens an older attempt of the
+    # request delivers meanwhile (Tokens from the origin, see StageCore.on_token).
+    catch_up: bool = False
     invalid: str | None = None  # why the frame's settings cannot be served
 
     @property

@@ -88,7 +88,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class Start(_message.Message):
-    __slots__ = ("origin_node_id", "prompt_tokens", "prompt_length", "sampling", "eos_token_ids", "prefill_chunk", "return_logits", "generated_tokens")
+    __slots__ = ("origin_node_id", "prompt_tokens", "prompt_length", "sampling", "eos_token_ids", "prefill_chunk", "return_logits", "generated_tokens", "catch_up")
     ORIGIN_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class Start(_message.Message):
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CATCH_UP_FIELD_NUMBER: _ClassVar[int]
     origin_node_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     prompt_length: int
@@ -105,7 +106,8 @@ class Start(_message.Message):
     prefill_chunk: int
     return_logits: bool
     generated_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, origin_node_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., return_logits: _Optional[bool] = ..., generated_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    catch_up: bool
+    def __init__(self, origin_node_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., return_logits: _Optional[bool] = ..., generated_tokens: _Optional[_Iterable[int]] = ..., catch_up: _Optional[bool] = ...) -> None: ...
 
 class Activation(_message.Message):
     __slots__ = ("start", "step", "dtype", "shape", "data", "compute_s")
