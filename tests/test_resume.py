@@ -19,6 +19,7 @@ enable_fast_blas()  # before mlx.core: float32 matmuls on OpenBLAS
 import asyncio
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ PROMPT = [(index * 29 + 5) % 300 for index in range(13)]
 CHUNK = 4  # the prompt goes in three chunks and its last token: replay must cut it alike
 TOKENS = 24
 MOVE_AFTER = 9
+LONG_TOKENS = 64  # a background move catches up before the request ends
 GREEDY = SamplingParams(max_tokens=TOKENS)
 SAMPLED = SamplingParams(
     temperature=1.0, top_p=0.9, top_k=60, repetition_penalty=1.3, seed=11, max_tokens=TOKENS
@@ -147,6 +149,66 @@ def test_a_request_moved_to_another_layout_is_bit_identical_to_one_run(
         assert mesh.nodes["n2"].plane.origin.requests_resumed >= 1
         mesh.wait_all_freed(after.plan_id)
     finally:
+        mesh.uninstall(after.plan_id)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_request_moves_in_the_background_while_its_old_plan_still_serves(
+    mesh: Mesh, model_dir: Path, params: SamplingParams
+) -> None:
+    """Plan B (n3: 0-2, n1: 3-5) becomes the active plan after 9 tokens while plan A (n1:
+    0-1, n2: 2-3, n3: 4-5) still serves (a join's re-plan; a graceful leave alike): the origin
+    starts the request on B with its 9 tokens and feeds B's first stage each token A delivers
+    meanwhile; B samples every step with the request's sampler, catches up (fed, it needs no
+    round trip) and the stream switches over to it. One stream, no error, every token and its
+    logits the bits of one mlx-lm run, counted as a background move, and A's stages freed."""
+    long = replace(params, max_tokens=LONG_TOKENS)
+    before = mesh.assignment_for(model_dir, [("n1", (0, 2)), ("n2", (2, 4)), ("n3", (4, 6))])
+    after = mesh.assignment_for(model_dir, [("n3", (0, 3)), ("n1", (3, 6))])
+    mesh.install(before)
+    origin = mesh.nodes["n2"].plane.origin
+    moved_before = origin.requests_moved_in_background
+
+    async def switch() -> None:
+        await mesh.install_async(after)  # active now; A stays committed and serving
+
+    tokens, outcome, _ = run_and_switch(mesh, "n2", before, after, long, switch=switch)
+    try:
+        assert isinstance(outcome, FinalEvent), outcome
+        assert outcome.usage.resumes == 1 and outcome.usage.plan_id == after.plan_id, outcome
+        assert origin.requests_moved_in_background == moved_before + 1
+        assert [event.index for event in tokens] == list(range(LONG_TOKENS))
+        assert_exact(model_dir, tokens, long)
+        mesh.wait_all_freed(before.plan_id)  # the old attempt ended on A's stages
+        mesh.wait_all_freed(after.plan_id)
+    finally:
+        mesh.uninstall(before.plan_id)
+        mesh.uninstall(after.plan_id)
+
+
+def test_a_background_move_the_new_plan_refuses_leaves_the_request_on_its_plan(
+    mesh: Mesh, model_dir: Path
+) -> None:
+    """The origin's next plan is not served by its stages (committed on the origin only): the
+    background move is refused and ends, and the request finishes on its plan, exactly."""
+    before = mesh.assignment_for(model_dir, [("n1", (0, 3)), ("n2", (3, 6))])
+    after = mesh.assignment_for(model_dir, [("n3", (0, 3)), ("n1", (3, 6))])
+    mesh.install(before)
+    origin = mesh.nodes["n2"].plane.origin
+    abandoned_before = origin.catch_ups_abandoned
+
+    async def switch() -> None:
+        await mesh.install_async(after, ["n2"])
+
+    tokens, outcome, _ = run_and_switch(mesh, "n2", before, after, GREEDY, switch=switch)
+    try:
+        assert isinstance(outcome, FinalEvent), outcome
+        assert outcome.usage.resumes == 0 and outcome.usage.plan_id == before.plan_id
+        assert origin.catch_ups_abandoned > abandoned_before
+        assert_exact(model_dir, tokens, GREEDY)
+        mesh.wait_all_freed(before.plan_id)
+    finally:
+        mesh.uninstall(before.plan_id)
         mesh.uninstall(after.plan_id)
 
 

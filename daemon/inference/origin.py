@@ -20,7 +20,26 @@ the bits an uninterrupted run computed and the text goes on exactly where it was
 sees one stream: no error, no token lost or repeated, only a pause (:attr:`Usage.resumes`,
 :attr:`Usage.paused_s`, and one line in the event log). Each attempt has its own request id
 on the wire (``<id>~<n>``), so a late frame of an earlier attempt is never taken for one of
-this. When the mesh reports that it cannot run the model any more (a refusal that holds for
+this.
+
+Moves in the background ("catch-up"). A replay pauses the client for the whole replay. So
+while the plan a request runs on can still serve it (a node leaving gracefully keeps serving;
+a plan replaced after a join drains), and the plan this node serves next is loaded here, the
+origin starts a second attempt there with the tokens it has and ``catch_up`` set, while the
+first one keeps streaming. Each token the old attempt delivers from then on also goes to the
+new plan's first stage, which takes it as the input of its next step without waiting for its
+own last stage (:mod:`meshd.inference.stage_core`): the new plan computes the same steps as
+the old one, sampling each with the request's seeded sampler, and catches up as fast as its
+stages compute. Every token the new attempt gives for a position the client already has is
+compared with the delivered one (a difference is a defect: said loudly, and the request stays
+on the old attempt). The first token the new attempt gives that the client does not have yet
+switches the stream over: the old attempt ends on the old stages, and the client saw one
+stream with no pause beyond a token interval. If the new attempt fails, or has not caught up
+within ``catch_up_timeout_s``, it ends and the request stays on the old attempt (which moves
+by replay when its plan goes); if the old attempt fails first, the new one simply carries
+on, already part of the way.
+
+When the mesh reports that it cannot run the model any more (a refusal that holds for
 ``REFUSAL_HOLD_S``), the request ends at once with that reason. When the origin itself dies,
 its clients lose their connection: the one loss nothing can undo.
 
@@ -62,6 +81,8 @@ DEFAULT_RESUME_TIMEOUT_S = 60.0
 REFUSAL_HOLD_S = 1.0  # a refusal this old is the mesh's answer, not a step of a re-plan
 RESUME_POLL_S = 0.05
 SAME_PLAN_RETRY_S = 0.2  # a stage still loading or full: ask the same plan again after this
+DEFAULT_CATCH_UP_TIMEOUT_S = 30.0  # a background move that has not caught up by then ends
+CATCH_UP_POLL_S = 0.1  # how often a waiting request looks for a newer plan to move to
 
 FinishReason = Literal["stop", "length", "eos", "cancelled"]
 
@@ -162,6 +183,25 @@ class _Interrupted(Exception):
         self.same_plan = same_plan  # a stage still loading or full: this plan may, shortly
 
 
+@dataclass(eq=False)
+class _Candidate:
+    """A second attempt of a request on a newer plan, catching up in the background."""
+
+    number: int
+    plan: InstalledPlan
+    wire_id: str
+    started_at: float  # loop time
+    from_tokens: int  # tokens the request had delivered when it started
+
+    @property
+    def nodes(self) -> frozenset[str]:
+        return frozenset(self.plan.assignment.node_ids)
+
+    @property
+    def last_node(self) -> str:
+        return self.plan.assignment.stages[-1].node_id
+
+
 class _OriginRequest:
     """A request this node holds for a client: its prompt and tokens so far, the plan it runs
     on now, and the incoming frames of its current attempt -> events."""
@@ -192,16 +232,29 @@ class _OriginRequest:
         self.moving_since: float | None = None  # loop time the current streak of moves began
         self.interruption = ""
         self.report_pending = False  # a move to another plan: say so at its first token
-        self.bind(plan)
+        self.attempts_made = 0
+        self.candidate: _Candidate | None = None  # a background move under way
+        self.moved_in_background: _Candidate | None = None  # the last move, until reported
+        self.catch_up_deadlines: dict[str, float] = {}  # plan id -> give up catching up then
+        self.catch_up_not_before = 0.0  # loop time of the next try after a transient refusal
+        # Frames of every attempt, told apart by wire id (a stop by attempt number).
+        self.inbox: asyncio.Queue[tuple[float, dp.Frame | _Stop]] = asyncio.Queue()
+        self.bind(plan, 0)
 
-    def bind(self, plan: InstalledPlan) -> None:
-        """Run the next attempt on ``plan`` (a fresh inbox and wire id)."""
+    def new_attempt(self) -> tuple[int, str]:
+        """The number and wire id of a new attempt (never one used before)."""
+        self.attempts_made += 1
+        number = self.attempts_made
+        return number, f"{self.request_id}~{number}"
+
+    def bind(self, plan: InstalledPlan, number: int) -> None:
+        """Run attempt ``number`` (wire id ``<id>~<number>``, the first plain) on ``plan``."""
+        self.attempt = number
         self.plan = plan
         self.plan_id = plan.plan_id
         self.nodes = frozenset(plan.assignment.node_ids)
         self.last_stage = plan.assignment.stages[-1]
-        self.inbox: asyncio.Queue[tuple[float, dp.Frame | _Stop]] = asyncio.Queue()
-        self.wire_id = self.request_id if self.attempt == 0 else f"{self.request_id}~{self.attempt}"
+        self.wire_id = self.request_id if number == 0 else f"{self.request_id}~{number}"
         self.awaiting_token = True
 
     def interrupted(self, reason: str, loop_time: float) -> None:
@@ -307,10 +360,13 @@ class Origin:
         first_token_timeout_s: float = 300.0,
         token_timeout_s: float = 60.0,
         resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S,
+        catch_up_timeout_s: float = DEFAULT_CATCH_UP_TIMEOUT_S,
         report: Callable[[str], None] | None = None,
     ) -> None:
         """``served``: the plans this node serves and the active one (None: requests never
-        move); ``report``: where a moved request is told, in words (the event log)."""
+        move); ``report``: where a moved request is told, in words (the event log);
+        ``catch_up_timeout_s``: how long a background move may take to catch up (0: requests
+        move only by replay)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1 token, got {prefill_chunk}")
         self.node_id = node_id
@@ -323,14 +379,23 @@ class Origin:
         self.first_token_timeout_s = first_token_timeout_s
         self.token_timeout_s = token_timeout_s
         self.resume_timeout_s = resume_timeout_s
+        self.catch_up_timeout_s = catch_up_timeout_s
         self._requests: dict[str, _OriginRequest] = {}  # by the client's request id
         self._by_wire: dict[str, _OriginRequest] = {}  # by the current attempt's wire id
         self.tokens_delivered = 0  # tokens this node's clients received (live tokens/s)
         self.requests_resumed = 0  # requests that moved to another plan and went on
+        self.requests_moved_in_background = 0  # ...of them, moved while the old plan served
+        self.catch_ups_abandoned = 0  # background moves that ended without switching over
         self.last_pause_s = 0.0
 
     def count(self, plan_id: str) -> int:
-        return sum(1 for request in self._requests.values() if request.plan_id == plan_id)
+        """Requests running on ``plan_id`` here (a background move's new attempt included)."""
+        return sum(
+            1
+            for request in self._requests.values()
+            if request.plan_id == plan_id
+            or (request.candidate is not None and request.candidate.plan.plan_id == plan_id)
+        )
 
     @property
     def in_flight(self) -> int:
@@ -367,34 +432,54 @@ class Origin:
 
     def on_token(self, sender: str, frame: dp.Frame) -> None:
         request = self._by_wire.get(frame.request_id)
-        if (
-            request is not None
-            and request.plan_id == frame.plan_id
-            and sender == request.last_stage.node_id
-        ):
+        if request is None:
+            return
+        candidate = request.candidate
+        if frame.request_id == request.wire_id:
+            plan_id, last = request.plan_id, request.last_stage.node_id
+        elif candidate is not None and frame.request_id == candidate.wire_id:
+            plan_id, last = candidate.plan.plan_id, candidate.last_node
+        else:
+            return
+        if plan_id == frame.plan_id and sender == last:
             request.deliver(frame)
 
     def on_failure(self, sender: str, frame: dp.Frame) -> None:
         request = self._by_wire.get(frame.request_id)
-        if request is None or request.plan_id != frame.plan_id:
+        if request is None:
             return
-        if sender in request.nodes or sender == self.node_id:
+        candidate = request.candidate
+        if frame.request_id == request.wire_id:
+            plan_id, nodes = request.plan_id, request.nodes
+        elif candidate is not None and frame.request_id == candidate.wire_id:
+            plan_id, nodes = candidate.plan.plan_id, candidate.nodes
+        else:
+            return
+        if plan_id == frame.plan_id and (sender in nodes or sender == self.node_id):
             request.deliver(frame)
 
     def on_peer_lost(self, peer: str, reason: str) -> None:
         for request in list(self._requests.values()):
-            if peer in request.nodes:
-                address = request.plan.assignment.address_of(peer)
-                where = f" at {address}" if address else ""
-                message = f"stage {peer}{where} unreachable: {reason}"
-                error = InferenceError(ErrorKind.UNAVAILABLE, message)
-                request.deliver(_Stop(error, request.attempt, movable=True))
+            attempts = [(request.attempt, request.plan, request.nodes)]
+            if request.candidate is not None:
+                candidate = request.candidate
+                attempts.append((candidate.number, candidate.plan, candidate.nodes))
+            for number, plan, nodes in attempts:
+                if peer in nodes:
+                    address = plan.assignment.address_of(peer)
+                    where = f" at {address}" if address else ""
+                    message = f"stage {peer}{where} unreachable: {reason}"
+                    error = InferenceError(ErrorKind.UNAVAILABLE, message)
+                    request.deliver(_Stop(error, number, movable=True))
 
     def on_plan_removed(self, plan_id: str, reason: str) -> None:
         for request in list(self._requests.values()):
+            error = InferenceError(ErrorKind.UNAVAILABLE, reason)
             if request.plan_id == plan_id:
-                error = InferenceError(ErrorKind.UNAVAILABLE, reason)
                 request.deliver(_Stop(error, request.attempt, movable=True))
+            candidate = request.candidate
+            if candidate is not None and candidate.plan.plan_id == plan_id:
+                request.deliver(_Stop(error, candidate.number, movable=True))
 
     # ------------------------------------------------------------ internals
 
@@ -460,6 +545,8 @@ class Origin:
             self._requests.pop(request_id, None)
             self._by_wire.pop(request.wire_id, None)
             self._end_everywhere(request.plan, request.wire_id, request.end_reason)
+            if request.candidate is not None:
+                self._drop_candidate(request, request.end_reason, abandoned=False)
 
     async def _attempt(
         self, request: _OriginRequest, params: SamplingParams, seed: int, options: _Options
@@ -476,7 +563,7 @@ class Origin:
         if not self._transport.send(first.node_id, first.address, start):
             message = f"stage {first.node_id} at {first.address} is lost"
             raise _Interrupted(InferenceError(ErrorKind.UNAVAILABLE, message))
-        async for event in self._events(request):
+        async for event in self._events(request, params, seed, options):
             yield event
 
     async def _move(self, request: _OriginRequest, interruption: _Interrupted) -> None:
@@ -486,11 +573,11 @@ class Origin:
         self._end_everywhere(failed, request.wire_id, f"moving: {interruption.error}")
         self._by_wire.pop(request.wire_id, None)
         plan = await self._next_plan(request, failed, interruption)
-        request.attempt += 1
+        number, _ = request.new_attempt()
         if plan is not failed:
             request.resumes += 1
             request.report_pending = True
-        request.bind(plan)
+        request.bind(plan, number)
         self._by_wire[request.wire_id] = request
         log.info(
             "request %s moves to plan %s after %d tokens: %s",
@@ -568,9 +655,17 @@ class Origin:
         return plan
 
     def _start_frame(
-        self, request: _OriginRequest, params: SamplingParams, seed: int, options: _Options
+        self,
+        request: _OriginRequest,
+        params: SamplingParams,
+        seed: int,
+        options: _Options,
+        candidate: _Candidate | None = None,
     ) -> dp.Frame:
-        plan = request.plan
+        """The Start of the request's current attempt, or of ``candidate`` (a background
+        move, which is fed the tokens delivered from then on)."""
+        plan = candidate.plan if candidate is not None else request.plan
+        wire_id = candidate.wire_id if candidate is not None else request.wire_id
         chunk = max(1, min(options.prefill_chunk, MAX_ACTIVATION_BYTES // (4 * plan.hidden_size)))
         start = RequestStart(
             origin=self.node_id,
@@ -581,26 +676,36 @@ class Origin:
             prefill_chunk=chunk,
             return_logits=options.return_logits,
             generated=tuple(request.tokens),
+            catch_up=candidate is not None,
         )
-        return dp.Frame(
-            plan_id=plan.plan_id, request_id=request.wire_id, start=start_to_proto(start)
-        )
+        return dp.Frame(plan_id=plan.plan_id, request_id=wire_id, start=start_to_proto(start))
 
-    async def _events(self, request: _OriginRequest) -> AsyncIterator[GenerationEvent]:
-        """Turn the attempt's incoming frames into events until the final one."""
+    async def _events(
+        self, request: _OriginRequest, params: SamplingParams, seed: int, options: _Options
+    ) -> AsyncIterator[GenerationEvent]:
+        """Turn the attempt's incoming frames into events until the final one; meanwhile
+        start a background move when a newer plan is ready (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        waited_since = loop.time()
         while True:
+            if options.resume:
+                await self._catch_up_step(request, params, seed, options)
             first = request.awaiting_token
             timeout = self.first_token_timeout_s if first else self.token_timeout_s
+            wait = min(timeout - (loop.time() - waited_since), CATCH_UP_POLL_S)
             try:
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout(max(0.0, wait) if options.resume else timeout):
                     arrived_at, item = await request.inbox.get()
             except TimeoutError:
+                if options.resume and loop.time() - waited_since < timeout:
+                    continue  # a poll for a newer plan, not the token timeout
                 stage = request.last_stage
                 message = (
                     f"no token from the mesh for {timeout:g} s (plan {request.plan_id[:12]}, "
                     f"last stage {stage.node_id} at {stage.address}); giving up"
                 )
                 raise request.failed(InferenceError(ErrorKind.UNAVAILABLE, message)) from None
+            waited_since = loop.time()
             for event in self._events_of(request, item, arrived_at):
                 if request.report_pending and isinstance(event, TokenEvent | FinalEvent):
                     request.report_pending = False
@@ -612,35 +717,231 @@ class Origin:
     def _events_of(
         self, request: _OriginRequest, item: dp.Frame | _Stop, arrived_at: float
     ) -> list[GenerationEvent]:
+        candidate = request.candidate
         if isinstance(item, _Stop):
+            if candidate is not None and item.attempt == candidate.number:
+                assert item.error is not None
+                self._drop_candidate(request, str(item.error))
+                return []
             if item.attempt is not None and item.attempt != request.attempt:
                 return []  # a stop meant for an attempt already over
             if item.error is None:
                 return [request.final("cancelled")]
             if item.movable:
+                if candidate is not None:  # the new attempt is part of the way already
+                    self._switch_over(request, str(item.error))
+                    return []
                 raise _Interrupted(item.error)
             raise request.failed(item.error)
+        if candidate is not None and item.request_id == candidate.wire_id:
+            return self._candidate_frame(request, candidate, item, arrived_at)
         if item.request_id != request.wire_id:
             return []
         if item.WhichOneof("body") == "failure":
             kind = failure_from_proto(item.failure.kind)
             error = request.error_of(item.failure)
             if kind in _MOVABLE:
+                if candidate is not None:
+                    self._switch_over(request, str(error))
+                    return []
                 raise _Interrupted(error, same_plan=kind in _RETRY_SAME_PLAN)
             raise request.failed(error)
+        return self._delivered(request, item, arrived_at)
+
+    def _delivered(
+        self, request: _OriginRequest, frame: dp.Frame, arrived_at: float
+    ) -> list[GenerationEvent]:
+        """A token of the request's current attempt: its events; a background move under way
+        gets it as a known input."""
+        token = frame.token
+        if token.index < request.generated:
+            # An attempt that took over while it caught up gives the client's tokens first.
+            if token.token_id == request.tokens[token.index]:
+                return []
+            message = (
+                f"DEFECT: plan {request.plan_id[:12]} gave token {token.token_id} at position "
+                f"{token.index} of request {request.request_id}, where the client got "
+                f"{request.tokens[token.index]} (please report this)"
+            )
+            log.error("%s", message)
+            self._report(message)
+            raise request.failed(InferenceError(ErrorKind.INTERNAL, message))
         self.tokens_delivered += 1
         before = request.paused_s
-        events = request.on_token(item.token, arrived_at)
+        events = request.on_token(frame.token, arrived_at)
         if request.paused_s != before:
             self.last_pause_s = request.paused_s - before
+        candidate = request.candidate
+        if candidate is not None and not any(isinstance(e, FinalEvent) for e in events):
+            self._feed(request, candidate, frame.token)
         return events
+
+    # ------------------------------------------------------------ background moves
+
+    async def _catch_up_step(
+        self, request: _OriginRequest, params: SamplingParams, seed: int, options: _Options
+    ) -> None:
+        """Start a background move when the plan this node serves next is ready here and
+        the request runs on another; end one that has not caught up in time."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        candidate = request.candidate
+        if candidate is not None:
+            deadline = request.catch_up_deadlines.get(candidate.plan.plan_id, now)
+            if now >= deadline:
+                self._drop_candidate(
+                    request,
+                    f"it did not catch up within {self.catch_up_timeout_s:g} s (the new plan "
+                    f"computed {request.generated - candidate.from_tokens} tokens behind)",
+                    give_up=True,
+                )
+            return
+        if self._served is None or self.catch_up_timeout_s <= 0 or request.generated < 1:
+            return
+        if now < request.catch_up_not_before or request.interrupted_at is not None:
+            return
+        active = self._served().active
+        if not active or active == request.plan_id:
+            return
+        deadline = request.catch_up_deadlines.setdefault(active, now + self.catch_up_timeout_s)
+        plan = self._plans.get(active)
+        if now >= deadline or plan is None or not plan.ready.done():
+            return
+        if plan.ready.exception() is not None:
+            request.catch_up_deadlines[active] = now  # it failed to load: no move there
+            return
+        if plan.assignment.context_error(len(request.prompt), params.max_tokens) is not None:
+            request.catch_up_deadlines[active] = now
+            return
+        number, wire_id = request.new_attempt()
+        candidate = _Candidate(number, plan, wire_id, now, len(request.tokens))
+        stages = [(spec.node_id, spec.address) for spec in plan.assignment.stages]
+        error = await self._transport.connect(stages)
+        if error is None:
+            request.candidate = candidate
+            self._by_wire[wire_id] = request
+            start = self._start_frame(request, params, seed, options, candidate)
+            first = plan.stage(0)
+            if self._transport.send(first.node_id, first.address, start):
+                log.info(
+                    "request %s moves to plan %s in the background after %d tokens",
+                    request.request_id,
+                    plan.plan_id[:12],
+                    candidate.from_tokens,
+                )
+                return
+            error = f"stage {first.node_id} at {first.address} is lost"
+        self._drop_candidate(request, error, give_up=False)
+
+    def _feed(self, request: _OriginRequest, candidate: _Candidate, token: dp.Token) -> None:
+        """Send the new attempt's first stage a token the client has (its next input)."""
+        if len(candidate.plan.assignment.stages) == 1:
+            return  # a single stage computes its next input itself, one step ahead
+        first = candidate.plan.stage(0)
+        frame = dp.Frame(
+            plan_id=candidate.plan.plan_id,
+            request_id=candidate.wire_id,
+            token=dp.Token(token_id=token.token_id, index=token.index),
+        )
+        if not self._transport.send(first.node_id, first.address, frame, open_new=False):
+            self._drop_candidate(request, f"stage {first.node_id} at {first.address} is lost")
+
+    def _candidate_frame(
+        self, request: _OriginRequest, candidate: _Candidate, frame: dp.Frame, arrived_at: float
+    ) -> list[GenerationEvent]:
+        """A frame of the new attempt: a token the client has is checked, the first one it
+        has not switches the stream over; a failure ends the background move."""
+        if frame.WhichOneof("body") == "failure":
+            kind = failure_from_proto(frame.failure.kind)
+            transient = kind in _RETRY_SAME_PLAN
+            self._drop_candidate(request, frame.failure.message, give_up=not transient)
+            return []
+        token = frame.token
+        if token.index < request.generated and token.token_id == request.tokens[token.index]:
+            return []  # the new plan computed what the client has: it is catching up
+        if token.index != request.generated:
+            delivered = (
+                request.tokens[token.index] if token.index < len(request.tokens) else "none yet"
+            )
+            message = (
+                f"DEFECT: plan {candidate.plan.plan_id[:12]} gave token {token.token_id} at "
+                f"position {token.index} of request {request.request_id}, where plan "
+                f"{request.plan_id[:12]} gave {delivered}; the request stays on plan "
+                f"{request.plan_id[:12]} (please report this)"
+            )
+            log.error("%s", message)
+            self._report(message)
+            self._drop_candidate(request, "its tokens differ from the delivered ones", give_up=True)
+            return []
+        self._switch_over(request, f"plan {candidate.plan.plan_id[:12]} caught up")
+        return self._delivered(request, frame, arrived_at)
+
+    def _switch_over(self, request: _OriginRequest, reason: str) -> None:
+        """The new attempt becomes the request's: the old one ends on its stages."""
+        candidate = request.candidate
+        assert candidate is not None
+        request.candidate = None
+        old_plan, old_wire = request.plan, request.wire_id
+        self._by_wire.pop(old_wire, None)
+        self._end_everywhere(old_plan, old_wire, f"moved to plan {candidate.plan.plan_id[:12]}")
+        if request.interrupted_at is None:  # the pause runs from the last token on
+            request.interrupted(reason, asyncio.get_running_loop().time())
+        request.interruption = reason
+        request.bind(candidate.plan, candidate.number)
+        request.awaiting_token = False  # it has computed tokens already
+        request.resumes += 1
+        request.report_pending = True
+        request.moved_in_background = candidate
+        log.info(
+            "request %s switches to plan %s (%s)",
+            request.request_id,
+            candidate.plan.plan_id[:12],
+            reason,
+        )
+
+    def _drop_candidate(
+        self, request: _OriginRequest, reason: str, *, give_up: bool = True, abandoned: bool = True
+    ) -> None:
+        """End the background move (the request goes on on its current attempt). With
+        ``give_up`` no other is tried on that plan; else one is tried again shortly."""
+        candidate = request.candidate
+        if candidate is None:
+            return
+        request.candidate = None
+        self._by_wire.pop(candidate.wire_id, None)
+        self._end_everywhere(candidate.plan, candidate.wire_id, f"background move ended: {reason}")
+        if not abandoned:
+            return
+        self.catch_ups_abandoned += 1
+        loop_now = asyncio.get_running_loop().time()
+        if give_up:
+            request.catch_up_deadlines[candidate.plan.plan_id] = loop_now
+        request.catch_up_not_before = loop_now + SAME_PLAN_RETRY_S
+        log.info(
+            "request %s: background move to plan %s ended (%s); it stays on plan %s",
+            request.request_id,
+            candidate.plan.plan_id[:12],
+            reason,
+            request.plan_id[:12],
+        )
 
     def _resumed(self, request: _OriginRequest) -> None:
         """The first token after a move arrived: count it and say so in the event log."""
         self.requests_resumed += 1
+        background = request.moved_in_background
+        request.moved_in_background = None
+        if background is None:
+            how = ""
+        else:
+            self.requests_moved_in_background += 1
+            took = asyncio.get_running_loop().time() - background.started_at
+            how = (
+                f" in the background (it caught up from token {background.from_tokens} in "
+                f"{took:.2f} s)"
+            )
         self._report(
-            f"request {request.request_id} moved to plan {request.plan_id[:12]} and resumed "
-            f"after {request.generated - 1} tokens, paused {self.last_pause_s:.2f} s "
+            f"request {request.request_id} moved to plan {request.plan_id[:12]}{how} and "
+            f"resumed after {request.generated - 1} tokens, paused {self.last_pause_s:.2f} s "
             f"({request.interruption})"
         )
 
