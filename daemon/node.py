@@ -48,6 +48,7 @@ log = logging.getLogger("meshd.node")
 
 SERVER_GRACE_S = 0.5
 LEAVE_POLL_S = 0.05
+LEAVE_HAND_OVER_RESERVE_S = 2.0  # of the grace, kept for the hand-over (replays) at the end
 PARTS_DIR = "parts"  # model parts fetched from peers: per node, in the state directory
 DISCOVERY_PEER_SOURCE = "mdns"
 
@@ -264,6 +265,7 @@ class Node:
             out.bytes_loaded = loads.bytes_loaded
             out.last_install = self.plans.last_install
             out.requests_resumed = plane.origin.requests_resumed
+            out.requests_moved_in_background = plane.origin.requests_moved_in_background
             out.last_pause_s = plane.origin.last_pause_s
         return out
 
@@ -558,11 +560,15 @@ class Node:
 
         This node stops taking requests and publishes ``leaving`` in its gossiped state; the
         peers commit a plan without it and load it (:meth:`PlanAgreement.peers_ready_without`),
-        while this node's stages keep serving the requests running through them. Then the plans
-        with a stage here are uninstalled: the requests running through it end here with a
-        failure its origins move them on (they replay their tokens on the plan they serve
-        now). Requests this node is the origin of get the rest of the grace to finish.
-        Returns when all that is done or the grace is over; the caller then stops the node.
+        while this node's stages keep serving the requests running through them. Once it is
+        loaded, their origins move them to it in the background (the old attempt streams on
+        through this node while the new one catches up, see :mod:`meshd.inference.origin`),
+        and this node waits until none runs through its stages any more. Then the plans with a
+        stage here are uninstalled: a request still running through it (its origin could not
+        move it in time) ends here with a failure its origin moves it on by (a replay of its
+        tokens on the plan it serves now). Requests this node is the origin of get the rest of
+        the grace to finish. Returns when all that is done or the grace is over; the caller
+        then stops the node.
         """
         grace = self.config.leave_grace_s
         deadline = trio.current_time() + grace
@@ -571,7 +577,7 @@ class Node:
         self.membership.set_leaving()
         self.events.add("leaving the mesh: new requests are refused (grace %.1f s)", grace)
         # Keep serving until the peers' plan without this node is loaded on its stages: the
-        # requests that move then wait for no load, only for their replay.
+        # requests then move there in the background, waiting for no load.
         with trio.move_on_at(deadline):
             while not self.agreement.peers_ready_without(self._loaded_plans_of):
                 await trio.sleep(LEAVE_POLL_S)
@@ -582,6 +588,8 @@ class Node:
                 grace,
                 level=logging.WARNING,
             )
+        else:
+            await self._wait_for_moves(deadline - min(LEAVE_HAND_OVER_RESERVE_S, grace / 4))
         handed = await self.bridge.run(self.plane.hand_over_stages, reason)
         if handed:
             self.events.add(
@@ -602,6 +610,33 @@ class Node:
             )
         else:
             self.events.add("left the mesh")
+
+    async def _wait_for_moves(self, deadline: float) -> None:
+        """Keep serving until the requests running through this node's stages have moved
+        (their origins switch them to the peers' plan in the background), or ``deadline``."""
+        held = await self.bridge.run(self.plane.stage_requests_held)
+        if not held:
+            return
+        self.events.add(
+            "leaving: %d request(s) running through this node move to the peers' plan", held
+        )
+        started = trio.current_time()
+        with trio.move_on_at(deadline):
+            while held:
+                await trio.sleep(LEAVE_POLL_S)
+                held = await self.bridge.run(self.plane.stage_requests_held)
+        if held:
+            self.events.add(
+                "leaving: %d request(s) did not move within %.1f s; they are handed over",
+                held,
+                trio.current_time() - started,
+                level=logging.WARNING,
+            )
+        else:
+            self.events.add(
+                "leaving: the requests moved off this node in %.2f s",
+                trio.current_time() - started,
+            )
 
     def _loaded_plans_of(self, node_id: str) -> tuple[str, ...]:
         """The plans a node says (gossiped NodeState) it has loaded; this node's own too."""

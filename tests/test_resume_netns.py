@@ -6,7 +6,9 @@ pieces the first, a middle or the last stage is killed with SIGKILL, or its veth
 it is stopped with SIGTERM (it leaves gracefully and exits 0). The survivors commit a plan
 without it, the origin replays the request there (the prompt as the first run cut it, then
 each generated token alone) and the stream goes on: no error, the same text as a run nobody
-disturbed, a resume counted in the final event. The lost node then comes back (restart or
+disturbed, a resume counted in the final event. A node that leaves (SIGTERM) serves on until
+the request has moved in the background (the origin's second attempt on the survivors' plan
+caught up and the stream switched over): that move is counted as a background one. The lost node then comes back (restart or
 link up) and the mesh returns to three stages for the next case.
 """
 
@@ -163,5 +165,8 @@ def test_a_lost_stage_does_not_change_the_text(
         assert status.transitions.requests_resumed >= 1
         assert any("resumed after" in line for line in status.events), status.events
         assert "requests moved to another plan and resumed" in render.status_text(status)
+        if case == "sigterm":  # the leaving node served on while the request moved
+            assert status.transitions.requests_moved_in_background >= 1, status.transitions
+            assert any("in the background" in line for line in status.events), status.events
     finally:
         restore(hosts, case, victim)

@@ -178,7 +178,8 @@ def transitions_text(moves: pb.PlanTransitions) -> str:
     )
     if moves.requests_resumed:
         lines.append(
-            f"requests moved to another plan and resumed: {moves.requests_resumed} "
+            f"requests moved to another plan and resumed: {moves.requests_resumed}, "
+            f"{moves.requests_moved_in_background} in the background "
             f"(the last paused {moves.last_pause_s:.2f} s)"
         )
     return "\n".join(lines)

@@ -415,6 +415,15 @@ class DataPlane:
             await self.uninstall(plan_id, reason)
         return held
 
+    async def stage_requests_held(self) -> int:
+        """Requests running through this node's stages (of every plan with a stage here): a
+        leaving node waits for their origins to move them before it hands the rest over."""
+        return sum(
+            self.stage.core.open_requests(plan_id)
+            for plan_id, plan in self._plans.items()
+            if plan.index is not None
+        )
+
     def active_requests(self, plan_id: str) -> int:
         """Requests of ``plan_id`` open on this node (as origin or as stage); the daemon can
         release a draining plan once this is 0 on every node."""

@@ -378,7 +378,7 @@ class RequestStatus(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., started_at: _Optional[float] = ...) -> None: ...
 
 class PlanTransitions(_message.Message):
-    __slots__ = ("moving", "stage_loads", "layers_loaded", "layers_kept", "bytes_loaded", "last_install", "requests_resumed", "last_pause_s", "leaving")
+    __slots__ = ("moving", "stage_loads", "layers_loaded", "layers_kept", "bytes_loaded", "last_install", "requests_resumed", "last_pause_s", "leaving", "requests_moved_in_background")
     MOVING_FIELD_NUMBER: _ClassVar[int]
     STAGE_LOADS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_LOADED_FIELD_NUMBER: _ClassVar[int]
@@ -388,6 +388,7 @@ class PlanTransitions(_message.Message):
     REQUESTS_RESUMED_FIELD_NUMBER: _ClassVar[int]
     LAST_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_MOVED_IN_BACKGROUND_FIELD_NUMBER: _ClassVar[int]
     moving: str
     stage_loads: int
     layers_loaded: int
@@ -397,7 +398,8 @@ class PlanTransitions(_message.Message):
     requests_resumed: int
     last_pause_s: float
     leaving: bool
-    def __init__(self, moving: _Optional[str] = ..., stage_loads: _Optional[int] = ..., layers_loaded: _Optional[int] = ..., layers_kept: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., last_install: _Optional[str] = ..., requests_resumed: _Optional[int] = ..., last_pause_s: _Optional[float] = ..., leaving: _Optional[bool] = ...) -> None: ...
+    requests_moved_in_background: int
+    def __init__(self, moving: _Optional[str] = ..., stage_loads: _Optional[int] = ..., layers_loaded: _Optional[int] = ..., layers_kept: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., last_install: _Optional[str] = ..., requests_resumed: _Optional[int] = ..., last_pause_s: _Optional[float] = ..., leaving: _Optional[bool] = ..., requests_moved_in_background: _Optional[int] = ...) -> None: ...
 
 class TensorParallelGroup(_message.Message):
     __slots__ = ("stage", "members", "addresses", "backend", "link", "layer_start", "layer_end")
