@@ -8,8 +8,9 @@ without it, the origin replays the request there (the prompt as the first run cu
 each generated token alone) and the stream goes on: no error, the same text as a run nobody
 disturbed, a resume counted in the final event. A node that leaves (SIGTERM) serves on until
 the request has moved in the background (the origin's second attempt on the survivors' plan
-caught up and the stream switched over): that move is counted as a background one. The lost node then comes back (restart or
-link up) and the mesh returns to three stages for the next case.
+caught up and the stream switched over): that move is counted as a background one. The
+lost node then comes back (restart or link up) and the mesh returns to three stages for the
+next case.
 """
 
 from __future__ import annotations
