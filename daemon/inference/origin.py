@@ -192,6 +192,7 @@ class _Candidate:
     wire_id: str
     started_at: float  # loop time
     from_tokens: int  # tokens the request had delivered when it started
+    reached: int = 0  # tokens it has given so far (each equal to the delivered one)
 
     @property
     def nodes(self) -> frozenset[str]:
@@ -791,8 +792,8 @@ class Origin:
             if now >= deadline:
                 self._drop_candidate(
                     request,
-                    f"it did not catch up within {self.catch_up_timeout_s:g} s (the new plan "
-                    f"computed {request.generated - candidate.from_tokens} tokens behind)",
+                    f"it did not catch up within {self.catch_up_timeout_s:g} s (it gave "
+                    f"{candidate.reached} of the {request.generated} tokens delivered)",
                     give_up=True,
                 )
             return
@@ -803,9 +804,12 @@ class Origin:
         active = self._served().active
         if not active or active == request.plan_id:
             return
-        deadline = request.catch_up_deadlines.setdefault(active, now + self.catch_up_timeout_s)
         plan = self._plans.get(active)
-        if now >= deadline or plan is None or not plan.ready.done():
+        if plan is None or not plan.ready.done():
+            return  # not loaded here yet
+        # The time a move may take runs from its first try on this plan.
+        deadline = request.catch_up_deadlines.setdefault(active, now + self.catch_up_timeout_s)
+        if now >= deadline:
             return
         if plan.ready.exception() is not None:
             request.catch_up_deadlines[active] = now  # it failed to load: no move there
@@ -858,6 +862,7 @@ class Origin:
             return []
         token = frame.token
         if token.index < request.generated and token.token_id == request.tokens[token.index]:
+            candidate.reached = token.index + 1
             return []  # the new plan computed what the client has: it is catching up
         if token.index != request.generated:
             delivered = (
