@@ -27,7 +27,7 @@ import pytest
 
 from meshd.inference.assignment import Assignment
 from meshd.inference.errors import ErrorKind, InferenceError
-from meshd.inference.origin import FinalEvent, TokenEvent
+from meshd.inference.origin import DEFAULT_CATCH_UP_TIMEOUT_S, FinalEvent, TokenEvent
 from meshd.inference.sampling import SamplingParams
 from tests.support.dataplane_mesh import LoopThread, Mesh, mlx_lm_reference
 from tests.support.random_model import make_random_model_dir
@@ -208,6 +208,35 @@ def test_a_background_move_the_new_plan_refuses_leaves_the_request_on_its_plan(
         assert_exact(model_dir, tokens, GREEDY)
         mesh.wait_all_freed(before.plan_id)
     finally:
+        mesh.uninstall(before.plan_id)
+        mesh.uninstall(after.plan_id)
+
+
+def test_a_background_move_that_does_not_catch_up_in_time_ends_and_the_request_stays(
+    mesh: Mesh, model_dir: Path
+) -> None:
+    """A move that has not caught up within the origin's catch_up_timeout_s (here a
+    millisecond: the new plan cannot even prefill by then) ends on the new plan's stages, and
+    the request finishes on its plan, exactly, with no move counted."""
+    before = mesh.assignment_for(model_dir, [("n1", (0, 3)), ("n2", (3, 6))])
+    after = mesh.assignment_for(model_dir, [("n3", (0, 3)), ("n1", (3, 6))])
+    mesh.install(before)
+    origin = mesh.nodes["n2"].plane.origin
+    abandoned_before = origin.catch_ups_abandoned
+    origin.catch_up_timeout_s = 0.001
+
+    async def switch() -> None:
+        await mesh.install_async(after)
+
+    try:
+        tokens, outcome, _ = run_and_switch(mesh, "n2", before, after, GREEDY, switch=switch)
+        assert isinstance(outcome, FinalEvent), outcome
+        assert outcome.usage.resumes == 0 and outcome.usage.plan_id == before.plan_id
+        assert origin.catch_ups_abandoned == abandoned_before + 1  # tried once, then gave up
+        assert_exact(model_dir, tokens, GREEDY)
+        mesh.wait_all_freed(after.plan_id)  # the new attempt ended on the new plan's stages
+    finally:
+        origin.catch_up_timeout_s = DEFAULT_CATCH_UP_TIMEOUT_S
         mesh.uninstall(before.plan_id)
         mesh.uninstall(after.plan_id)
 
