@@ -238,6 +238,8 @@ class _OriginRequest:
         self.moved_in_background: _Candidate | None = None  # the last move, until reported
         self.catch_up_deadlines: dict[str, float] = {}  # plan id -> give up catching up then
         self.catch_up_not_before = 0.0  # loop time of the next try after a transient refusal
+        # Links to a newer plan's stages being opened for a background move (task owned here).
+        self.connecting: tuple[InstalledPlan, asyncio.Task[str | None]] | None = None
         # Frames of every attempt, told apart by wire id (a stop by attempt number).
         self.inbox: asyncio.Queue[tuple[float, dp.Frame | _Stop]] = asyncio.Queue()
         self.bind(plan, 0)
@@ -548,6 +550,8 @@ class Origin:
             self._end_everywhere(request.plan, request.wire_id, request.end_reason)
             if request.candidate is not None:
                 self._drop_candidate(request, request.end_reason, abandoned=False)
+            if request.connecting is not None:
+                request.connecting[1].cancel()
 
     async def _attempt(
         self, request: _OriginRequest, params: SamplingParams, seed: int, options: _Options
@@ -690,7 +694,7 @@ class Origin:
         waited_since = loop.time()
         while True:
             if options.resume:
-                await self._catch_up_step(request, params, seed, options)
+                self._catch_up_step(request, params, seed, options)
             first = request.awaiting_token
             timeout = self.first_token_timeout_s if first else self.token_timeout_s
             wait = min(timeout - (loop.time() - waited_since), CATCH_UP_POLL_S)
@@ -779,7 +783,7 @@ class Origin:
 
     # ------------------------------------------------------------ background moves
 
-    async def _catch_up_step(
+    def _catch_up_step(
         self, request: _OriginRequest, params: SamplingParams, seed: int, options: _Options
     ) -> None:
         """Start a background move when the plan this node serves next is ready here and
@@ -807,21 +811,32 @@ class Origin:
         plan = self._plans.get(active)
         if plan is None or not plan.ready.done():
             return  # not loaded here yet
-        # The time a move may take runs from its first try on this plan.
-        deadline = request.catch_up_deadlines.setdefault(active, now + self.catch_up_timeout_s)
-        if now >= deadline:
-            return
+        deadline = request.catch_up_deadlines.get(active)
+        if deadline is not None and now >= deadline:
+            return  # given up on this plan
         if plan.ready.exception() is not None:
             request.catch_up_deadlines[active] = now  # it failed to load: no move there
             return
         if plan.assignment.context_error(len(request.prompt), params.max_tokens) is not None:
             request.catch_up_deadlines[active] = now
             return
-        number, wire_id = request.new_attempt()
-        candidate = _Candidate(number, plan, wire_id, now, len(request.tokens))
-        stages = [(spec.node_id, spec.address) for spec in plan.assignment.stages]
-        error = await self._transport.connect(stages)
+        connecting = request.connecting
+        if connecting is None or connecting[0] is not plan:
+            # Open the links without holding up the stream (the request owns the task).
+            stages = [(spec.node_id, spec.address) for spec in plan.assignment.stages]
+            if connecting is not None:
+                connecting[1].cancel()
+            request.connecting = (plan, asyncio.create_task(self._transport.connect(stages)))
+            return
+        if not connecting[1].done():
+            return
+        request.connecting = None
+        error = connecting[1].result()
         if error is None:
+            # The time a move may take runs from its first try on this plan.
+            request.catch_up_deadlines.setdefault(active, now + self.catch_up_timeout_s)
+            number, wire_id = request.new_attempt()
+            candidate = _Candidate(number, plan, wire_id, now, len(request.tokens))
             request.candidate = candidate
             self._by_wire[wire_id] = request
             start = self._start_frame(request, params, seed, options, candidate)
@@ -834,8 +849,9 @@ class Origin:
                     candidate.from_tokens,
                 )
                 return
-            error = f"stage {first.node_id} at {first.address} is lost"
-        self._drop_candidate(request, error, give_up=False)
+            self._drop_candidate(request, f"stage {first.node_id} at {first.address} is lost")
+            return
+        request.catch_up_not_before = now + SAME_PLAN_RETRY_S  # a link did not open: again
 
     def _feed(self, request: _OriginRequest, candidate: _Candidate, token: dp.Token) -> None:
         """Send the new attempt's first stage a token the client has (its next input)."""
