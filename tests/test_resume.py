@@ -17,6 +17,7 @@ from meshd.runtime.blas import enable_fast_blas
 enable_fast_blas()  # before mlx.core: float32 matmuls on OpenBLAS
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -237,6 +238,38 @@ def test_a_background_move_that_does_not_catch_up_in_time_ends_and_the_request_s
         mesh.wait_all_freed(after.plan_id)  # the new attempt ended on the new plan's stages
     finally:
         origin.catch_up_timeout_s = DEFAULT_CATCH_UP_TIMEOUT_S
+        mesh.uninstall(before.plan_id)
+        mesh.uninstall(after.plan_id)
+
+
+def test_a_background_move_whose_tokens_differ_is_a_defect_and_the_request_stays(
+    mesh: Mesh, model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new plan that computes other tokens than the ones the client has (here: other
+    weights under the same vocabulary, as a corrupted stage would) is never switched to: the
+    origin says so loudly, ends the move, and the request finishes on its plan, exactly."""
+    other = make_random_model_dir(
+        tmp_path / "other", "llama", layers=6, hidden=256, heads=4, kv_heads=2, vocab=320, seed=6
+    )
+    before = mesh.assignment_for(model_dir, [("n1", (0, 3)), ("n2", (3, 6))])
+    after = mesh.assignment_for(other, [("n3", (0, 3)), ("n1", (3, 6))])
+    mesh.install(before)
+    origin = mesh.nodes["n2"].plane.origin
+    abandoned_before = origin.catch_ups_abandoned
+
+    async def switch() -> None:
+        await mesh.install_async(after)
+
+    with caplog.at_level(logging.ERROR, logger="meshd.dataplane"):
+        tokens, outcome, _ = run_and_switch(mesh, "n2", before, after, GREEDY, switch=switch)
+    try:
+        assert isinstance(outcome, FinalEvent), outcome
+        assert outcome.usage.resumes == 0 and outcome.usage.plan_id == before.plan_id
+        assert origin.catch_ups_abandoned == abandoned_before + 1
+        assert any("DEFECT" in record.getMessage() for record in caplog.records)
+        assert_exact(model_dir, tokens, GREEDY)
+        mesh.wait_all_freed(after.plan_id)
+    finally:
         mesh.uninstall(before.plan_id)
         mesh.uninstall(after.plan_id)
 
