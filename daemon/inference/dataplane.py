@@ -337,11 +337,53 @@ class DataPlane:
                 best_common, best = common, stage
         return [best] if best is not None else []
 
+    def stages_to_free_for(self, assignment: Assignment) -> list[str]:
+        """Installed plans whose stage here holds layers ``assignment``'s stage here does not
+        run: loading the new stage next to them holds the old and the new weights at once.
+
+        Plans with the same stage, or one that contains the new stage whole (it adopts them
+        all, reading nothing), are not in the way; nor are tensor-parallel stages (their
+        weights live in runner processes) or plans of another model.
+        """
+        index = assignment.stage_index(self.node_id)
+        if index is None or assignment.stages[index].tensor_parallel:
+            return []
+        spec = assignment.stages[index]
+        in_the_way = []
+        for plan_id, plan in self._plans.items():
+            engine = plan.engine
+            if (
+                plan_id == assignment.plan_id
+                or engine is None
+                or isinstance(engine, TensorParallelEngine)
+                or engine.key.model_dir != assignment.model_dir
+            ):
+                continue
+            key = engine.key
+            contains = (
+                key.layer_start <= spec.layer_start
+                and spec.layer_end <= key.layer_end
+                and (key.has_embedding or not spec.has_embedding)
+                and (key.has_head or not spec.has_head)
+            )
+            if not contains:
+                in_the_way.append(plan_id)
+        return in_the_way
+
     def _keep_spare(self, plan: InstalledPlan) -> None:
         """An uninstalled plan's loaded stage stays (briefly) for the next plan to take its
-        layers from: a lost member withdraws a plan a moment before the next one commits."""
+        layers from: a lost member withdraws a plan a moment before the next one commits.
+
+        Not when another installed plan still runs a stage here: that plan was loaded (it
+        took what it shares already), and the spare would only hold memory the budget does
+        not count."""
         engine = plan.engine
         if engine is None or engine.stage is None or isinstance(engine, TensorParallelEngine):
+            return
+        if any(
+            p.engine is not None and not isinstance(p.engine, TensorParallelEngine)
+            for p in self._plans.values()
+        ):
             return
         self._spare = (engine.stage, engine.key.model_dir)
         if self._spare_timer is not None:
