@@ -60,7 +60,7 @@ MAX_ACTIVATION_BYTES = 32 << 20  # a prefill chunk is cut so its activation stay
 MAX_REQUEST_ID_CHARS = 128
 DEFAULT_RESUME_TIMEOUT_S = 60.0
 REFUSAL_HOLD_S = 1.0  # a refusal this old is the mesh's answer, not a step of a re-plan
-RESUME_POLL_S = 0.05
+RESUME_POLL_S = 0.01  # how often a moving request looks for its next plan (cheap: a dict lookup)
 SAME_PLAN_RETRY_S = 0.2  # a stage still loading or full: ask the same plan again after this
 
 FinishReason = Literal["stop", "length", "eos", "cancelled"]
