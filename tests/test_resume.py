@@ -237,6 +237,7 @@ def test_a_plan_that_keeps_a_nodes_layers_does_not_reload_them(mesh: Mesh, model
     after = mesh.assignment_for(model_dir, [("n1", (0, 3)), ("n3", (3, 6))])
     mesh.install(before)
     loads = {name: node.plane.loads for name, node in mesh.nodes.items()}
+    tokenizer = mesh.nodes["n1"].plane.tokenizer(before.plan_id)
 
     async def switch() -> None:
         await mesh.install_async(after)
@@ -249,6 +250,7 @@ def test_a_plan_that_keeps_a_nodes_layers_does_not_reload_them(mesh: Mesh, model
         kept, n3 = mesh.nodes["n1"].plane.loads, mesh.nodes["n3"].plane.loads
         assert kept.stage_loads == loads["n1"].stage_loads  # n1 built no stage
         assert kept.bytes_loaded == loads["n1"].bytes_loaded and kept.layers_kept >= 3
+        assert mesh.nodes["n1"].plane.tokenizer(after.plan_id) is tokenizer  # not loaded again
         assert n3.stage_loads == loads["n3"].stage_loads + 1  # n3 loaded its new range
         # n3 built its new range, reading it or taking it from the stage a plan left there
         gained = (n3.layers_loaded + n3.layers_kept) - (
@@ -290,3 +292,17 @@ def test_a_moved_boundary_reads_only_the_layers_a_node_gains(mesh: Mesh, model_d
         assert gained == 2  # read, or taken from the stage an earlier plan left on n3
     finally:
         mesh.uninstall(after.plan_id)
+
+
+def test_a_model_folder_rewritten_gives_another_tokenizer_key(tmp_path: Path) -> None:
+    """The tokenizer a re-plan reuses is the one of the same files: a rewritten tokenizer (or
+    config) in the same folder is loaded again; the weights do not count."""
+    from meshd.inference.dataplane import _tokenizer_key
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    key = _tokenizer_key(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"xy")
+    assert _tokenizer_key(tmp_path) == key
+    (tmp_path / "tokenizer.json").write_text('{"version": 2}')
+    assert _tokenizer_key(tmp_path) != key
