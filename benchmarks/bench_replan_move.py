@@ -15,7 +15,9 @@ Three network namespaces (run as root), the embedded SmolLM2-135M (30 layers, fl
 
 Per transition: weight bytes read from disk and layers read/kept (the daemons' own counters,
 `meshd status` "stages loaded since start"), bytes fetched from peers (event log), and the
-seconds from the new plan's commit to the last node's "ready here" (daemon log stamps).
+seconds from the new plan's commit to the last node's "ready here" (daemon log stamps), and
+to the last "ready here" of the nodes that held a stage before ("holders": what the re-plan
+costs them; a joining node loads its stage from nothing either way).
 
     flock /work/tmp/s2/bench.lock .venv/bin/python benchmarks/bench_replan_move.py [--json out]
 """
@@ -85,22 +87,23 @@ def log_lines(daemon: DaemonProcess) -> list[tuple[float, str]]:
     return lines
 
 
-def install_seconds(daemons: list[DaemonProcess], plan_id: str, since: float) -> float:
-    """From the first 'committed plan <id>' line to the last '<id> ready here' line, both
-    after ``since`` (a plan id is its layout: a layout served before has the same id)."""
+def install_seconds(daemons: list[DaemonProcess], plan_id: str, since: float) -> dict[int, float]:
+    """Per daemon (index): from the first 'committed plan <id>' line of any daemon to its own
+    '<id> ready here' line, both after ``since`` (a plan id is its layout: a layout served
+    before has the same id)."""
     short = plan_id[:12]
-    committed, ready = [], []
-    for daemon in daemons:
+    committed, ready = [], {}
+    for index, daemon in enumerate(daemons):
         for at, message in log_lines(daemon):
             if at < since:
                 continue
             if f"committed plan {short}" in message:
                 committed.append(at)
             if f"plan {short} ready here" in message:
-                ready.append(at)
-    if not committed or len(ready) < len(daemons):
-        return float("nan")
-    return max(ready) - min(committed)
+                ready[index] = at
+    if not committed:
+        return {}
+    return {index: at - min(committed) for index, at in ready.items()}
 
 
 def fetched_mb(daemons: list[DaemonProcess], since: float) -> float:
@@ -134,6 +137,10 @@ def measure(
 ) -> dict:
     status = settle(daemons, n)
     after = counters(daemons)
+    seconds = install_seconds(daemons, status.agreement.active_plan_id, since)
+    # Nodes that served a plan before: what a re-plan costs them (a joining node has nothing
+    # to keep, whatever the mesh does); on a fresh load, every node.
+    holders = [i for i, d in enumerate(daemons) if not before or d.status().node_id in before]
     delta = {
         name: sum(after[node][name] - before.get(node, {}).get(name, 0) for node in after)
         for name in COUNTERS
@@ -147,8 +154,9 @@ def measure(
         "layers_kept": delta["layers_kept"],
         "stages_built": delta["stage_loads"],
         "mb_fetched": round(fetched_mb(daemons, since), 1),
-        "commit_to_ready_s": round(
-            install_seconds(daemons, status.agreement.active_plan_id, since), 3
+        "commit_to_ready_s": round(max(seconds.values(), default=float("nan")), 3),
+        "holders_ready_s": round(
+            max((seconds[i] for i in holders if i in seconds), default=float("nan")), 3
         ),
         "load_average": os.getloadavg()[0],
         "_layout": layout(status),
@@ -197,14 +205,15 @@ def run(root: Path, token: str, profile: Path, model: Path) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     head = (
         f"{'transition':32s}{'layout':>16s}{'MB read':>9s}{'layers read':>12s}"
-        f"{'kept':>6s}{'stages built':>13s}{'MB fetched':>11s}{'commit->ready s':>16s}{'load':>6s}"
+        f"{'kept':>6s}{'stages built':>13s}{'MB fetched':>11s}{'all ready s':>12s}"
+        f"{'holders ready s':>16s}{'load':>6s}"
     )
     print(head)
     for r in rows:
         print(
             f"{r['transition']:32s}{r['layout']:>16s}{r['mb_read']:9.1f}{r['layers_read']:12d}"
             f"{r['layers_kept']:6d}{r['stages_built']:13d}{r['mb_fetched']:11.1f}"
-            f"{r['commit_to_ready_s']:16.3f}{r['load_average']:6.1f}"
+            f"{r['commit_to_ready_s']:12.3f}{r['holders_ready_s']:16.3f}{r['load_average']:6.1f}"
         )
 
 
