@@ -306,3 +306,26 @@ def test_a_model_folder_rewritten_gives_another_tokenizer_key(tmp_path: Path) ->
     assert _tokenizer_key(tmp_path) == key
     (tmp_path / "tokenizer.json").write_text('{"version": 2}')
     assert _tokenizer_key(tmp_path) != key
+
+
+def test_only_stages_holding_layers_a_new_stage_does_not_run_are_in_its_way(
+    mesh: Mesh, model_dir: Path
+) -> None:
+    """What a node frees first when memory is short (``PlanInstaller._free_before_load``): an
+    installed stage with layers the new one does not run; not one that contains the new stage
+    whole (the new stage takes all of its layers from it and reads nothing)."""
+    before = mesh.assignment_for(model_dir, [("n1", (0, 3)), ("n2", (3, 6))])
+    grows = mesh.assignment_for(model_dir, [("n1", (0, 4)), ("n3", (4, 6))])
+    inside = mesh.assignment_for(model_dir, [("n3", (0, 1)), ("n2", (1, 2)), ("n1", (2, 6))])
+    shrinks = mesh.assignment_for(model_dir, [("n1", (0, 2)), ("n2", (2, 6))])
+    mesh.install(before)
+    try:
+        n1, n2 = mesh.nodes["n1"].plane, mesh.nodes["n2"].plane
+        assert n1.stages_to_free_for(grows) == [before.plan_id]
+        assert n1.stages_to_free_for(inside) == [before.plan_id]  # 3-5 is not in 0-2
+        assert n2.stages_to_free_for(inside) == [before.plan_id]  # 1 is not in 3-5
+        assert n1.stages_to_free_for(shrinks) == []  # 0-1 with the embedding: inside 0-2
+        assert n2.stages_to_free_for(shrinks) == [before.plan_id]  # it gains layer 2
+        assert mesh.nodes["n3"].plane.stages_to_free_for(grows) == []  # it holds nothing
+    finally:
+        mesh.uninstall(before.plan_id)
