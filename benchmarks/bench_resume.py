@@ -47,6 +47,19 @@ STORY = "Write a long story about a lighthouse keeper and a storm."
 MAX_TOKENS = 200
 DISTURB_AFTER = 20
 COMMITTED = re.compile(r"committed plan ([0-9a-f]{12})")
+LOG_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) (\S+) (\S+) (.*)$")
+# The steps of a recovery, as the daemons' logs say them (first line after the disturbance).
+MILESTONES = [
+    ("loss seen (membership)", re.compile(r"peer \S+ lost")),
+    (
+        "stage failure seen (data plane)",
+        re.compile(r"data-plane link to \S+ \(\S+\) broke"),
+    ),
+    ("old plan withdrawn", re.compile(r"plan [0-9a-f]{12} withdrawn")),
+    ("new plan committed", re.compile(r"committed plan")),
+    ("new plan loaded", re.compile(r"plan [0-9a-f]{12} ready here")),
+    ("origin moves the request", re.compile(r"request \S+ moves to plan")),
+]
 
 
 def committed_over(n: int):
@@ -110,6 +123,43 @@ def story(daemon: DaemonProcess, disturb=None) -> dict:
     return outcome
 
 
+def seconds_of_day(wall: float) -> float:
+    local = time.localtime(wall)
+    return local.tm_hour * 3600 + local.tm_min * 60 + local.tm_sec + wall % 1
+
+
+def timeline(daemons: list[DaemonProcess], since_wall: float) -> list[dict]:
+    """The recovery's steps on each daemon: seconds from the disturbance to the first log
+    line of each milestone (daemon logs stamp milliseconds, local time)."""
+    start = seconds_of_day(since_wall)
+    rows = []
+    for index, daemon in enumerate(daemons):
+        seen: dict[str, float] = {}
+        for line in daemon.log_path.read_text(errors="replace").splitlines():
+            match = LOG_LINE.match(line)
+            if match is None:
+                continue
+            hh, mm, ss, ms, _name, _level, message = match.groups()
+            at = int(hh) * 3600 + int(mm) * 60 + int(ss) + int(ms) / 1000
+            if at < start - 0.0005:
+                continue
+            for label, pattern in MILESTONES:
+                if label not in seen and pattern.search(message):
+                    seen[label] = round(at - start, 3)
+        rows.append({"host": index, **seen})
+    return rows
+
+
+def print_timeline(rows: list[dict], next_piece_s: float | None) -> None:
+    labels = [label for label, _ in MILESTONES]
+    print(f"{'step (s after the disturbance)':34s}" + "".join(f"host{r['host']:>5d}" for r in rows))
+    for label in labels:
+        cells = "".join(f"{r[label]:9.3f}" if label in r else f"{'-':>9s}" for r in rows)
+        print(f"{label:34s}{cells}")
+    if next_piece_s is not None:
+        print(f"{'next piece on the client':34s}{next_piece_s:9.3f}")
+
+
 def start(mesh: Mesh, root: Path, token: str, profile: Path, model: Path, probe_s: float):
     daemons = []
     for i, node in enumerate(mesh.nodes):
@@ -143,7 +193,10 @@ def disturbance_round(kind: str, root: Path, token: str, profile: Path, model: P
             victim = order[1]
             sig = signal.SIGKILL if kind == "kill" else signal.SIGTERM
 
+            disturbed_wall: list[float] = []
+
             def disturb() -> None:
+                disturbed_wall.append(time.time())
                 if sig == signal.SIGKILL:
                     victim.kill()
                 else:
@@ -157,6 +210,15 @@ def disturbance_round(kind: str, root: Path, token: str, profile: Path, model: P
             disturbed["disturbed"] = "disturbed_after_pieces" in disturbed
             if sig == signal.SIGTERM and victim.proc is not None and disturbed["disturbed"]:
                 disturbed["exit_code"] = victim.proc.wait(30)
+            if disturbed_wall:
+                disturbed["timeline"] = timeline(daemons, disturbed_wall[0])
+                disturbed["victim_host"] = daemons.index(victim)
+                disturbed["origin_host"] = daemons.index(order[0])
+                print(
+                    f"{kind}: host{daemons.index(victim)} disturbed, origin host"
+                    f"{daemons.index(order[0])}; load average {os.getloadavg()}"
+                )
+                print_timeline(disturbed["timeline"], disturbed.get("next_piece_s"))
             return disturbed
         finally:
             for daemon in daemons:

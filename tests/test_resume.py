@@ -361,6 +361,7 @@ def test_a_plan_that_keeps_a_nodes_layers_does_not_reload_them(mesh: Mesh, model
     after = mesh.assignment_for(model_dir, [("n1", (0, 3)), ("n3", (3, 6))])
     mesh.install(before)
     loads = {name: node.plane.loads for name, node in mesh.nodes.items()}
+    tokenizer = mesh.nodes["n1"].plane.tokenizer(before.plan_id)
 
     async def switch() -> None:
         await mesh.install_async(after)
@@ -373,6 +374,7 @@ def test_a_plan_that_keeps_a_nodes_layers_does_not_reload_them(mesh: Mesh, model
         kept, n3 = mesh.nodes["n1"].plane.loads, mesh.nodes["n3"].plane.loads
         assert kept.stage_loads == loads["n1"].stage_loads  # n1 built no stage
         assert kept.bytes_loaded == loads["n1"].bytes_loaded and kept.layers_kept >= 3
+        assert mesh.nodes["n1"].plane.tokenizer(after.plan_id) is tokenizer  # not loaded again
         assert n3.stage_loads == loads["n3"].stage_loads + 1  # n3 loaded its new range
         # n3 built its new range, reading it or taking it from the stage a plan left there
         gained = (n3.layers_loaded + n3.layers_kept) - (
@@ -414,3 +416,40 @@ def test_a_moved_boundary_reads_only_the_layers_a_node_gains(mesh: Mesh, model_d
         assert gained == 2  # read, or taken from the stage an earlier plan left on n3
     finally:
         mesh.uninstall(after.plan_id)
+
+
+def test_a_model_folder_rewritten_gives_another_tokenizer_key(tmp_path: Path) -> None:
+    """The tokenizer a re-plan reuses is the one of the same files: a rewritten tokenizer (or
+    config) in the same folder is loaded again; the weights do not count."""
+    from meshd.inference.dataplane import _tokenizer_key
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    key = _tokenizer_key(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"xy")
+    assert _tokenizer_key(tmp_path) == key
+    (tmp_path / "tokenizer.json").write_text('{"version": 2}')
+    assert _tokenizer_key(tmp_path) != key
+
+
+def test_only_stages_holding_layers_a_new_stage_does_not_run_are_in_its_way(
+    mesh: Mesh, model_dir: Path
+) -> None:
+    """What a node frees first when memory is short (``PlanInstaller._free_before_load``): an
+    installed stage with layers the new one does not run; not one that contains the new stage
+    whole (the new stage takes all of its layers from it and reads nothing)."""
+    before = mesh.assignment_for(model_dir, [("n1", (0, 3)), ("n2", (3, 6))])
+    grows = mesh.assignment_for(model_dir, [("n1", (0, 4)), ("n3", (4, 6))])
+    inside = mesh.assignment_for(model_dir, [("n3", (0, 1)), ("n2", (1, 2)), ("n1", (2, 6))])
+    shrinks = mesh.assignment_for(model_dir, [("n1", (0, 2)), ("n2", (2, 6))])
+    mesh.install(before)
+    try:
+        n1, n2 = mesh.nodes["n1"].plane, mesh.nodes["n2"].plane
+        assert n1.stages_to_free_for(grows) == [before.plan_id]
+        assert n1.stages_to_free_for(inside) == [before.plan_id]  # 3-5 is not in 0-2
+        assert n2.stages_to_free_for(inside) == [before.plan_id]  # 1 is not in 3-5
+        assert n1.stages_to_free_for(shrinks) == []  # 0-1 with the embedding: inside 0-2
+        assert n2.stages_to_free_for(shrinks) == [before.plan_id]  # it gains layer 2
+        assert mesh.nodes["n3"].plane.stages_to_free_for(grows) == []  # it holds nothing
+    finally:
+        mesh.uninstall(before.plan_id)

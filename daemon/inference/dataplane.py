@@ -168,6 +168,7 @@ class DataPlane:
         # read from the trio thread.
         self.loads = StageLoads()
         self._spare: tuple[StageModel, Path] | None = None  # see _keep_spare
+        self._tokenizer_cache: tuple[tuple[Any, ...], tuple[Any, dict[str, Any]]] | None = None
         self._spare_timer: asyncio.TimerHandle | None = None
         # What `meshd status` shows of this node's runners: replaced whole on every change,
         # read from the trio thread (never mutated once published).
@@ -234,7 +235,7 @@ class DataPlane:
         try:
             # One thread imports mlx_lm before two threads use it (meshd.runtime.lazy_imports).
             await asyncio.to_thread(import_model_runtime)
-            loading = [asyncio.to_thread(_load_tokenizer, assignment.model_dir)]
+            loading = [self._tokenizer_for(assignment.model_dir)]
             if tensor_parallel is not None:
                 loading.append(self._start_runner(tensor_parallel, plan.engine))
             elif plan.engine is not None:
@@ -260,6 +261,18 @@ class DataPlane:
             plan.index,
             len(assignment.stages),
         )
+
+    async def _tokenizer_for(self, model_dir: Path) -> tuple[Any, dict[str, Any]]:
+        """The model's tokenizer and config: the last plan's when it ran the same files (a
+        re-plan, a resume after a lost node), else loaded (0.3-1 s for SmolLM2's here: the
+        longest part of installing a plan whose layers are mostly kept). mlx-lm's wrapper is
+        shared safely: each request streams through its own copy of the detokenizer."""
+        key = await asyncio.to_thread(_tokenizer_key, model_dir)
+        if self._tokenizer_cache is not None and self._tokenizer_cache[0] == key:
+            return self._tokenizer_cache[1]
+        loaded = await asyncio.to_thread(_load_tokenizer, model_dir)
+        self._tokenizer_cache = (key, loaded)
+        return loaded
 
     def _new_plan(self, assignment: Assignment, loop: asyncio.AbstractEventLoop) -> InstalledPlan:
         index = assignment.stage_index(self.node_id)
@@ -337,11 +350,53 @@ class DataPlane:
                 best_common, best = common, stage
         return [best] if best is not None else []
 
+    def stages_to_free_for(self, assignment: Assignment) -> list[str]:
+        """Installed plans whose stage here holds layers ``assignment``'s stage here does not
+        run: loading the new stage next to them holds the old and the new weights at once.
+
+        Plans with the same stage, or one that contains the new stage whole (it adopts them
+        all, reading nothing), are not in the way; nor are tensor-parallel stages (their
+        weights live in runner processes) or plans of another model.
+        """
+        index = assignment.stage_index(self.node_id)
+        if index is None or assignment.stages[index].tensor_parallel:
+            return []
+        spec = assignment.stages[index]
+        in_the_way = []
+        for plan_id, plan in self._plans.items():
+            engine = plan.engine
+            if (
+                plan_id == assignment.plan_id
+                or engine is None
+                or isinstance(engine, TensorParallelEngine)
+                or engine.key.model_dir != assignment.model_dir
+            ):
+                continue
+            key = engine.key
+            contains = (
+                key.layer_start <= spec.layer_start
+                and spec.layer_end <= key.layer_end
+                and (key.has_embedding or not spec.has_embedding)
+                and (key.has_head or not spec.has_head)
+            )
+            if not contains:
+                in_the_way.append(plan_id)
+        return in_the_way
+
     def _keep_spare(self, plan: InstalledPlan) -> None:
         """An uninstalled plan's loaded stage stays (briefly) for the next plan to take its
-        layers from: a lost member withdraws a plan a moment before the next one commits."""
+        layers from: a lost member withdraws a plan a moment before the next one commits.
+
+        Not when another installed plan still runs a stage here: that plan was loaded (it
+        took what it shares already), and the spare would only hold memory the budget does
+        not count."""
         engine = plan.engine
         if engine is None or engine.stage is None or isinstance(engine, TensorParallelEngine):
+            return
+        if any(
+            p.engine is not None and not isinstance(p.engine, TensorParallelEngine)
+            for p in self._plans.values()
+        ):
             return
         self._spare = (engine.stage, engine.key.model_dir)
         if self._spare_timer is not None:
@@ -629,6 +684,19 @@ def _load_tokenizer(model_dir: Path) -> tuple[Any, dict[str, Any]]:
     config = load_config(model_dir)
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
     return tokenizer, config
+
+
+def _tokenizer_key(model_dir: Path) -> tuple[Any, ...]:
+    """What identifies the tokenizer a model folder gives: the folder and the name, size and
+    modification time of every file in it but the weights (a folder rewritten with another
+    model's files gets another key)."""
+    files = []
+    for path in sorted(Path(model_dir).iterdir()):
+        if path.suffix == ".safetensors" or not path.is_file():
+            continue
+        stat = path.stat()
+        files.append((path.name, stat.st_size, stat.st_mtime_ns))
+    return (str(Path(model_dir).resolve()), tuple(files))
 
 
 def _peak_rss_bytes() -> int:

@@ -107,6 +107,7 @@ class PlanInstaller:
         resolve_model_dir: Callable[[pb.ModelSelection], Path],
         parts_root: Path,
         mesh_secret: bytes = b"",
+        mlx_held: Callable[[], int] | None = None,
     ) -> None:
         self._membership = membership
         self._agreement = agreement
@@ -118,6 +119,7 @@ class PlanInstaller:
         self._parts_root = parts_root
         self._mesh_secret = mesh_secret  # tensor-parallel groups derive their token from it
         self._plan_parts: dict[str, Path] = {}  # plan id -> the fetched part it runs on
+        self._mlx_held = mlx_held or _mlx_active_bytes  # bytes MLX holds now (weights, caches)
         self.snapshot = ServingSnapshot()
         self.progress = InstallProgress()
         self.moving = ""  # what is being installed now, in words (`meshd status`)
@@ -222,6 +224,7 @@ class PlanInstaller:
             assignment = Assignment.from_plan(plan, model_dir, self._addresses())
             colocated = self._colocated_stages(plan)
             group = self._group_spec(assignment, change)
+            await self._free_before_load(plan, assignment, where)
             await self._bridge.run(_install, self._plane, assignment, colocated, group)
         except Exception as exc:
             self.moving = ""
@@ -236,6 +239,46 @@ class PlanInstaller:
         self.last_install = f"plan {plan.plan_id[:12]}: {where} of {selection.name}"
         self._events.add("plan %s ready here: %s of %s", plan.plan_id[:12], where, selection.name)
         await self._prune_parts()
+
+    async def _free_before_load(self, plan: Any, assignment: Assignment, where: str) -> None:
+        """Free the stages of the plans still installed here (draining) before this node
+        loads its stage of ``plan``, where holding both would exceed its budget.
+
+        A node whose range moves would otherwise hold the old stage (its plan drains) and the
+        new one at once: in MLX terms, what it holds now plus the new plan's weights, KV cache
+        and activations, against what its budget leaves MLX (usable memory less the process
+        overhead the plan reserves). The freed plans' requests through this node end fenced
+        and their origins move them to the new plan (token replay: the same text); the load
+        then takes the layers both stages run from the freed stage and reads only the rest.
+        """
+        in_the_way = await self._bridge.run(_stages_to_free, self._plane, assignment)
+        share = plan.memory_of(self._membership.identity.node_id)
+        if not in_the_way or share is None:
+            return
+        allowance = share.usable_bytes - share.overhead_bytes
+        held = self._mlx_held()
+        needed = held + share.weights_bytes + share.kv_cache_bytes + share.activation_bytes
+        if needed <= allowance:
+            return
+        freed = ", ".join(plan_id[:12] for plan_id in in_the_way)
+        self.moving = f"freeing the stage of plan {freed}, then loading plan {plan.plan_id[:12]}"
+        reason = (
+            f"plan {plan.plan_id[:12]} replaces it on node {self._membership.identity.node_id}"
+            " (its old stage is freed first, to stay within the memory budget)"
+        )
+        for plan_id in in_the_way:
+            await self._bridge.run(self._plane.uninstall, plan_id, reason)
+            self._publish_loaded(plan_id, loaded=False)
+        self._events.add(
+            "freed the stage of plan %s before loading plan %s (%s): holding both needs %.0f MB, "
+            "the budget leaves the model %.0f MB here",
+            freed,
+            plan.plan_id[:12],
+            where,
+            needed / 1e6,
+            allowance / 1e6,
+        )
+        self.moving = f"loading plan {plan.plan_id[:12]}: {where}"
 
     def _group_spec(self, assignment: Assignment, change: PlanChange) -> TensorParallelSpec | None:
         """This node's tensor-parallel stage of the plan as its runner needs it, or None."""
@@ -350,6 +393,16 @@ async def _install(
     group: TensorParallelSpec | None,
 ) -> None:
     await plane.install(assignment, colocated_stages=colocated, tensor_parallel=group)
+
+
+async def _stages_to_free(plane: DataPlane, assignment: Assignment) -> list[str]:
+    return plane.stages_to_free_for(assignment)
+
+
+def _mlx_active_bytes() -> int:
+    import mlx.core as mx
+
+    return int(mx.get_active_memory())
 
 
 async def _member_lost(plane: DataPlane, node: str, reason: str) -> list[str]:
