@@ -14,6 +14,21 @@ shared: read the numbers with it).
 
 Daemons announce on 127.0.0.1 only and talk over loopback; everything they create is in a
 temporary directory removed at the end, and they are killed by PID.
+
+``--scaling`` (run as root) measures one request alone instead, on the product: real ``meshd
+run`` daemons, 1, 2 and 3 of them, each in its own network namespace (a bridge inside its own
+namespace, tests/netns.py: nothing touches the machine's real interfaces) and each pinned with
+taskset to its own core to stand in for a separate machine, against one mlx-lm process
+(``stream_generate``) pinned to ONE such core: the fair "one machine vs a mesh of such
+machines" baseline. This machine has 2 cores, so with 3 nodes two of them share a core
+(with one request only one stage computes at a time, so they rarely compete). Then the
+unpinned line: 2 loopback daemons that share every core (what ``meshd demo`` does) vs one
+unpinned mlx-lm process. Per row, medians over ``--runs`` greedy requests of
+``--max-tokens``: decode tok/s (first streamed token to last), time to first token, and the
+overhead per hop, ``(ms/token with k nodes - ms/token with 1 node) / k`` (k stages make a ring
+of k hops per token; the compute per token is the same model either way):
+
+    sudo .venv/bin/python benchmarks/bench_batching.py --scaling [--runs 5] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -217,12 +232,190 @@ def reference_rows(model: Path, ns: list[int], max_tokens: int, cpus: str) -> li
     return rows
 
 
+# --- One request: 1, 2, 3 nodes (--scaling) ----------------------------------------------------
+
+SCALING_PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+
+SINGLE_REFERENCE = r"""
+import json, sys, time
+from meshd.runtime.blas import enable_fast_blas
+enable_fast_blas()
+import mlx_lm
+model, tokenizer = mlx_lm.load(sys.argv[1])
+max_tokens, runs = int(sys.argv[2]), int(sys.argv[3])
+prompt = tokenizer.apply_chat_template(json.loads(sys.argv[4]), add_generation_prompt=True)
+for run in range(runs + 1):  # the first run warms up
+    started = time.perf_counter()
+    times = []
+    for _ in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+        times.append(time.perf_counter())
+    if run:
+        print(json.dumps({"ttft_s": times[0] - started, "times": times}), flush=True)
+"""
+
+
+@dataclass
+class Single:
+    """Medians of one-request runs: time to first token and seconds per decoded token."""
+
+    ttft_s: float
+    s_per_token: float
+    tokens: int
+    load: float
+
+
+def single_of(runs: list[tuple[float, list[float]]], load: float) -> Single:
+    import statistics
+
+    per_token = [(t[-1] - t[0]) / (len(t) - 1) for _, t in runs if len(t) > 1]
+    return Single(
+        statistics.median(ttft for ttft, _ in runs),
+        statistics.median(per_token),
+        round(statistics.median(len(t) for _, t in runs)),
+        load,
+    )
+
+
+def reference_single(model: Path, cpus: str, runs: int, max_tokens: int) -> Single:
+    load = os.getloadavg()[0]
+    command = [sys.executable, "-c", SINGLE_REFERENCE, str(model), str(max_tokens), str(runs),
+               json.dumps(SCALING_PROMPT)]  # fmt: skip
+    if cpus:
+        command = ["taskset", "-c", cpus, *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return single_of([(r["ttft_s"], r["times"]) for r in results], load)
+
+
+def mesh_single(api: str, runs: int, max_tokens: int) -> Single:
+    """``runs`` greedy requests one after the other over the gRPC API (a warm-up first)."""
+    from meshd.api import client
+    from meshd.wire import pb
+
+    request = pb.ChatRequest(
+        messages=[pb.ChatMessage(**m) for m in SCALING_PROMPT],
+        sampling=pb.Sampling(temperature=0, max_tokens=max_tokens),
+    )
+    load = os.getloadavg()[0]
+    results = []
+    for run in range(runs + 1):
+        started = time.perf_counter()
+        times = []
+        for event in client.stream_generation(api, request, timeout_s=300):
+            if event.HasField("text"):
+                times.append(time.perf_counter())
+        if run and times:
+            results.append((times[0] - started, times))
+    return single_of(results, load)
+
+
+def netns_mesh_single(root: Path, model: Path, cpus: list[str], runs: int, max_tokens: int):
+    """len(cpus) daemons, each in its own namespace and pinned to its cpu; one request."""
+    from tests.netns import Mesh
+
+    token = security.encode_join_token(security.create_mesh_secret("bench-scaling"))
+    profile = root / "profile"
+    if not profile.exists():
+        profile.mkdir()
+        load_or_measure_profile(profile, memory_budget_override=None)
+    with Mesh(len(cpus)) as mesh:
+        daemons: list[DaemonProcess] = []
+        try:
+            for node, cpu in zip(mesh.nodes, cpus, strict=True):
+                state = root / f"{mesh.prefix}-{node.index}"
+                state.mkdir()
+                shutil.copyfile(profile / "profile.json", state / "profile.json")
+                args = ["--interface", "eth0", "--join", token, "--name", f"s{node.index}",
+                        "--model", str(model), "--strategy", "memory",
+                        "--log-level", "WARNING"]  # fmt: skip
+                daemon = PinnedDaemon(state, args, cpu)
+                daemon.netns = node.ns
+                daemons.append(daemon.start())
+            wait_for_stages(daemons, len(cpus))
+            return mesh_single(daemons[0].api, runs, max_tokens)
+        finally:
+            for daemon in daemons:
+                daemon.kill()
+
+
+def loopback_mesh_single(root: Path, model: Path, nodes: int, runs: int, max_tokens: int):
+    """``nodes`` unpinned loopback daemons, as ``meshd demo`` starts them; one request."""
+    from meshd.api.demo import loopback_args
+
+    token = security.encode_join_token(security.create_mesh_secret("bench-scaling-lo"))
+    daemons = [
+        DaemonProcess(root / f"lo{i}", loopback_args(token, f"lo{i}", model)).start()
+        for i in range(nodes)
+    ]
+    try:
+        wait_for_stages(daemons, nodes)
+        return mesh_single(daemons[0].api, runs, max_tokens)
+    finally:
+        for daemon in daemons:
+            daemon.kill()
+
+
+def wait_for_stages(daemons: list[DaemonProcess], stages: int) -> None:
+    for daemon in daemons:
+        daemon.wait_for(
+            lambda s: (
+                bool(s.agreement.active_plan_id and s.agreement.plan_json)
+                and len(json.loads(s.agreement.plan_json)["stages"]) == stages
+            ),
+            180,
+            f"a committed {stages}-stage plan",
+        )
+
+
+def scaling_table(runs: int, max_tokens: int) -> int:
+    """The one-request table (see the module docstring)."""
+    from tests.netns import cleanup_stale, require_root_and_netns
+
+    require_root_and_netns()
+    cleanup_stale()
+    cores = os.cpu_count() or 1
+    layouts = [["0"], ["0", "1"], ["0", "1", "0"]] if cores >= 2 else [["0"], ["0"], ["0"]]
+    root = Path(tempfile.mkdtemp(prefix="bench-scaling-"))
+    rows: list[tuple[str, Single, Single | None, int]] = []
+    try:
+        model = ModelStore(root / "store").ensure_default().path
+        one_core = reference_single(model, "0", runs, max_tokens)
+        rows.append(("mlx-lm, 1 process on core 0", one_core, None, 0))
+        for cpus in layouts:
+            result = netns_mesh_single(root, model, cpus, runs, max_tokens)
+            shared = " (2 share core 0)" if len(cpus) > cores else ""
+            label = f"{len(cpus)} node(s), cores {','.join(cpus)}{shared}"
+            rows.append((label, result, one_core, len(cpus)))
+        every_core = reference_single(model, "", runs, max_tokens)
+        rows.append(("mlx-lm, 1 process, every core", every_core, None, 0))
+        unpinned = loopback_mesh_single(root, model, 2, runs, max_tokens)
+        rows.append(("2 nodes unpinned (meshd demo)", unpinned, every_core, -2))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\none request, {max_tokens} greedy tokens, medians of {runs} runs; {cores} cores")
+    print(f"{'runner':<40} {'tok/s':>7} {'vs mlx-lm':>9} {'TTFT ms':>8} {'hop ms':>7} {'load':>5}")
+    one_node = rows[1][1].s_per_token
+    for label, row, base, nodes in rows:
+        versus = f"{base.s_per_token / row.s_per_token:9.2f}" if base else f"{1.0:9.2f}"
+        hop = ""
+        if nodes > 1:
+            hop = f"{(row.s_per_token - one_node) / nodes * 1e3:7.2f}"
+        print(f"{label:<40} {1 / row.s_per_token:7.2f} {versus} {row.ttft_s * 1e3:8.0f} "
+              f"{hop:>7} {row.load:5.2f}")  # fmt: skip
+    print("hop ms: (s/token with k pinned nodes - s/token with 1 node) / k hops per token")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--no-pin", action="store_true", help="daemons share every core")
+    parser.add_argument("--scaling", action="store_true", help="one request on 1, 2, 3 nodes")
+    parser.add_argument("--runs", type=int, default=5, help="requests per --scaling row")
     args = parser.parse_args()
+    if args.scaling:
+        return scaling_table(args.runs, args.max_tokens)
     cores = os.cpu_count() or 1
     cpus = ["", ""] if args.no_pin or cores < 2 else ["0", "1"]
     all_cpus = "" if args.no_pin or cores < 2 else "0,1"

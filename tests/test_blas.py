@@ -17,8 +17,11 @@ import pytest
 from meshd.runtime.blas import (
     BLAS_ENV,
     CORETYPE_ENV,
+    IDLE_SPIN_LOG2_CYCLES,
     OPENBLAS_CORETYPE_ENV,
+    THREAD_TIMEOUT_ENV,
     choose_coretype,
+    choose_thread_timeout,
     cpu_flags,
     openblas_candidates,
 )
@@ -43,6 +46,15 @@ PROBE = textwrap.dedent(
     enable_s = time.perf_counter() - started
     coretype_after = os.environ.get("OPENBLAS_CORETYPE")
     import mlx.core as mx
+    # CPU time this process spends in the 0.3 s after a threaded matmul (before numpy's
+    # own OpenBLAS, which spins by its own rules, runs any): idle
+    # workers that spin show up here, sleeping ones do not.
+    x = mx.random.normal((512, 512), key=mx.random.key(1))
+    mx.eval(x @ x)
+    idle_started = time.process_time()
+    time.sleep(0.3)
+    idle_cpu_s = time.process_time() - idle_started
+    spin_after = os.environ.get("OPENBLAS_THREAD_TIMEOUT")
     import numpy as np
     worst = 0.0
     for m, k, n, transpose in [(1, 576, 1536, True), (7, 33, 65, False),
@@ -57,7 +69,8 @@ PROBE = textwrap.dedent(
         mapped = sorted({line.split()[-1] for line in maps if "libopenblas" in line})
     print(json.dumps({"info": info.__dict__, "blas_info": blas.blas_info().__dict__,
                       "enable_s": enable_s, "coretype_after": coretype_after,
-                      "scaled_error": worst, "mapped": mapped}))
+                      "scaled_error": worst, "mapped": mapped, "idle_cpu_s": idle_cpu_s,
+                      "spin_after": spin_after}))
     """
 )
 
@@ -90,9 +103,10 @@ def test_openblas_is_mapped_and_correct(env_changes: dict[str, str | None]) -> N
     expected_coretype, expected_reason = choose_coretype(
         changed_environment(env_changes), cpu_flags()
     )
+    spin_reason = choose_thread_timeout(changed_environment(env_changes))[1]
     result = run_probe(env_changes)
     info = result["info"]
-    assert info["reason"] == expected_reason
+    assert info["reason"] == f"{expected_reason}; {spin_reason}"
     if expected_coretype is not None:
         assert info["name"].endswith(f"coretype {expected_coretype})"), info
     assert info["kind"] == "openblas", info
@@ -104,6 +118,30 @@ def test_openblas_is_mapped_and_correct(env_changes: dict[str, str | None]) -> N
     # The core type is set only while OpenBLAS loads; the user's environment is restored.
     expected_after = user_coretype if OPENBLAS_CORETYPE_ENV not in env_changes else None
     assert result["coretype_after"] == expected_after
+    assert result["spin_after"] == os.environ.get(THREAD_TIMEOUT_ENV)
+
+
+@needs_openblas
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenBLAS starts no workers on one CPU")
+def test_idle_openblas_workers_sleep_instead_of_spinning() -> None:
+    """Stages on one machine take turns: a stage waiting for its next activation must leave
+    the cores to the one computing. OpenBLAS's own default (2**28 cycles, ~0.1 s of spinning
+    after every parallel matmul) is the control: it spends more CPU time while idle."""
+    ours = run_probe({BLAS_ENV: None, THREAD_TIMEOUT_ENV: None})
+    assert f"2**{IDLE_SPIN_LOG2_CYCLES} cycles" in ours["info"]["reason"]
+    assert ours["spin_after"] is None  # set only while the library loaded
+    spinning = run_probe({BLAS_ENV: None, THREAD_TIMEOUT_ENV: "28"})
+    assert f"{THREAD_TIMEOUT_ENV}=28 kept from the environment" in spinning["info"]["reason"]
+    assert ours["idle_cpu_s"] < 0.02, ours
+    assert spinning["idle_cpu_s"] > ours["idle_cpu_s"], (spinning, ours)
+
+
+def test_thread_timeout_keeps_the_users_value() -> None:
+    assert choose_thread_timeout({})[0] == str(IDLE_SPIN_LOG2_CYCLES)
+    assert choose_thread_timeout({THREAD_TIMEOUT_ENV: " 26 "}) == (
+        "26",
+        f"{THREAD_TIMEOUT_ENV}=26 kept from the environment",
+    )
 
 
 def test_reference_opt_out_does_not_load_openblas() -> None:

@@ -27,7 +27,16 @@ Choices (measured on a 2-core AMD EPYC with AVX-512, OpenBLAS 0.3.21, float32 ma
   on two cores taking turns (the mesh's case) ran prefill-sized matmuls 25-65% faster with
   default threads than with one thread per process, and decode-sized ones within noise;
   two processes computing at the same time were at most ~10% faster with one thread each.
-  Shortening ``OPENBLAS_THREAD_TIMEOUT`` (idle-thread spinning) made no measurable difference.
+* Idle threads. After each parallel matmul OpenBLAS's worker threads spin (calling
+  ``sched_yield``) for ``2**OPENBLAS_THREAD_TIMEOUT`` CPU cycles before they sleep; the
+  default, 2**28 cycles, is ~0.1 s. Pipeline stages on one machine take turns: while one
+  computes a token (tens of milliseconds), the other's workers are still spinning and take
+  the cores it needs. Measured with two loopback daemons splitting SmolLM2-135M, one request:
+  ~110 ms/token with the default (each daemon ~100% CPU), ~74 ms/token with 2**20 cycles
+  (~0.4 ms: long enough to bridge the gaps between the matmuls of one forward pass, short
+  enough that a stage waiting for its next activation sleeps). So that is what we load with
+  unless the user set ``OPENBLAS_THREAD_TIMEOUT``; like the core type, it is set only while
+  the library loads.
 
 Environment: ``MESHD_BLAS=reference`` keeps MLX's bundled BLAS; ``MESHD_BLAS=/path/to/
 libopenblas.so.0`` loads that library; ``MESHD_BLAS=auto`` (or unset) searches the usual
@@ -49,6 +58,10 @@ from typing import Literal
 BLAS_ENV = "MESHD_BLAS"
 CORETYPE_ENV = "MESHD_BLAS_CORETYPE"
 OPENBLAS_CORETYPE_ENV = "OPENBLAS_CORETYPE"
+THREAD_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
+# log2 of the CPU cycles an idle OpenBLAS worker spins before it sleeps (OpenBLAS: 4..30,
+# default 28): ~0.4 ms at 2.5 GHz, see "Idle threads" above.
+IDLE_SPIN_LOG2_CYCLES = 20
 
 BlasKind = Literal["openblas", "reference", "accelerate"]
 
@@ -229,23 +242,40 @@ def _load_openblas(path: Path) -> BlasInfo:
     if "openmp" in str(path.resolve()) or path.name.startswith("libopenblaso"):
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read by libgomp at its load
     coretype, reason = choose_coretype(os.environ, cpu_flags())
-    lib = _load_with_env(path, OPENBLAS_CORETYPE_ENV, coretype)
+    spin, spin_reason = choose_thread_timeout(os.environ)
+    settings = {OPENBLAS_CORETYPE_ENV: coretype, THREAD_TIMEOUT_ENV: spin}
+    lib = _load_with_env(path, settings)
     if not hasattr(lib, "openblas_get_config"):
         raise OSError(f"{path} does not export openblas_get_config, so it is not OpenBLAS")
-    return _describe_openblas(path, reason)
+    return _describe_openblas(path, f"{reason}; {spin_reason}")
 
 
-def _load_with_env(path: Path, name: str, value: str | None) -> ctypes.CDLL:
-    """Set (or, for None, remove) ``name`` only while the library's constructor reads it."""
-    previous = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
+def choose_thread_timeout(env: Mapping[str, str]) -> tuple[str, str]:
+    """The OPENBLAS_THREAD_TIMEOUT to load with (how long idle workers spin), and why: the
+    user's value is kept, else :data:`IDLE_SPIN_LOG2_CYCLES`. Pure, testable anywhere."""
+    user = env.get(THREAD_TIMEOUT_ENV, "").strip()
+    if user:
+        return user, f"{THREAD_TIMEOUT_ENV}={user} kept from the environment"
+    return str(IDLE_SPIN_LOG2_CYCLES), (
+        f"idle threads spin 2**{IDLE_SPIN_LOG2_CYCLES} cycles, then sleep (stages that take "
+        f"turns on one machine leave each other the cores)"
+    )
+
+
+def _load_with_env(path: Path, settings: Mapping[str, str | None]) -> ctypes.CDLL:
+    """Set each of ``settings`` (None: remove it) only while the library's constructor
+    reads the environment, then restore what was there."""
+    previous = {name: os.environ.get(name) for name in settings}
+    for name, value in settings.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     try:
         return _load_global(path)
     finally:
-        _restore_env(name, previous)
+        for name, value in previous.items():
+            _restore_env(name, value)
 
 
 def _restore_env(name: str, previous: str | None) -> None:
