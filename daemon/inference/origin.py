@@ -34,7 +34,10 @@ stages compute. Every token the new attempt gives for a position the client alre
 compared with the delivered one (a difference is a defect: said loudly, and the request stays
 on the old attempt). The first token the new attempt gives that the client does not have yet
 switches the stream over: the old attempt ends on the old stages, and the client saw one
-stream with no pause beyond a token interval. If the new attempt fails, or has not caught up
+stream with no pause beyond a token interval. Where the stages of both plans share cores (a
+machine running several daemons), the new attempt gains on the old one slowly; so it takes
+over as soon as its pace says it would close the remaining gap alone within ``CLOSE_GAP_S``,
+and the client's pause stays under that. If the new attempt fails, or has not caught up
 within ``catch_up_timeout_s``, it ends and the request stays on the old attempt (which moves
 by replay when its plan goes); if the old attempt fails first, the new one simply carries
 on, already part of the way.
@@ -83,6 +86,9 @@ RESUME_POLL_S = 0.01  # how often a moving request looks for its next plan (chea
 SAME_PLAN_RETRY_S = 0.2  # a stage still loading or full: ask the same plan again after this
 DEFAULT_CATCH_UP_TIMEOUT_S = 30.0  # a background move that has not caught up by then ends
 CATCH_UP_POLL_S = 0.1  # how often a waiting request looks for a newer plan to move to
+# A background move whose remaining gap it would close alone in this time switches over at
+# once: the old attempt ends, which gives the new one every core both shared.
+CLOSE_GAP_S = 0.5
 
 FinishReason = Literal["stop", "length", "eos", "cancelled"]
 
@@ -193,6 +199,19 @@ class _Candidate:
     started_at: float  # loop time
     from_tokens: int  # tokens the request had delivered when it started
     reached: int = 0  # tokens it has given so far (each equal to the delivered one)
+    first_token: tuple[float, int] | None = None  # (loop time, index) of its first token
+
+    def seconds_to_close(self, delivered: int, now: float) -> float | None:
+        """How long it would take, at the pace it has kept since its first token while it
+        shared the stages' cores with the old attempt, to give the ``delivered`` tokens it
+        lacks; None before that pace is known. Alone it goes faster: this bounds the pause."""
+        if self.first_token is None:
+            return None
+        since, first_index = self.first_token
+        if self.reached - first_index < 2 or now <= since:
+            return None
+        pace = (self.reached - first_index) / (now - since)
+        return (delivered - self.reached) / pace
 
     @property
     def nodes(self) -> frozenset[str]:
@@ -878,8 +897,17 @@ class Origin:
             return []
         token = frame.token
         if token.index < request.generated and token.token_id == request.tokens[token.index]:
+            # The new plan computed what the client has: it is catching up.
             candidate.reached = token.index + 1
-            return []  # the new plan computed what the client has: it is catching up
+            if candidate.first_token is None:
+                candidate.first_token = (arrived_at, token.index)
+            to_close = candidate.seconds_to_close(request.generated, arrived_at)
+            if to_close is not None and to_close <= CLOSE_GAP_S:
+                self._switch_over(
+                    request,
+                    f"plan {candidate.plan.plan_id[:12]} was {to_close:.2f} s from catching up",
+                )
+            return []
         if token.index != request.generated:
             delivered = (
                 request.tokens[token.index] if token.index < len(request.tokens) else "none yet"
