@@ -19,7 +19,7 @@ seconds from the new plan's commit to the last node's "ready here" (daemon log s
 to the last "ready here" of the nodes that held a stage before ("holders": what the re-plan
 costs them; a joining node loads its stage from nothing either way).
 
-    flock /work/tmp/s2/bench.lock .venv/bin/python benchmarks/bench_replan_move.py [--json out]
+    .venv/bin/python benchmarks/bench_replan_move.py [--json out]
 """
 
 from __future__ import annotations

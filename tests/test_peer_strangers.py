@@ -107,15 +107,19 @@ def test_a_peer_lost_in_the_middle_of_a_call_is_one_line_not_a_traceback(caplog)
                 peer_timeout_s=1.0,
                 link_probe_interval_s=30.0,
             )
-            async with trio.open_nursery() as nursery:
-                await nursery.start(membership.run)
-                membership.want(f"127.0.0.1:{port}", "static")
-                with trio.fail_after(10):
-                    while "dying" not in membership.peers or membership.peers["dying"].alive:
-                        await trio.sleep(0.02)
-                await trio.sleep(0.3)  # the session's retry is under way too
-                nursery.cancel_scope.cancel()
-            await bridge.run(server.stop, None)
+            try:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(membership.run)
+                    membership.want(f"127.0.0.1:{port}", "static")
+                    with trio.fail_after(10):
+                        while "dying" not in membership.peers or membership.peers["dying"].alive:
+                            await trio.sleep(0.02)
+                    await trio.sleep(0.3)  # the session's retry is under way too
+                    nursery.cancel_scope.cancel()
+            finally:
+                # Stopped on its own loop also when the test fails: a grpc.aio server left to
+                # the collector after its loop closed hangs the process (its poller joins).
+                await bridge.run(server.stop, None)
 
     with caplog.at_level(logging.DEBUG):
         trio.run(main)

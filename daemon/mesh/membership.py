@@ -317,6 +317,15 @@ class Membership:
                 raise
             except Exception as exc:
                 self._session_failed(address, exc)
+            except BaseExceptionGroup as group:
+                # Cancelled (the daemon stops) just as a call to the peer failed: the failure
+                # is the peer's and said like any other; only the cancellation goes on up.
+                cancelled, failed = group.split(trio.Cancelled)
+                if cancelled is None:
+                    raise
+                if failed is not None:
+                    self._session_failed(address, failed)
+                raise cancelled from None
             await trio.sleep(backoff * (0.8 + 0.4 * random.random()))
             backoff = min(backoff * 2, MAX_BACKOFF_S)
 
