@@ -43,30 +43,12 @@ from meshd.mesh.profiling import load_or_measure_profile
 from meshd.models.store import ModelStore
 from meshd.wire import pb
 from tests.netns import Mesh, cleanup_stale, require_root_and_netns
+from tests.support.settled_mesh import namespaced_daemons, wait_settled
 
 MB = 1e6
 LOG_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) \S+ \S+ (.*)$")
 FETCHED = re.compile(r"fetched .* ([0-9.]+) MB in")
 COUNTERS = ("stage_loads", "layers_loaded", "layers_kept", "bytes_loaded")
-
-
-def settle(daemons: list[DaemonProcess], n: int, timeout_s: float = 180) -> pb.MeshStatus:
-    """Every daemon serves one plan over ``n`` nodes, loaded, nothing draining or moving."""
-    for daemon in daemons:
-        daemon.wait_ready(120)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        statuses = [daemon.status() for daemon in daemons]
-        ids = {s.agreement.active_plan_id for s in statuses}
-        if (
-            len(ids) == 1
-            and all(len(s.agreement.members) == n and s.agreement.plan_json for s in statuses)
-            and all(not s.transitions.moving and not s.agreement.draining for s in statuses)
-            and all(next(iter(ids))[:12] in s.transitions.last_install for s in statuses)
-        ):
-            return statuses[0]
-        time.sleep(0.2)
-    raise TimeoutError(f"no settled {n}-node plan; last log:\n{daemons[0].log_tail(20)}")
 
 
 def counters(daemons: list[DaemonProcess]) -> dict[str, dict[str, int]]:
@@ -135,7 +117,7 @@ def measure(
     since: float,
     previous_layout: str,
 ) -> dict:
-    status = settle(daemons, n)
+    status = wait_settled(daemons, n, timeout_s=180)
     after = counters(daemons)
     seconds = install_seconds(daemons, status.agreement.active_plan_id, since)
     # Nodes that served a plan before: what a re-plan costs them (a joining node has nothing
@@ -166,14 +148,8 @@ def measure(
 def run(root: Path, token: str, profile: Path, model: Path) -> list[dict]:
     rows = []
     with Mesh(3) as mesh:
-        daemons = []
-        for i, node in enumerate(mesh.nodes):
-            state = root / f"host{i}"
-            state.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(profile, state / "profile.json")
-            args = ["--interface", "eth0", "--join", token, "--model", str(model)]
-            args += ["--strategy", "memory"]
-            daemons.append(DaemonProcess(state, args, netns=node.ns))
+        args = ["--interface", "eth0", "--join", token, "--model", str(model)]
+        daemons = namespaced_daemons(mesh, root, profile, [*args, "--strategy", "memory"])
         try:
             since = seconds_of_day()
             for daemon in daemons[:2]:

@@ -42,6 +42,7 @@ from meshd.mesh.profiling import load_or_measure_profile
 from meshd.models.store import ModelStore
 from meshd.wire import pb
 from tests.netns import Mesh, cleanup_stale, require_root_and_netns
+from tests.support.settled_mesh import namespaced_daemons
 
 STORY = "Write a long story about a lighthouse keeper and a storm."
 MAX_TOKENS = 200
@@ -161,14 +162,9 @@ def print_timeline(rows: list[dict], next_piece_s: float | None) -> None:
 
 
 def start(mesh: Mesh, root: Path, token: str, profile: Path, model: Path, probe_s: float):
-    daemons = []
-    for i, node in enumerate(mesh.nodes):
-        state = root / f"host{i}"
-        state.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(profile, state / "profile.json")
-        args = ["--interface", "eth0", "--join", token, "--model", str(model)]
-        args += ["--strategy", "memory", "--link-probe-interval", str(probe_s)]
-        daemons.append(DaemonProcess(state, args, netns=node.ns).start())
+    args = ["--interface", "eth0", "--join", token, "--model", str(model)]
+    args += ["--strategy", "memory", "--link-probe-interval", str(probe_s)]
+    daemons = [daemon.start() for daemon in namespaced_daemons(mesh, root, profile, args)]
     for daemon in daemons:
         daemon.wait_for(committed_over(len(daemons)), 120, "a committed plan over all nodes")
     return daemons

@@ -17,7 +17,6 @@ import contextlib
 import json
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,9 @@ from typing import Any
 import pytest
 
 from meshd.api import client
-from meshd.api.launcher import DaemonProcess
+from meshd.api.launcher import READY_TIMEOUT_S, DaemonProcess
 from meshd.wire import pb
+from tests.support.settled_mesh import wait_settled
 
 BUDGET = "120MB"
 MIB = 1024 * 1024
@@ -55,26 +55,9 @@ def predicted_mlx_peak(plan: dict[str, Any], node: str) -> int:
     return share["total_bytes"] - share["overhead_bytes"]
 
 
-def settled_over(daemons: list[DaemonProcess], n: int, timeout_s: float = 120) -> dict[str, Any]:
-    """Wait until every daemon serves one plan over ``n`` nodes and has loaded it (nothing is
-    moving, no older plan drains); returns that plan."""
-    for daemon in daemons:
-        daemon.wait_ready()
-    deadline = time.monotonic() + timeout_s
-    seen: set[str] = set()
-    while time.monotonic() < deadline:
-        statuses = [daemon.status() for daemon in daemons]
-        seen = {status.agreement.active_plan_id for status in statuses}
-        if (
-            len(seen) == 1
-            and all(len(s.agreement.members) == n and s.agreement.plan_json for s in statuses)
-            and all(not s.transitions.moving and not s.agreement.draining for s in statuses)
-            and all(next(iter(seen))[:12] in s.transitions.last_install for s in statuses)
-        ):
-            return plan_of(statuses[0])
-        time.sleep(0.2)
-    tails = "\n".join(daemon.log_tail(15) for daemon in daemons)
-    raise TimeoutError(f"no settled {n}-node plan (plans {seen}):\n{tails}")
+def settled_over(daemons: list[DaemonProcess], n: int) -> dict[str, Any]:
+    """The plan every daemon serves once it has settled over ``n`` nodes."""
+    return plan_of(wait_settled(daemons, n, ready_s=READY_TIMEOUT_S))
 
 
 @pytest.fixture
