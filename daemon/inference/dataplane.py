@@ -328,16 +328,23 @@ class DataPlane:
                 layers_kept=done.layers_kept + kept,
             )
 
+    def _pipeline_engines(self) -> list[tuple[str, StageEngine]]:
+        """(plan id, engine) of the installed plans with a pipeline stage here: the stages
+        whose weights this process holds (a tensor-parallel stage's live in its runners)."""
+        return [
+            (plan_id, plan.engine)
+            for plan_id, plan in self._plans.items()
+            if plan.engine is not None and not isinstance(plan.engine, TensorParallelEngine)
+        ]
+
     def _donor_for(self, key: StageKey, spare: tuple[StageModel, Path] | None) -> list[StageModel]:
         """The loaded stage of the same model that shares the most layers with ``key`` (an
         installed plan's, or ``spare``, the one an uninstalled plan left), as a one-element
         list for load_stage to take its common layers from (empty: none shares any)."""
         candidates = [
-            (p.engine.stage, p.engine.key.model_dir)
-            for p in self._plans.values()
-            if p.engine is not None
-            and p.engine.stage is not None
-            and not isinstance(p.engine, TensorParallelEngine)
+            (engine.stage, engine.key.model_dir)
+            for _, engine in self._pipeline_engines()
+            if engine.stage is not None
         ]
         if spare is not None:
             candidates.append(spare)
@@ -363,14 +370,8 @@ class DataPlane:
             return []
         spec = assignment.stages[index]
         in_the_way = []
-        for plan_id, plan in self._plans.items():
-            engine = plan.engine
-            if (
-                plan_id == assignment.plan_id
-                or engine is None
-                or isinstance(engine, TensorParallelEngine)
-                or engine.key.model_dir != assignment.model_dir
-            ):
+        for plan_id, engine in self._pipeline_engines():
+            if plan_id == assignment.plan_id or engine.key.model_dir != assignment.model_dir:
                 continue
             key = engine.key
             contains = (
@@ -393,10 +394,7 @@ class DataPlane:
         engine = plan.engine
         if engine is None or engine.stage is None or isinstance(engine, TensorParallelEngine):
             return
-        if any(
-            p.engine is not None and not isinstance(p.engine, TensorParallelEngine)
-            for p in self._plans.values()
-        ):
+        if self._pipeline_engines():
             return
         self._spare = (engine.stage, engine.key.model_dir)
         if self._spare_timer is not None:
