@@ -200,7 +200,14 @@ def test_a_start_with_token_ids_outside_the_vocabulary_is_refused_by_the_stage(
 
     model = architecture_dir("mistral")
     daemon = daemons([*LOOPBACK, "--join", mesh_token, "--model", str(model)])
-    status = daemon.wait_for(lambda s: bool(s.agreement.active_plan_id), 60, "a plan")
+    # Frames go straight to the stage, with no origin to wait for the load: wait until the
+    # committed plan is installed here, or the stage rightly answers "not installed yet".
+    status = daemon.wait_for(
+        lambda s: bool(s.agreement.active_plan_id)
+        and s.agreement.active_plan_id[:12] in s.transitions.last_install,
+        60,
+        "a plan installed",
+    )
     sampling = dp.Sampling(top_p=1.0, repetition_penalty=1.0, seed=1, max_tokens=4)
 
     def start(request_id: str, prompt: list[int]) -> dp.Frame:
