@@ -117,7 +117,16 @@ class PinnedDaemon(DaemonProcess):
         return ["taskset", "-c", self.cpus, *super().command()]
 
 
-def start_mesh(root: Path, model: Path, cpus: list[str], max_n: int) -> list[DaemonProcess]:
+def start_mesh(
+    root: Path, model: Path, cpus: list[str], max_n: int, strategy: str = "memory"
+) -> list[DaemonProcess]:
+    """Pinned loopback daemons splitting ``model`` into len(cpus) stages. ``strategy``:
+    "memory" (layers in proportion to memory: equal halves here, the last stage also holding
+    the head) or "speed" (forced to a pipeline: stages of equal predicted time, counting the
+    head's compute, for ``max_n`` concurrent requests)."""
+    placement = ["--strategy", "memory"]
+    if strategy == "speed":
+        placement = ["--strategy", "speed", "--parallelism", "pipeline"]
     profile = root / "profile"
     profile.mkdir()
     load_or_measure_profile(profile, memory_budget_override=None)
@@ -128,7 +137,7 @@ def start_mesh(root: Path, model: Path, cpus: list[str], max_n: int) -> list[Dae
         state.mkdir()
         shutil.copyfile(profile / "profile.json", state / "profile.json")
         args = [*LOOPBACK, "--join", token, "--name", f"b{i}", "--model", str(model),
-                "--strategy", "memory", "--context-length", "512", "--concurrency", str(max_n),
+                *placement, "--context-length", "512", "--concurrency", str(max_n),
                 "--log-level", "WARNING"]  # fmt: skip
         daemon = PinnedDaemon(state, args, cpu) if cpu else DaemonProcess(state, args)
         daemons.append(daemon.start())
@@ -413,6 +422,10 @@ def main() -> int:
     parser.add_argument("--no-pin", action="store_true", help="daemons share every core")
     parser.add_argument("--scaling", action="store_true", help="one request on 1, 2, 3 nodes")
     parser.add_argument("--runs", type=int, default=5, help="requests per --scaling row")
+    parser.add_argument(
+        "--strategy", choices=["memory", "speed"], default="memory",
+        help="how the daemons split the layers (see start_mesh)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.scaling:
         return scaling_table(args.runs, args.max_tokens)
@@ -424,8 +437,14 @@ def main() -> int:
     model = ModelStore(root / "store").ensure_default().path
     daemons: list[DaemonProcess] = []
     try:
-        daemons = start_mesh(root, model, cpus, max(args.concurrency))
-        url = daemons[0].status().http_url
+        daemons = start_mesh(root, model, cpus, max(args.concurrency), args.strategy)
+        status = daemons[0].status()
+        stages = json.loads(status.agreement.plan_json)["stages"]
+        print(
+            f"strategy {args.strategy}: layers "
+            + ", ".join(f"[{stage['layer_start']}, {stage['layer_end']})" for stage in stages)
+        )
+        url = status.http_url
         asyncio.run(mesh_row(url, 1, 8))  # warm-up: first request of each stage
         mesh_rows = [asyncio.run(mesh_row(url, n, args.max_tokens)) for n in args.concurrency]
     finally:

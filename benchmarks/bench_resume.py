@@ -9,10 +9,12 @@ strategy: a third of the layers each). Reports:
   * SIGTERM: the same with a SIGTERM (the node leaves gracefully; goal: pause < 1 s). A
     request that moves in the background never stops: ``max_gap_after_s``, the longest gap
     between pieces after the disturbance, is its pause (``next_piece_s`` only the first).
-  * churn: committed plans on a static mesh with link probes every 5 s over --static-s
-    seconds, after the first plan (goal: none; the issue's measure: 1 per 10 minutes).
+  * churn: committed plans on a static mesh of --static-nodes (4) with link probes every 5 s
+    over --static-s seconds, after the first plan (goal: none; the issue's measure: 1 per 10
+    minutes), while a child process keeps a core busy and a short request goes to the next
+    node every 2 s (goal: no failed request).
 
-    .venv/bin/python benchmarks/bench_resume.py [--static-s 120] [--json out.json]
+    .venv/bin/python benchmarks/bench_resume.py [--static-s 300] [--json out.json]
 
 To measure an older commit, put its tree (with a ``meshd`` link to its ``daemon/``) first on
 PYTHONPATH: the daemons then run that code (``--label`` names it in the output). Everything
@@ -27,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -221,21 +224,50 @@ def disturbance_round(kind: str, root: Path, token: str, profile: Path, model: P
                 daemon.kill()
 
 
-def churn_round(seconds: float, root: Path, token: str, profile: Path, model: Path) -> dict:
-    with Mesh(3) as mesh:
+def churn_round(
+    seconds: float, nodes: int, root: Path, token: str, profile: Path, model: Path
+) -> dict:
+    """``nodes`` daemons with 5 s link probes, a core kept busy by a child process (a loaded
+    host's probes vary most) and a steady stream of short requests, round robin over the
+    nodes, for ``seconds``: the plans committed after the first, and the failed requests."""
+    with Mesh(nodes) as mesh:
         daemons = start(mesh, root / "static", token, profile, model, 5)
+        burner = None
         try:
             before = [len(commits_in(d)) for d in daemons]
-            time.sleep(seconds)
+            deadline = time.monotonic() + seconds
+            spin = f"import time\nend = time.monotonic() + {seconds + 5}\n"
+            spin += "while time.monotonic() < end: pass"
+            burner = subprocess.Popen([sys.executable, "-c", spin])
+            answered, failures = 0, []
+            while time.monotonic() < deadline:
+                request = pb.GenerateRequest(prompt="hello", sampling=pb.Sampling(max_tokens=4))
+                try:
+                    events = list(
+                        client.stream_generation(daemons[answered % nodes].api, request, 60)
+                    )
+                    if not events or not events[-1].HasField("done"):
+                        failures.append("the stream ended without a final event")
+                except client.GenerationFailed as error:
+                    failures.append(str(error)[:200])
+                answered += 1
+                time.sleep(2.0)
             after = [commits_in(d) for d in daemons]
             extra = [len(a) - b for a, b in zip(after, before, strict=True)]
             return {
                 "seconds": seconds,
+                "nodes": nodes,
                 "commits_after_first_plan": extra,
                 "per_10_min": [round(e * 600 / seconds, 1) for e in extra],
                 "plan_ids": sorted({p for a in after for p in a}),
+                "requests": answered,
+                "failed_requests": len(failures),
+                "failures": failures[:5],
             }
         finally:
+            if burner is not None:
+                burner.kill()
+                burner.wait(10)
             for daemon in daemons:
                 daemon.kill()
 
@@ -243,6 +275,7 @@ def churn_round(seconds: float, root: Path, token: str, profile: Path, model: Pa
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--static-s", type=float, default=120.0)
+    parser.add_argument("--static-nodes", type=int, default=4)
     parser.add_argument("--skip", nargs="*", default=[], choices=["kill", "term", "churn"])
     parser.add_argument("--label", default="this tree")
     parser.add_argument("--json", type=Path)
@@ -263,7 +296,9 @@ def main() -> int:
             results["sigterm_middle_stage"] = disturbance_round("term", root, token, profile, model)
             print("SIGTERM:", results["sigterm_middle_stage"], flush=True)
         if "churn" not in args.skip:
-            results["static_mesh"] = churn_round(args.static_s, root, token, profile, model)
+            results["static_mesh"] = churn_round(
+                args.static_s, args.static_nodes, root, token, profile, model
+            )
             print("static mesh, 5 s probes:", results["static_mesh"], flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)

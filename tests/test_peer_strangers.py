@@ -203,8 +203,10 @@ def test_a_start_with_token_ids_outside_the_vocabulary_is_refused_by_the_stage(
     # Frames go straight to the stage, with no origin to wait for the load: wait until the
     # committed plan is installed here, or the stage rightly answers "not installed yet".
     status = daemon.wait_for(
-        lambda s: bool(s.agreement.active_plan_id)
-        and s.agreement.active_plan_id[:12] in s.transitions.last_install,
+        lambda s: (
+            bool(s.agreement.active_plan_id)
+            and s.agreement.active_plan_id[:12] in s.transitions.last_install
+        ),
         60,
         "a plan installed",
     )
