@@ -562,8 +562,9 @@ class Node:
         peers commit a plan without it and load it (:meth:`PlanAgreement.peers_ready_without`),
         while this node's stages keep serving the requests running through them. Once it is
         loaded, their origins move them to it in the background (the old attempt streams on
-        through this node while the new one catches up, see :mod:`meshd.inference.origin`),
-        and this node waits until none runs through its stages any more. Then the plans with a
+        through this node while the new one catches up, see
+        :mod:`meshd.inference.origin_moves`), and this node waits until none runs through its
+        stages any more. Then the plans with a
         stage here are uninstalled: a request still running through it (its origin could not
         move it in time) ends here with a failure its origin moves it on by (a replay of its
         tokens on the plan it serves now). Requests this node is the origin of get the rest of
