@@ -10,7 +10,6 @@ socket is removed.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from meshd.mesh.identity import Identity, load_or_create_node_id
 from meshd.mesh.membership import PROTOCOL_VERSION, Membership
 from meshd.mesh.peer_service import PeerService
 from meshd.models.share import PartExporter
+from meshd.node_status import mesh_status
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
 from meshd.runtime.lazy_imports import import_model_runtime
@@ -192,131 +192,8 @@ class Node:
     # ------------------------------------------------------------ status
 
     def status(self) -> pb.MeshStatus:
-        now = time.monotonic()
-        me = self.membership
-        nodes = [
-            pb.PeerStatus(
-                profile=me.profile,
-                address=f"{self.config.peer_host}:{self.peer_port}",
-                alive=True,
-                last_seen_s=0.0,
-                joined_at=self.identity.started_at,
-                source="self",
-                instance_id=self.identity.instance_id,
-            )
-        ]
-        links = list(me.own_state.links)
-        for rec in sorted(me.peers.values(), key=lambda r: r.node_id):
-            profile = rec.state.profile if rec.state else pb.NodeProfile(node_id=rec.node_id)
-            nodes.append(
-                pb.PeerStatus(
-                    profile=profile,
-                    address=rec.address,
-                    alive=rec.alive,
-                    last_seen_s=now - rec.last_beat,
-                    joined_at=rec.joined_at,
-                    source=rec.source,
-                    instance_id=rec.instance_id,
-                )
-            )
-            if rec.alive and rec.state is not None:
-                links.extend(m for m in rec.state.links if m.src == rec.node_id)
-        return pb.MeshStatus(
-            node_id=self.identity.node_id,
-            mesh_name=self.secret.mesh_name,
-            mesh_fingerprint=self.fingerprint,
-            protocol_version=PROTOCOL_VERSION,
-            peer_address=f"{self.config.peer_host}:{self.peer_port}",
-            nodes=nodes,
-            links=links,
-            events=self.events.lines(),
-            blas=me.profile.blas,
-            agreement=self.agreement.status_message(),
-            memory=self.runtime_memory(),
-            generated_at=time.time(),
-            http_url=self.http_url,
-            requests=[
-                pb.RequestStatus(
-                    request_id=info.request_id,
-                    plan_id=info.plan_id,
-                    prompt_tokens=info.prompt_tokens,
-                    max_tokens=info.max_tokens,
-                    started_at=info.started_at,
-                )
-                for info in self.router.in_flight
-            ],
-            tensor_parallel_groups=self._tensor_parallel_groups(),
-            tensor_parallel_runners=self._tensor_parallel_runners(),
-            transitions=self._transitions(),
-        )
-
-    def _transitions(self) -> pb.PlanTransitions:
-        """What this node loaded, kept and is loading now, and the requests it moved."""
-        plane = getattr(self, "plane", None)  # created once the asyncio thread runs
-        out = pb.PlanTransitions(
-            moving=self.plans.moving if plane is not None else "",
-            leaving=self.membership.leaving,
-        )
-        if plane is not None:
-            loads = plane.loads
-            out.stage_loads = loads.stage_loads
-            out.layers_loaded = loads.layers_loaded
-            out.layers_kept = loads.layers_kept
-            out.bytes_loaded = loads.bytes_loaded
-            out.last_install = self.plans.last_install
-            out.requests_resumed = plane.origin.requests_resumed
-            out.requests_moved_in_background = plane.origin.requests_moved_in_background
-            out.last_pause_s = plane.origin.last_pause_s
-        return out
-
-    def _tensor_parallel_groups(self) -> list[pb.TensorParallelGroup]:
-        """The active plan's tensor-parallel stages: members by rank, backend, link."""
-        from meshd.inference.tensor_parallel.groups import describe_groups
-
-        active = self.agreement.core.active
-        plan = self.agreement.plan_for(active.proposal) if active else None
-        if plan is None:
-            return []
-        return describe_groups(plan, self.agreement.states_of(active.proposal))
-
-    def _tensor_parallel_runners(self) -> list[pb.TensorParallelRunner]:
-        """This node's runner processes, as the data plane last published them."""
-        plane = getattr(self, "plane", None)  # created once the asyncio thread runs
-        return [
-            pb.TensorParallelRunner(
-                plan_id=runner["plan_id"],
-                stage=runner["stage"],
-                rank=runner["rank"],
-                size=runner["size"],
-                backend=runner["backend"],
-                link=runner["link"],
-                state=runner["state"],
-                pid=runner["pid"] or 0,
-                error=runner["error"] or "",
-                held_bytes=int(runner.get("held_bytes") or 0),
-                members=[member["node_id"] for member in runner["members"]],
-            )
-            for runner in (plane.runner_status if plane is not None else ())
-        ]
-
-    def runtime_memory(self) -> pb.RuntimeMemory:
-        """MLX allocator counters and RSS, next to the budget and the plan's prediction."""
-        import resource
-
-        import mlx.core as mx
-        import psutil
-
-        active = self.agreement.core.active
-        plan = self.agreement.plan_for(active.proposal) if active else None
-        planned = plan.memory_of(self.identity.node_id) if plan else None
-        return pb.RuntimeMemory(
-            mlx_active=mx.get_active_memory(),
-            mlx_peak=mx.get_peak_memory(),
-            rss=psutil.Process().memory_info().rss,
-            peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            budget=self.membership.profile.memory_budget,
-            planned=planned.total_bytes if planned else 0,
-        )
+        """This node's view of the mesh, for `meshd status` and the APIs."""
+        return mesh_status(self)
 
     def list_models(self) -> pb.ModelList:
         from meshd.models.store import ModelStore
