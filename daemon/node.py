@@ -33,10 +33,15 @@ from meshd.mesh.identity import Identity, load_or_create_node_id
 from meshd.mesh.membership import PROTOCOL_VERSION, Membership
 from meshd.mesh.peer_service import PeerService
 from meshd.models.share import PartExporter
+from meshd.node_models import (
+    check_model_type,
+    model_list,
+    note_old_model_store,
+    resolve_model_dir,
+)
 from meshd.node_status import mesh_status
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
-from meshd.runtime.lazy_imports import import_model_runtime
 from meshd.runtime.rpc_guard import add_guarded_servicer
 from meshd.service.notify import notify_ready
 from meshd.state_lock import hold_state_dir
@@ -196,21 +201,8 @@ class Node:
         return mesh_status(self)
 
     def list_models(self) -> pb.ModelList:
-        from meshd.models.store import ModelStore
-
         selection = self.agreement.selection
-        models = [
-            pb.ModelInfo(
-                name=entry.name,
-                architecture=entry.architecture,
-                size_bytes=entry.size_bytes,
-                layers=entry.num_layers or 0,
-                source=entry.source,
-                path=str(entry.path),
-            )
-            for entry in ModelStore(self.store_root).list_models()
-        ]
-        return pb.ModelList(models=models, selected=selection.name if selection else "")
+        return model_list(self.store_root, selection.name if selection else "")
 
     def token(self) -> pb.TokenReply:
         return pb.TokenReply(
@@ -234,24 +226,6 @@ class Node:
         """The user's model store (shared by the user's daemons; see `Config.model_store`)."""
         return self.config.model_store
 
-    def _note_old_model_store(self) -> None:
-        """Models imported by an older meshd into the state directory are no longer used:
-        say once where they are, so that the user can move or delete them."""
-        old = self.config.state_dir / "models" / "models"
-        names = sorted(p.parent.name for p in old.glob("*/meshd-model.json"))
-        if names and old != self.store_root / "models":
-            self.events.add(
-                "models in %s (%s) are no longer used: models now live in the user's store %s; "
-                "move them there (mv %s/* %s/models/) or delete %s",
-                old,
-                ", ".join(names),
-                self.store_root,
-                old,
-                self.store_root,
-                old.parent,
-                level=logging.WARNING,
-            )
-
     async def select_model(
         self,
         model: str,
@@ -268,9 +242,11 @@ class Node:
         """
         from meshd.models.info import read_model_spec
 
-        model_dir = await trio.to_thread.run_sync(self.resolve_model_dir, model)
+        model_dir = await trio.to_thread.run_sync(
+            resolve_model_dir, self.store_root, model, self.events
+        )
         # Refuse an architecture stages cannot run before the mesh re-plans for it.
-        await trio.to_thread.run_sync(_check_model_type, model_dir)
+        await trio.to_thread.run_sync(check_model_type, model_dir)
         spec = await trio.to_thread.run_sync(read_model_spec, model_dir)
         options = partitioner.PlanOptions(
             strategy=strategy or self.config.strategy,
@@ -293,35 +269,6 @@ class Node:
             await self.select_model(model)
         except Exception as exc:
             self.events.add("cannot use model %r: %s", model, exc, level=logging.ERROR)
-
-    def resolve_model_dir(self, model: str) -> Path:
-        """A model directory path, a .gguf file to import, or a name in the model store."""
-        from meshd.models.store import DEFAULT_MODEL, ModelStore
-
-        store = ModelStore(self.store_root)
-        path = Path(model).expanduser()
-        if path.is_dir():
-            return path
-        if path.suffix == ".gguf" and path.is_file():
-            name = path.stem.lower()
-            if name in {entry.name for entry in store.list_models()}:
-                return store.model_dir(name)
-            return store.import_gguf(path, name=name, progress=self._import_progress(name)).path
-        if model == DEFAULT_MODEL:
-            return store.ensure_default(progress=self._import_progress(model)).path
-        return store.model_dir(model)
-
-    def _import_progress(self, name: str):
-        """Log a model import's progress in quarters (shown by `meshd status`)."""
-        reported: dict[str, int] = {}
-
-        def report(phase: str, done: int, total: int) -> None:
-            quarter = 4 * done // total if total else 4
-            if reported.get(phase, -1) < quarter:
-                reported[phase] = quarter
-                self.events.add("importing %s: %s %d%%", name, phase, 25 * quarter)
-
-        return report
 
     async def _locate_model(self, name: str, digest: str) -> Path | None:
         """asyncio side: this node's full copy of model (name, digest), asked on trio."""
@@ -393,7 +340,7 @@ class Node:
                     start_http_server, self, self.bridge, self.config.http, self.config.state_dir
                 )
                 self.http_url = http_server.url if http_server else ""
-                self._note_old_model_store()
+                note_old_model_store(self.config.state_dir, self.store_root, self.events)
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.membership.run)
                     nursery.start_soon(self._measure_profile_task)
@@ -605,13 +552,3 @@ async def run_node(
     directory (checked before anything in it is read, written, bound or removed)."""
     with hold_state_dir(config.state_dir):
         await Node(config).run(task_status=task_status)
-
-
-def _check_model_type(model_dir: Path) -> None:
-    """Raise UnsupportedModel/StageLoadError (with the reason) for a model stages cannot run.
-
-    Reads only config.json; the stage code (and mlx-lm) is imported on this first use."""
-    import_model_runtime()  # first: a worker thread may be importing mlx-lm at this moment
-    from meshd.inference.shard import check_model_type
-
-    check_model_type(model_dir)
