@@ -10,7 +10,6 @@ socket is removed.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,9 +33,15 @@ from meshd.mesh.identity import Identity, load_or_create_node_id
 from meshd.mesh.membership import PROTOCOL_VERSION, Membership
 from meshd.mesh.peer_service import PeerService
 from meshd.models.share import PartExporter
+from meshd.node_models import (
+    check_model_type,
+    model_list,
+    note_old_model_store,
+    resolve_model_dir,
+)
+from meshd.node_status import mesh_status
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
-from meshd.runtime.lazy_imports import import_model_runtime
 from meshd.runtime.rpc_guard import add_guarded_servicer
 from meshd.service.notify import notify_ready
 from meshd.state_lock import hold_state_dir
@@ -192,148 +197,12 @@ class Node:
     # ------------------------------------------------------------ status
 
     def status(self) -> pb.MeshStatus:
-        now = time.monotonic()
-        me = self.membership
-        nodes = [
-            pb.PeerStatus(
-                profile=me.profile,
-                address=f"{self.config.peer_host}:{self.peer_port}",
-                alive=True,
-                last_seen_s=0.0,
-                joined_at=self.identity.started_at,
-                source="self",
-                instance_id=self.identity.instance_id,
-            )
-        ]
-        links = list(me.own_state.links)
-        for rec in sorted(me.peers.values(), key=lambda r: r.node_id):
-            profile = rec.state.profile if rec.state else pb.NodeProfile(node_id=rec.node_id)
-            nodes.append(
-                pb.PeerStatus(
-                    profile=profile,
-                    address=rec.address,
-                    alive=rec.alive,
-                    last_seen_s=now - rec.last_beat,
-                    joined_at=rec.joined_at,
-                    source=rec.source,
-                    instance_id=rec.instance_id,
-                )
-            )
-            if rec.alive and rec.state is not None:
-                links.extend(m for m in rec.state.links if m.src == rec.node_id)
-        return pb.MeshStatus(
-            node_id=self.identity.node_id,
-            mesh_name=self.secret.mesh_name,
-            mesh_fingerprint=self.fingerprint,
-            protocol_version=PROTOCOL_VERSION,
-            peer_address=f"{self.config.peer_host}:{self.peer_port}",
-            nodes=nodes,
-            links=links,
-            events=self.events.lines(),
-            blas=me.profile.blas,
-            agreement=self.agreement.status_message(),
-            memory=self.runtime_memory(),
-            generated_at=time.time(),
-            http_url=self.http_url,
-            requests=[
-                pb.RequestStatus(
-                    request_id=info.request_id,
-                    plan_id=info.plan_id,
-                    prompt_tokens=info.prompt_tokens,
-                    max_tokens=info.max_tokens,
-                    started_at=info.started_at,
-                )
-                for info in self.router.in_flight
-            ],
-            tensor_parallel_groups=self._tensor_parallel_groups(),
-            tensor_parallel_runners=self._tensor_parallel_runners(),
-            transitions=self._transitions(),
-        )
-
-    def _transitions(self) -> pb.PlanTransitions:
-        """What this node loaded, kept and is loading now, and the requests it moved."""
-        plane = getattr(self, "plane", None)  # created once the asyncio thread runs
-        out = pb.PlanTransitions(
-            moving=self.plans.moving if plane is not None else "",
-            leaving=self.membership.leaving,
-        )
-        if plane is not None:
-            loads = plane.loads
-            out.stage_loads = loads.stage_loads
-            out.layers_loaded = loads.layers_loaded
-            out.layers_kept = loads.layers_kept
-            out.bytes_loaded = loads.bytes_loaded
-            out.last_install = self.plans.last_install
-            out.requests_resumed = plane.origin.requests_resumed
-            out.requests_moved_in_background = plane.origin.requests_moved_in_background
-            out.last_pause_s = plane.origin.last_pause_s
-        return out
-
-    def _tensor_parallel_groups(self) -> list[pb.TensorParallelGroup]:
-        """The active plan's tensor-parallel stages: members by rank, backend, link."""
-        from meshd.inference.tensor_parallel.groups import describe_groups
-
-        active = self.agreement.core.active
-        plan = self.agreement.plan_for(active.proposal) if active else None
-        if plan is None:
-            return []
-        return describe_groups(plan, self.agreement.states_of(active.proposal))
-
-    def _tensor_parallel_runners(self) -> list[pb.TensorParallelRunner]:
-        """This node's runner processes, as the data plane last published them."""
-        plane = getattr(self, "plane", None)  # created once the asyncio thread runs
-        return [
-            pb.TensorParallelRunner(
-                plan_id=runner["plan_id"],
-                stage=runner["stage"],
-                rank=runner["rank"],
-                size=runner["size"],
-                backend=runner["backend"],
-                link=runner["link"],
-                state=runner["state"],
-                pid=runner["pid"] or 0,
-                error=runner["error"] or "",
-                held_bytes=int(runner.get("held_bytes") or 0),
-                members=[member["node_id"] for member in runner["members"]],
-            )
-            for runner in (plane.runner_status if plane is not None else ())
-        ]
-
-    def runtime_memory(self) -> pb.RuntimeMemory:
-        """MLX allocator counters and RSS, next to the budget and the plan's prediction."""
-        import resource
-
-        import mlx.core as mx
-        import psutil
-
-        active = self.agreement.core.active
-        plan = self.agreement.plan_for(active.proposal) if active else None
-        planned = plan.memory_of(self.identity.node_id) if plan else None
-        return pb.RuntimeMemory(
-            mlx_active=mx.get_active_memory(),
-            mlx_peak=mx.get_peak_memory(),
-            rss=psutil.Process().memory_info().rss,
-            peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            budget=self.membership.profile.memory_budget,
-            planned=planned.total_bytes if planned else 0,
-        )
+        """This node's view of the mesh, for `meshd status` and the APIs."""
+        return mesh_status(self)
 
     def list_models(self) -> pb.ModelList:
-        from meshd.models.store import ModelStore
-
         selection = self.agreement.selection
-        models = [
-            pb.ModelInfo(
-                name=entry.name,
-                architecture=entry.architecture,
-                size_bytes=entry.size_bytes,
-                layers=entry.num_layers or 0,
-                source=entry.source,
-                path=str(entry.path),
-            )
-            for entry in ModelStore(self.store_root).list_models()
-        ]
-        return pb.ModelList(models=models, selected=selection.name if selection else "")
+        return model_list(self.store_root, selection.name if selection else "")
 
     def token(self) -> pb.TokenReply:
         return pb.TokenReply(
@@ -357,24 +226,6 @@ class Node:
         """The user's model store (shared by the user's daemons; see `Config.model_store`)."""
         return self.config.model_store
 
-    def _note_old_model_store(self) -> None:
-        """Models imported by an older meshd into the state directory are no longer used:
-        say once where they are, so that the user can move or delete them."""
-        old = self.config.state_dir / "models" / "models"
-        names = sorted(p.parent.name for p in old.glob("*/meshd-model.json"))
-        if names and old != self.store_root / "models":
-            self.events.add(
-                "models in %s (%s) are no longer used: models now live in the user's store %s; "
-                "move them there (mv %s/* %s/models/) or delete %s",
-                old,
-                ", ".join(names),
-                self.store_root,
-                old,
-                self.store_root,
-                old.parent,
-                level=logging.WARNING,
-            )
-
     async def select_model(
         self,
         model: str,
@@ -391,9 +242,11 @@ class Node:
         """
         from meshd.models.info import read_model_spec
 
-        model_dir = await trio.to_thread.run_sync(self.resolve_model_dir, model)
+        model_dir = await trio.to_thread.run_sync(
+            resolve_model_dir, self.store_root, model, self.events
+        )
         # Refuse an architecture stages cannot run before the mesh re-plans for it.
-        await trio.to_thread.run_sync(_check_model_type, model_dir)
+        await trio.to_thread.run_sync(check_model_type, model_dir)
         spec = await trio.to_thread.run_sync(read_model_spec, model_dir)
         options = partitioner.PlanOptions(
             strategy=strategy or self.config.strategy,
@@ -416,35 +269,6 @@ class Node:
             await self.select_model(model)
         except Exception as exc:
             self.events.add("cannot use model %r: %s", model, exc, level=logging.ERROR)
-
-    def resolve_model_dir(self, model: str) -> Path:
-        """A model directory path, a .gguf file to import, or a name in the model store."""
-        from meshd.models.store import DEFAULT_MODEL, ModelStore
-
-        store = ModelStore(self.store_root)
-        path = Path(model).expanduser()
-        if path.is_dir():
-            return path
-        if path.suffix == ".gguf" and path.is_file():
-            name = path.stem.lower()
-            if name in {entry.name for entry in store.list_models()}:
-                return store.model_dir(name)
-            return store.import_gguf(path, name=name, progress=self._import_progress(name)).path
-        if model == DEFAULT_MODEL:
-            return store.ensure_default(progress=self._import_progress(model)).path
-        return store.model_dir(model)
-
-    def _import_progress(self, name: str):
-        """Log a model import's progress in quarters (shown by `meshd status`)."""
-        reported: dict[str, int] = {}
-
-        def report(phase: str, done: int, total: int) -> None:
-            quarter = 4 * done // total if total else 4
-            if reported.get(phase, -1) < quarter:
-                reported[phase] = quarter
-                self.events.add("importing %s: %s %d%%", name, phase, 25 * quarter)
-
-        return report
 
     async def _locate_model(self, name: str, digest: str) -> Path | None:
         """asyncio side: this node's full copy of model (name, digest), asked on trio."""
@@ -516,7 +340,7 @@ class Node:
                     start_http_server, self, self.bridge, self.config.http, self.config.state_dir
                 )
                 self.http_url = http_server.url if http_server else ""
-                self._note_old_model_store()
+                note_old_model_store(self.config.state_dir, self.store_root, self.events)
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.membership.run)
                     nursery.start_soon(self._measure_profile_task)
@@ -562,8 +386,9 @@ class Node:
         peers commit a plan without it and load it (:meth:`PlanAgreement.peers_ready_without`),
         while this node's stages keep serving the requests running through them. Once it is
         loaded, their origins move them to it in the background (the old attempt streams on
-        through this node while the new one catches up, see :mod:`meshd.inference.origin`),
-        and this node waits until none runs through its stages any more. Then the plans with a
+        through this node while the new one catches up, see
+        :mod:`meshd.inference.origin_moves`), and this node waits until none runs through its
+        stages any more. Then the plans with a
         stage here are uninstalled: a request still running through it (its origin could not
         move it in time) ends here with a failure its origin moves it on by (a replay of its
         tokens on the plan it serves now). Requests this node is the origin of get the rest of
@@ -727,13 +552,3 @@ async def run_node(
     directory (checked before anything in it is read, written, bound or removed)."""
     with hold_state_dir(config.state_dir):
         await Node(config).run(task_status=task_status)
-
-
-def _check_model_type(model_dir: Path) -> None:
-    """Raise UnsupportedModel/StageLoadError (with the reason) for a model stages cannot run.
-
-    Reads only config.json; the stage code (and mlx-lm) is imported on this first use."""
-    import_model_runtime()  # first: a worker thread may be importing mlx-lm at this moment
-    from meshd.inference.shard import check_model_type
-
-    check_model_type(model_dir)

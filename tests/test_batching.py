@@ -30,7 +30,7 @@ import pytest
 from mlx_lm.utils import load_model
 
 from meshd.inference import shard
-from meshd.inference.origin import FinalEvent
+from meshd.inference.generation_events import FinalEvent
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.shard import load_stage
 from meshd.inference.stage_model import RequestCaches, StageRecipe

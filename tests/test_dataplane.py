@@ -36,7 +36,7 @@ import pytest
 from meshd.inference.assignment import Assignment, InvalidAssignment, StageSpec
 from meshd.inference.dataplane import DataPlane
 from meshd.inference.errors import ErrorKind, InferenceError
-from meshd.inference.origin import FinalEvent, TokenEvent
+from meshd.inference.generation_events import FinalEvent, TokenEvent
 from meshd.inference.sampling import SamplingParams
 from meshd.mesh import security
 from meshd.mesh.channels import peer_channel_factory

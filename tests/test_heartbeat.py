@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from meshd.mesh.membership import _beat_stream
+from meshd.mesh.heartbeat import beat_stream
 from meshd.wire import pb, rpc
 
 INTERVAL_S = 0.05
@@ -41,7 +41,7 @@ async def with_peer(body) -> None:
 
 
 def stream(stub, beats: list[pb.Beat]):
-    return _beat_stream(stub, "me", lambda: 1, INTERVAL_S, TIMEOUT_S, beats.append)
+    return beat_stream(stub, "me", lambda: 1, INTERVAL_S, TIMEOUT_S, beats.append)
 
 
 def test_a_hung_peer_is_noticed_after_the_timeout() -> None:

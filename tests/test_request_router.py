@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from meshd.inference.errors import ErrorKind, InferenceError
+from meshd.inference.generation_events import FinalEvent, TokenEvent
 from meshd.inference.installer import InstallProgress, ServingSnapshot
-from meshd.inference.origin import FinalEvent, TokenEvent
 from meshd.inference.router import RequestRouter, Routed
 from meshd.wire import pb
 from tests.support.dataplane_mesh import LoopThread, Mesh

@@ -28,7 +28,8 @@ import pytest
 
 from meshd.inference.assignment import Assignment
 from meshd.inference.errors import ErrorKind, InferenceError
-from meshd.inference.origin import DEFAULT_CATCH_UP_TIMEOUT_S, FinalEvent, TokenEvent
+from meshd.inference.generation_events import FinalEvent, TokenEvent
+from meshd.inference.origin import DEFAULT_CATCH_UP_TIMEOUT_S
 from meshd.inference.sampling import SamplingParams
 from tests.support.dataplane_mesh import LoopThread, Mesh, mlx_lm_reference
 from tests.support.random_model import make_random_model_dir

@@ -529,6 +529,7 @@ def test_only_silent_requests_are_swept() -> None:
 def test_the_core_imports_no_mlx_grpc_or_asyncio() -> None:
     code = (
         "import sys, meshd.inference.stage_core, meshd.inference.stage_events\n"
+        "import meshd.inference.stage_admission, meshd.inference.stage_state\n"
         "print(sorted(m for m in ('mlx', 'mlx.core', 'grpc', 'asyncio') if m in sys.modules))"
     )
     done = subprocess.run(

@@ -108,7 +108,7 @@ class LocalService(rpc.LocalServicer):
     async def _stream(self, events, context: grpc.aio.ServicerContext):
         """GenerateEvents from data-plane events; failures become gRPC statuses."""
         from meshd.inference.errors import InferenceError
-        from meshd.inference.origin import FinalEvent
+        from meshd.inference.generation_events import FinalEvent
         from meshd.inference.router import Routed
 
         routed = Routed("", "")

@@ -156,7 +156,7 @@ class MeshBackend:
         Closing the iterator early (the client went away) cancels the request everywhere.
         """
         from meshd.inference.errors import InferenceError
-        from meshd.inference.origin import FinalEvent
+        from meshd.inference.generation_events import FinalEvent
         from meshd.inference.router import Routed
 
         events = self._node.router.generate(

@@ -8,9 +8,9 @@ chat), and streams the data plane's events, first announcing the plan that serve
 request (:class:`Routed`). A request started on a plan finishes on it even when a newer plan
 is committed meanwhile (the old one drains). A request whose plan cannot carry it on (a stage
 lost or leaving, the plan withdrawn) moves to the next plan and goes on exactly where it was
-(the origin does this, see :mod:`meshd.inference.origin`), unless the client named the plan.
-Before its first token, a request that meets a stage still loading its layers, or one that
-has moved to a newer plan, is also started again here (a few times at most).
+(the origin does this, see :mod:`meshd.inference.origin_moves`), unless the client named
+the plan. Before its first token, a request that meets a stage still loading its layers, or
+one that has moved to a newer plan, is also started again here (a few times at most).
 
 Every failure is an :class:`meshd.inference.errors.InferenceError`, raised before the first
 event or from the event stream; the API maps its kind to a status in one place.
@@ -29,8 +29,8 @@ from typing import Any
 
 from meshd.inference.dataplane import DataPlane
 from meshd.inference.errors import ErrorKind, InferenceError
+from meshd.inference.generation_events import FinalEvent, TokenEvent
 from meshd.inference.installer import InstallProgress, ServingSnapshot
-from meshd.inference.origin import FinalEvent, TokenEvent
 from meshd.inference.sampling import SamplingParams, sampling_from_message
 from meshd.wire import pb
 

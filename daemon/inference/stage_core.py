@@ -45,14 +45,13 @@ Rules (each refusal ends the request on this node and tells its origin with a Fa
   (during a catch-up, per sender: an index the other sender already gave is dropped);
   anything else is refused. Frames of a request that ended here are dropped (an End may
   overtake its Start; a late frame may follow a refusal).
-* Bounds: a plan holds at most ``max_requests`` requests on this stage (``OVERLOADED``); a
-  request silent for ``idle_timeout_s`` is dropped (its origin vanished without a word).
-* Admission (first stage): the requests running at once reserve at most the KV tokens the
-  plan reserved (:attr:`Assignment.kv_budget_tokens`: context length x concurrency), each its
-  context plus the tokens it may still generate. A Start that does not fit waits, in arrival
-  order, in the plan's queue of at most ``max_queued`` (a Start arriving to a full queue is
-  refused ``QUEUE_FULL``, which the APIs answer 429 / RESOURCE_EXHAUSTED); the
-  queue's head is admitted as soon as requests that ended free enough.
+* Admission (:mod:`meshd.inference.stage_admission`): a Start this stage can never run is
+  refused (bad settings, a token outside the vocabulary, too long for the plan's context); a
+  plan holds at most ``max_requests`` requests on this stage (``OVERLOADED``); on the first
+  stage a Start waits, in order, until the plan's KV budget has room for it, in a queue of at
+  most ``max_queued`` (``QUEUE_FULL`` when it is full).
+* Bounds: a request silent for ``idle_timeout_s`` is dropped (its origin vanished without a
+  word).
 
 Scheduling: a request's steps run in order, one at a time, except on a single stage, whose
 next step's input is the token its current step samples: that following step is handed out
@@ -68,11 +67,10 @@ request): the runtime runs the decode steps among them in one batched forward pa
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 from meshd.inference.assignment import Assignment
-from meshd.inference.sampling import SamplingParams
+from meshd.inference.stage_admission import StartQueue, limit_error, start_error, token_error
 from meshd.inference.stage_events import (
     Action,
     ActivationFrame,
@@ -84,7 +82,6 @@ from meshd.inference.stage_events import (
     Release,
     RequestStart,
     Sampled,
-    SamplerSetup,
     SendActivation,
     SendFailure,
     SendToken,
@@ -95,81 +92,10 @@ from meshd.inference.stage_events import (
     Work,
     request_steps,
 )
+from meshd.inference.stage_state import StagePlan, StageRequest, StepInput
 
 ENDED_REMEMBERED = 4096  # ids of ended requests kept to drop their late frames
 LOAD_FAILURES_REMEMBERED = 64
-
-
-@dataclass(slots=True)
-class _Input:
-    step: int
-    tokens: tuple[int, ...] | None = None
-    payload: object = None
-    upstream_s: float = 0.0
-    follows: bool = False  # a single stage's next step: its input is the token sampled before
-
-
-@dataclass(eq=False, slots=True)
-class _Request:
-    plan_id: str
-    request_id: str
-    origin: str
-    start: RequestStart
-    sampling: SamplingParams  # the Start's, validated
-    chunk_steps: int  # C: prompt chunks before the step that samples
-    last_activity: float
-    next_step: int = 0  # the step whose input this stage expects next
-    next_index: int = 0  # the index of the next generated token (sampled here / expected)
-    inputs: deque[_Input] = field(default_factory=deque)
-    sampler_opened: bool = False
-    heads_out: int = 0  # steps handed out that sample a token
-    in_flight: int = 0  # steps on the compute thread (2 only for a following step)
-    queued: bool = False
-    ended: bool = False
-    reserved: int = 0  # KV tokens reserved at admission (first stage of a bounded plan)
-
-
-@dataclass(eq=False, slots=True)
-class _Plan:
-    assignment: Assignment
-    index: int | None
-    ready: bool = False
-    requests: dict[str, _Request] = field(default_factory=dict)
-    vocab_size: int = 0  # the model's token ids are 0 <= id < vocab_size (0: unknown)
-
-    def token_error(self, tokens: Sequence[int]) -> str | None:
-        """Why ``tokens`` cannot be embedded (an id outside the vocabulary), or None. The
-        embedding lookup checks no bounds: an id past the table reads outside it."""
-        if not self.vocab_size:
-            return None
-        bad = next((token for token in tokens if not 0 <= token < self.vocab_size), None)
-        if bad is None:
-            return None
-        return (
-            f"token id {bad} is not a token of the model of plan {self.plan_id[:12]} "
-            f"(0 <= id < {self.vocab_size})"
-        )
-
-    waiting: deque[StartFrame] = field(default_factory=deque)  # Starts not admitted yet, FIFO
-    reserved_tokens: int = 0  # KV tokens the admitted requests reserve (first stage)
-
-    @property
-    def plan_id(self) -> str:
-        return self.assignment.plan_id
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == len(self.assignment.stages) - 1
-
-    def node(self, index: int) -> str:
-        return self.assignment.stages[index].node_id
-
-
-# --- The core ---------------------------------------------------------------------------------
 
 
 class StageCore:
@@ -191,10 +117,10 @@ class StageCore:
         self.max_requests = max_requests
         self.max_queued = max_queued
         self.idle_timeout_s = idle_timeout_s
-        self._plans: dict[str, _Plan] = {}
+        self._plans: dict[str, StagePlan] = {}
         self._load_failures: OrderedDict[str, str] = OrderedDict()
         self._ended: OrderedDict[tuple[str, str], None] = OrderedDict()
-        self._ready: deque[_Request] = deque()
+        self._ready: deque[StageRequest] = deque()
         self._clock = 0.0  # the latest ``now`` an event brought (when a queued Start is admitted)
 
     # ------------------------------------------------------------ plans
@@ -204,7 +130,8 @@ class StageCore:
         :meth:`plan_loaded`."""
         if assignment.plan_id not in self._plans:
             index = assignment.stage_index(self.node_id)
-            self._plans[assignment.plan_id] = _Plan(assignment, index)
+            queue = StartQueue(assignment.kv_budget_tokens)
+            self._plans[assignment.plan_id] = StagePlan(assignment, index, queue)
         self._load_failures.pop(assignment.plan_id, None)
 
     def plan_loaded(self, plan_id: str, vocab_size: int = 0) -> None:
@@ -233,8 +160,8 @@ class StageCore:
         actions: list[Action] = []
         for request in list(plan.requests.values()):
             actions += self._drop(plan, request, FailureKind.FENCED, reason)
-        while plan.waiting:
-            frame = plan.waiting.popleft()
+        while plan.queue.waiting:
+            frame = plan.queue.waiting.popleft()
             self._remember_ended(plan.plan_id, frame.request_id)
             kind = FailureKind.FENCED
             actions.append(
@@ -245,12 +172,12 @@ class StageCore:
     def queued_requests(self, plan_id: str) -> int:
         """Starts waiting to be admitted on this (first) stage of ``plan_id``."""
         plan = self._plans.get(plan_id)
-        return len(plan.waiting) if plan is not None else 0
+        return len(plan.queue.waiting) if plan is not None else 0
 
     def reserved_tokens(self, plan_id: str) -> int:
         """KV tokens the admitted requests of ``plan_id`` reserve here (first stage)."""
         plan = self._plans.get(plan_id)
-        return plan.reserved_tokens if plan is not None else 0
+        return plan.queue.reserved_tokens if plan is not None else 0
 
     def has_plan(self, plan_id: str) -> bool:
         return plan_id in self._plans
@@ -284,69 +211,36 @@ class StageCore:
         self._clock = max(self._clock, now)
         if refused := self._invalid_start(plan, frame):
             return refused
-        if refused := self._wait_for_room(plan, frame):
-            return refused
-        if plan.waiting and plan.waiting[-1] is frame:
+        refusal = plan.queue.wait_for_room(
+            frame,
+            already_open=frame.request_id in plan.requests,
+            max_queued=self.max_queued,
+            node_id=self.node_id,
+        )
+        if refusal is not None:
+            return self._refuse(start.origin, frame, refusal.message, refusal.kind)
+        if plan.queue.waits(frame):
             return []  # it waits for room
         return self._admit(plan, frame, now)
 
-    def _invalid_start(self, plan: _Plan, frame: StartFrame | ActivationFrame) -> list[Action]:
-        """The refusal of a Start this stage can never run, else nothing. Checked before a
-        Start may wait for room: queued, it would hold back every request behind it."""
+    def _invalid_start(self, plan: StagePlan, frame: StartFrame | ActivationFrame) -> list[Action]:
+        """The refusal of a Start this stage can never run, else nothing."""
         start = frame.start
         assert start is not None
-        if start.sampling is None:
-            return self._refuse(start.origin, frame, f"bad sampling parameters: {start.invalid}")
-        if start.prefill_chunk < 1 or start.context_length < 1:
-            return self._refuse(start.origin, frame, "a request needs a prompt and a chunk size")
-        if plan.is_first and len(start.prompt) != start.prompt_length:
-            return self._refuse(start.origin, frame, "the first stage needs the prompt's tokens")
-        # Every stage checks: the first embeds the tokens, the last's repetition penalty
-        # indexes its logits with them.
-        if bad_token := plan.token_error(start.prompt + start.generated):
-            return self._refuse(start.origin, frame, bad_token)
-        too_long = plan.assignment.context_error(start.prompt_length, start.sampling.max_tokens)
-        if too_long is not None:  # no KV cache grows past what the plan reserved
-            return self._refuse(start.origin, frame, too_long)
-        return []
+        error = start_error(start, plan.assignment, first=plan.is_first, vocab_size=plan.vocab_size)
+        return self._refuse(start.origin, frame, error) if error is not None else []
 
-    def _wait_for_room(self, plan: _Plan, frame: StartFrame) -> list[Action]:
-        """Queue ``frame`` when the plan's KV budget has no room for it now (or others wait
-        before it), refuse it when the queue is full; nothing when it may start at once."""
-        budget = plan.assignment.kv_budget_tokens
-        if not budget:
-            return []
-        if frame.request_id in plan.requests or any(
-            waiting.request_id == frame.request_id for waiting in plan.waiting
-        ):
-            return self._refuse(
-                frame.start.origin, frame, f"request {frame.request_id} is already open"
-            )
-        if not plan.waiting and plan.reserved_tokens + _reservation(frame.start) <= budget:
-            return []
-        if len(plan.waiting) >= self.max_queued:
-            message = (
-                f"queue full: plan {plan.plan_id[:12]} runs requests reserving "
-                f"{plan.reserved_tokens} of its {budget} KV tokens and {len(plan.waiting)} wait "
-                f"on node {self.node_id} (its limit); retry later"
-            )
-            return self._refuse(frame.start.origin, frame, message, FailureKind.QUEUE_FULL)
-        plan.waiting.append(frame)
-        return []
-
-    def _admit(self, plan: _Plan, frame: StartFrame, now: float) -> list[Action]:
+    def _admit(self, plan: StagePlan, frame: StartFrame, now: float) -> list[Action]:
         """Open a request on the first stage and queue its prompt's steps."""
         start = frame.start
         opened = self._open(plan, frame, start, now)
-        if not isinstance(opened, _Request):
+        if not isinstance(opened, StageRequest):
             return opened
-        if plan.assignment.kv_budget_tokens:
-            opened.reserved = _reservation(start)
-            plan.reserved_tokens += opened.reserved
+        opened.reserved = plan.queue.reserve(start)
         context = start.prompt + start.generated
         offset = 0
         for step, size in enumerate(_steps_of(start)):
-            opened.inputs.append(_Input(step, tokens=context[offset : offset + size]))
+            opened.inputs.append(StepInput(step, tokens=context[offset : offset + size]))
             offset += size
         opened.next_step = opened.chunk_steps + 1
         self._enqueue(opened)
@@ -376,7 +270,7 @@ class StageCore:
             if frame.start is None:
                 return []  # a late frame of a request this stage already dropped
             opened = self._open(plan, frame, frame.start, now)
-            if not isinstance(opened, _Request):
+            if not isinstance(opened, StageRequest):
                 return opened
             request = opened
         if frame.step != request.next_step:
@@ -386,7 +280,7 @@ class StageCore:
         request.next_step += 1
         request.last_activity = now
         request.inputs.append(
-            _Input(frame.step, payload=frame.payload, upstream_s=frame.upstream_s)
+            StepInput(frame.step, payload=frame.payload, upstream_s=frame.upstream_s)
         )
         self._enqueue(request)
         return []
@@ -414,11 +308,11 @@ class StageCore:
             return self._refuse(
                 request.origin, frame, f"token {frame.index} arrived, expected {request.next_index}"
             )
-        if bad_token := plan.token_error((frame.token_id,)):
+        if bad_token := token_error((frame.token_id,), plan.vocab_size, plan.plan_id):
             return self._refuse(request.origin, frame, bad_token)
         request.next_index += 1
         request.last_activity = now
-        request.inputs.append(_Input(request.next_step, tokens=(frame.token_id,)))
+        request.inputs.append(StepInput(request.next_step, tokens=(frame.token_id,)))
         request.next_step += 1
         self._enqueue(request)
         return []
@@ -487,14 +381,14 @@ class StageCore:
         the others). Empty when nothing is ready."""
         self._clock = max(self._clock, now)
         batch: list[Work] = []
-        taken: list[_Request] = []
+        taken: list[StageRequest] = []
         while self._ready and len(batch) < max_items:
             request = self._ready.popleft()
             request.queued = False
-            if not self._can_run(request):
+            if not request.can_run():
                 continue
             plan = self._plans[request.plan_id]
-            batch.append(self._work(plan, request, request.inputs.popleft()))
+            batch.append(request.work(plan, request.inputs.popleft()))
             request.in_flight += 1
             request.last_activity = now
             taken.append(request)
@@ -517,7 +411,7 @@ class StageCore:
             return self._drop(plan, request, result.kind, message)
         actions: list[Action] = []
         if isinstance(result, Hidden):
-            forward = self._forward_start(request) if work.step == 0 else None
+            forward = request.forward_start() if work.step == 0 else None
             actions.append(
                 SendActivation(
                     plan.node(plan.index + 1),
@@ -555,7 +449,7 @@ class StageCore:
         self,
         origin: str,
         frame: StartFrame | ActivationFrame | TokenFrame,
-        plan: _Plan | None,
+        plan: StagePlan | None,
         fence: str | None,
     ) -> list[Action]:
         """Fencing: refusal actions unless the plan is committed, loaded and has a stage here."""
@@ -577,24 +471,21 @@ class StageCore:
         return []
 
     def _open(
-        self, plan: _Plan, frame: StartFrame | ActivationFrame, start: RequestStart, now: float
-    ) -> _Request | list[Action]:
+        self, plan: StagePlan, frame: StartFrame | ActivationFrame, start: RequestStart, now: float
+    ) -> StageRequest | list[Action]:
         """The stage's record of a new request, or the actions that refuse it."""
         if (plan.plan_id, frame.request_id) in self._ended:
             return []
         if frame.request_id in plan.requests:
             return self._refuse(start.origin, frame, f"request {frame.request_id} is already open")
-        if len(plan.requests) >= self.max_requests:
-            message = (
-                f"stage {plan.index} on node {self.node_id} already holds {len(plan.requests)} "
-                "requests (its limit); retry when one has finished"
-            )
-            return self._refuse(start.origin, frame, message, FailureKind.OVERLOADED)
+        held = len(plan.requests)
+        if full := limit_error(held, self.max_requests, plan.index, self.node_id):
+            return self._refuse(start.origin, frame, full, FailureKind.OVERLOADED)
         if refused := self._invalid_start(plan, frame):
             return refused
         assert start.sampling is not None
         chunk_steps = len(_steps_of(start)) - 1
-        request = _Request(
+        request = StageRequest(
             plan_id=plan.plan_id,
             request_id=frame.request_id,
             origin=start.origin,
@@ -607,40 +498,7 @@ class StageCore:
         plan.requests[request.request_id] = request
         return request
 
-    def _work(self, plan: _Plan, request: _Request, item: _Input) -> Work:
-        head = plan.is_last and item.step >= request.chunk_steps
-        if head and plan.is_first:
-            # A single stage samples the next step's input itself: the step that follows is
-            # ready now and waits right behind this one on the compute thread (as mlx-lm's
-            # generate_step computes one token ahead), unless this one gives the last token.
-            index = len(request.start.generated) + request.heads_out
-            if index + 1 < request.sampling.max_tokens:
-                request.inputs.append(_Input(item.step + 1, follows=True))
-        request.heads_out += head
-        sampler = None
-        if head and not request.sampler_opened:
-            request.sampler_opened = True
-            start = request.start
-            sampler = SamplerSetup(
-                sampling=request.sampling,
-                context=start.prompt + start.generated,
-                draws=0 if request.sampling.greedy else len(start.generated),
-                return_logits=start.return_logits,
-            )
-        return Work(
-            plan.plan_id,
-            request.request_id,
-            item.step,
-            item.tokens,
-            item.payload,
-            head,
-            sampler,
-            item.upstream_s,
-            item.follows,
-            request.start.eos_ids if item.follows else frozenset(),
-        )
-
-    def _on_sampled(self, plan: _Plan, request: _Request, result: Sampled) -> list[Action]:
+    def _on_sampled(self, plan: StagePlan, request: StageRequest, result: Sampled) -> list[Action]:
         """The last stage sampled a token: it goes to the origin and, unless it ends the
         request, back to the first stage (a single stage's next step follows it already)."""
         start = request.start
@@ -672,32 +530,8 @@ class StageCore:
             actions += self._drop(plan, request, None, "")
         return actions
 
-    def _forward_start(self, request: _Request) -> RequestStart:
-        """What the next stage gets of the Start: the tokens only where the last stage's
-        repetition penalty needs them."""
-        start = request.start
-        if request.sampling.repetition_penalty != 1.0:
-            return start
-        return RequestStart(
-            origin=start.origin,
-            prompt=(),
-            prompt_length=start.prompt_length,
-            sampling=start.sampling,
-            eos_ids=start.eos_ids,
-            prefill_chunk=start.prefill_chunk,
-            return_logits=start.return_logits,
-            generated=start.generated,
-        )
-
-    def _can_run(self, request: _Request) -> bool:
-        """A request's next step may start: its input is here, and its step before has
-        finished, or is the one whose token this step follows (a single stage)."""
-        if request.ended or not request.inputs:
-            return False
-        return request.in_flight == 0 or (request.in_flight == 1 and request.inputs[0].follows)
-
-    def _enqueue(self, request: _Request) -> None:
-        if not request.queued and self._can_run(request):
+    def _enqueue(self, request: StageRequest) -> None:
+        if not request.queued and request.can_run():
             request.queued = True
             self._ready.append(request)
 
@@ -719,7 +553,7 @@ class StageCore:
         return actions
 
     def _drop(
-        self, plan: _Plan, request: _Request, kind: FailureKind | None, message: str
+        self, plan: StagePlan, request: StageRequest, kind: FailureKind | None, message: str
     ) -> list[Action]:
         """Forget a request on this stage, free its caches and, when ``kind`` is given, tell
         its origin why."""
@@ -735,29 +569,24 @@ class StageCore:
                 SendFailure(request.origin, plan.plan_id, request.request_id, kind, message)
             )
         if request.reserved:
-            plan.reserved_tokens -= request.reserved
+            plan.queue.release(request.reserved)
             request.reserved = 0
             actions += self._admit_waiting(plan, self._clock)
         return actions
 
-    def _admit_waiting(self, plan: _Plan, now: float) -> list[Action]:
+    def _admit_waiting(self, plan: StagePlan, now: float) -> list[Action]:
         """Admit the queue's head while the plan's KV budget has room for it (in order)."""
         actions: list[Action] = []
         if self._plans.get(plan.plan_id) is not plan:
             return actions  # the plan is being removed: its queue is refused there
-        budget = plan.assignment.kv_budget_tokens
-        while plan.waiting and (
-            plan.reserved_tokens + _reservation(plan.waiting[0].start) <= budget
-            or not plan.requests
-        ):
-            actions += self._admit(plan, plan.waiting.popleft(), now)
+        while (frame := plan.queue.next_admitted(running=bool(plan.requests))) is not None:
+            actions += self._admit(plan, frame, now)
         return actions
 
-    def _unqueue(self, plan: _Plan, which: Callable[[StartFrame], bool]) -> list[StartFrame]:
+    def _unqueue(self, plan: StagePlan, which: Callable[[StartFrame], bool]) -> list[StartFrame]:
         """Take the waiting Starts ``which`` selects out of the queue (they end here)."""
-        taken = [frame for frame in plan.waiting if which(frame)]
+        taken = plan.queue.take(which)
         for frame in taken:
-            plan.waiting.remove(frame)
             self._remember_ended(plan.plan_id, frame.request_id)
         return taken
 
@@ -771,13 +600,6 @@ class StageCore:
 def _steps_of(start: RequestStart) -> tuple[int, ...]:
     """The context steps of a request (see the module docstring)."""
     return request_steps(start.prompt_length, len(start.generated), start.prefill_chunk)
-
-
-def _reservation(start: RequestStart) -> int:
-    """KV tokens a request may come to hold: its context and the tokens it may still
-    generate (a resumed request has generated some already)."""
-    max_tokens = start.sampling.max_tokens if start.sampling is not None else 0
-    return start.context_length + max(0, max_tokens - len(start.generated))
 
 
 def _unreachable(assignment: Assignment, peer: str, reason: str) -> str:

@@ -31,8 +31,9 @@ import grpc
 import trio
 
 from meshd.mesh import links
+from meshd.mesh.heartbeat import beat_stream
 from meshd.mesh.identity import Identity
-from meshd.mesh.link_trust import mesh_link_verdict
+from meshd.mesh.peer_links import PeerLinks
 from meshd.mesh.security import describe_refusal
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
@@ -45,8 +46,6 @@ PROTOCOL_VERSION = 1
 HELLO_TIMEOUT_S = 2.0
 STATE_TIMEOUT_S = 3.0
 MAX_BACKOFF_S = 3.0
-STALL_SLACK_S = 0.02  # a heartbeat watchdog waking later than this was starved, not the peer
-CONFIRM_PAUSE_S = (0.02, 0.1)  # random, so two nodes probing one peer drift apart
 FORGET_LOST_AFTER_S = 120.0
 
 
@@ -79,13 +78,6 @@ class PeerRecord:
     state_wanted: trio.Event = field(default_factory=trio.Event)
 
 
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"peer address {address!r} is not host:port")
-    return host.strip("[]"), int(port)
-
-
 class Membership:
     """Owns one session task per candidate address and the resulting peer table."""
 
@@ -111,13 +103,15 @@ class Membership:
         self.events = events
         self._interval = heartbeat_interval_s
         self._timeout = peer_timeout_s
-        self._probe_interval = link_probe_interval_s
-        self._trusted_networks = tuple(trusted_networks)
         self.tensor_parallel_port = tensor_parallel_port
-        self._bandwidth_turn = trio.Lock()  # one bandwidth probe at a time leaves this node
         self.peers: dict[str, PeerRecord] = {}
-        self.links: dict[str, pb.LinkMeasurement] = {}
-        self._link_windows: dict[str, links.LinkWindow] = {}
+        self._peer_links = PeerLinks(
+            identity.node_id,
+            bridge,
+            self._publish,
+            probe_interval_s=link_probe_interval_s,
+            trusted_networks=tuple(trusted_networks),
+        )
         self._wanted: dict[str, str] = {}  # address -> source
         self._nursery: trio.Nursery | None = None
         self.profile: pb.NodeProfile = pb.NodeProfile(node_id=identity.node_id)
@@ -191,6 +185,11 @@ class Membership:
         if not self.leaving:
             self.leaving = True
             self._publish()
+
+    @property
+    def links(self) -> dict[str, pb.LinkMeasurement]:
+        """The published measurements of this node's links, by peer."""
+        return self._peer_links.links
 
     def _build_state(self) -> pb.NodeState:
         alive = sorted(p.node_id for p in self.peers.values() if p.alive)
@@ -370,7 +369,8 @@ class Membership:
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._fetch_states, stub, record)
-                    nursery.start_soon(self._probe_links, stub, rpc.PeerStub(probe_channel), record)
+                    probe = rpc.PeerStub(probe_channel)
+                    nursery.start_soon(self._peer_links.run, stub, probe, record.node_id, address)
                     await self._heartbeat(stub, record)
                     # Lost now: tell everyone before the helper tasks have wound down.
                     self._mark_lost(record)
@@ -444,8 +444,7 @@ class Membership:
         record.alive = False
         record.lost_at = time.monotonic()
         record.lost_reason = reason or record.lost_reason or "heartbeat stream ended"
-        self.links.pop(record.node_id, None)
-        self._link_windows.pop(record.node_id, None)
+        self._peer_links.forget(record.node_id)
         self.events.add("peer %s lost: %s", record.node_id, record.lost_reason)
         self._publish()
 
@@ -463,7 +462,7 @@ class Membership:
 
         try:
             await self._bridge.run(
-                _beat_stream,
+                beat_stream,
                 stub,
                 self.identity.node_id,
                 lambda: self.own_state.version,
@@ -486,106 +485,6 @@ class Membership:
             )
             record.state = state
             self._publish()
-
-    async def _probe_links(
-        self, stub: rpc.PeerStub, probe_stub: rpc.PeerStub, record: PeerRecord
-    ) -> None:
-        peer = record.node_id
-        while True:  # no stagger needed: bandwidth probes take turns (`_bandwidth_turn`)
-            sample = await self._measure_link(stub, probe_stub, record)
-            window = self._link_windows.setdefault(peer, links.LinkWindow())
-            if sample is not None and not window:
-                # The first plan is made from the first sample: a second probe, a moment
-                # later, keeps one starved probe from deciding it.
-                await trio.sleep(random.uniform(*CONFIRM_PAUSE_S))
-                again = await self._measure_link(stub, probe_stub, record, sample.grpc_rtt_s)
-                if again is not None:
-                    window.add(again)
-            if sample is not None:
-                self._record_link(peer, sample, window.add(sample))
-            await trio.sleep(self._probe_interval * random.uniform(0.9, 1.1))
-
-    async def _measure_link(
-        self,
-        stub: rpc.PeerStub,
-        probe_stub: rpc.PeerStub,
-        record: PeerRecord,
-        grpc_rtt_s: float | None = None,
-    ) -> links.LinkSample | None:
-        """One probe of the link to `record`'s peer; None (logged) when the peer is unreachable.
-
-        Round trips are measured concurrently with other peers' probes; bandwidth probes take
-        turns (`_bandwidth_turn`), because probes leaving this node share its uplink. A known
-        `grpc_rtt_s` (shown, never planned with) is reused instead of measured again. The
-        sample carries this node's verdict on the link for tensor-parallel traffic.
-        """
-        host, port = split_address(record.address)
-        try:
-            tcp = await links.tcp_rtt(host, port)
-            rtt = (
-                grpc_rtt_s
-                if grpc_rtt_s is not None
-                else await self._bridge.run(links.grpc_rtt, stub)
-            )
-            async with self._bandwidth_turn:
-                bandwidth, sent = await self._bridge.run(links.probe_bandwidth, probe_stub)
-        except Exception as exc:
-            if not links.is_transient(exc):
-                raise
-            log.info("measuring the link to %s failed: %s", record.node_id, exc)
-            return None
-        # Reads the interface's facts (and on macOS asks networksetup): not on the trio thread.
-        verdict = await trio.to_thread.run_sync(
-            mesh_link_verdict, tcp.local_address, tcp.peer_address, self._trusted_networks
-        )
-        return links.LinkSample(
-            tcp.rtt_s,
-            rtt,
-            bandwidth,
-            sent,
-            time.time(),
-            src_address=tcp.local_address,
-            dst_address=tcp.peer_address,
-            trusted=verdict.allowed,
-            trust_reason=verdict.reason,
-        )
-
-    def _bucketed(self, peer: str, sample: links.LinkSample) -> pb.LinkMeasurement:
-        """`sample` as a measurement with planning buckets relative to the published one."""
-        proto = sample.to_proto(self.identity.node_id, peer)
-        return links.with_planning_buckets(proto, self.links.get(peer))
-
-    def _record_link(self, peer: str, sample: links.LinkSample, capacity: links.LinkSample) -> None:
-        """Publish the link's capacity (the best of its recent samples, `links.LinkWindow`)
-        only when it changed materially.
-
-        Digests hash bucketed link numbers; re-publishing every noisy sample would make
-        peers re-fetch state and re-propose for nothing. A capacity inside the hysteresis
-        band of the published one's buckets keeps the published one.
-        """
-        published = self.links.get(peer)
-        fresh = self._bucketed(peer, capacity)
-        log.debug(
-            "link sample to %s: rtt %.3f ms, %.1f Mbit/s; capacity %.1f Mbit/s (bucket %d)",
-            peer,
-            sample.tcp_rtt_s * 1e3,
-            sample.bandwidth * 8 / 1e6,
-            capacity.bandwidth * 8 / 1e6,
-            fresh.bandwidth_bucket,
-        )
-        if not links.worth_publishing(fresh, published):
-            return
-        self.links[peer] = fresh
-        log.info(
-            "link to %s: rtt %.3f ms (grpc %.3f ms), %.1f Mbit/s",
-            peer,
-            capacity.tcp_rtt_s * 1e3,
-            capacity.grpc_rtt_s * 1e3,
-            capacity.bandwidth * 8 / 1e6,
-        )
-        if published is None or published.trust_reason != fresh.trust_reason:
-            log.info("link to %s for tensor-parallel traffic: %s", peer, fresh.trust_reason)
-        self._publish()
 
 
 def _leaves(error: BaseException) -> list[BaseException]:
@@ -615,66 +514,3 @@ async def _unary(method, request, timeout: float):
 async def _close_channels(*channels: grpc.aio.Channel) -> None:
     for channel in channels:
         await channel.close(grace=None)
-
-
-async def _beat_stream(
-    stub: rpc.PeerStub,
-    node_id: str,
-    version: Callable[[], int],
-    interval: float,
-    timeout: float,
-    deliver: Callable[[pb.Beat], None],
-) -> None:
-    """asyncio side: write a beat every `interval`, raise TimeoutError on a silent gap.
-
-    The gap counts only time this process was running: a process starved of CPU (or of the
-    GIL, e.g. while importing mlx-lm or loading weights) reads its peers' beats late, and
-    blaming the peer for that would drop a healthy member and re-plan the mesh. The watchdog
-    wakes every `interval / 2`; any lateness of its own wake-up is a stall of this process and
-    extends the peer's allowance until the next beat arrives.
-    """
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-    call = stub.Heartbeat()
-    received = 0
-    last_beat_at = loop.time()
-
-    async def send() -> None:
-        seq = 0
-        while True:
-            seq += 1
-            await call.write(
-                pb.Beat(node_id=node_id, seq=seq, state_version=version(), sent_at=time.time())
-            )
-            await asyncio.sleep(interval)
-
-    async def receive() -> None:
-        nonlocal received, last_beat_at
-        while True:
-            beat = await call.read()
-            if beat is grpc.aio.EOF:
-                return
-            received += 1
-            last_beat_at = loop.time()
-            deliver(beat)
-
-    sender = asyncio.create_task(send())
-    receiver = asyncio.create_task(receive())
-    check_s = interval / 2
-    try:
-        seen, stalled = received, 0.0
-        while not receiver.done():
-            woke_for = loop.time() + check_s
-            await asyncio.wait({receiver}, timeout=check_s)  # a broken stream ends `receiver`
-            if received != seen:
-                seen, stalled = received, 0.0
-            stalled += max(0.0, loop.time() - woke_for - STALL_SLACK_S)
-            if loop.time() - last_beat_at - stalled > timeout:
-                raise TimeoutError(f"no heartbeat for {timeout:.1f} s")
-        receiver.result()
-    finally:
-        for task in (sender, receiver):
-            task.cancel()
-        call.cancel()
-        await asyncio.gather(sender, receiver, return_exceptions=True)

@@ -31,7 +31,8 @@ from meshd.inference.assignment import Assignment, StageSpec
 from meshd.inference.dataplane import DataPlane
 from meshd.inference.errors import InferenceError
 from meshd.inference.fencing import CommittedPlans
-from meshd.inference.origin import DEFAULT_PREFILL_CHUNK, FinalEvent, TokenEvent
+from meshd.inference.generation_events import FinalEvent, TokenEvent
+from meshd.inference.origin import DEFAULT_PREFILL_CHUNK
 from meshd.inference.sampling import SamplingParams, TokenSampler
 from meshd.inference.stage_events import prefill_steps
 from meshd.inference.transport import start_server

@@ -23,7 +23,8 @@ from meshd.inference.assignment import Assignment
 from meshd.inference.dataplane import DataPlane
 from meshd.inference.errors import InferenceError
 from meshd.inference.fencing import CommittedPlans
-from meshd.inference.origin import DEFAULT_PREFILL_CHUNK, TokenEvent
+from meshd.inference.generation_events import TokenEvent
+from meshd.inference.origin import DEFAULT_PREFILL_CHUNK
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.transport import start_server
 from meshd.mesh import security

@@ -6,7 +6,8 @@ mlx-lm's own ``shard(group)``, run by ``mx.distributed`` in runner processes the
 * :mod:`meshd.mesh.link_trust`: which links may carry the (unencrypted) collectives: the pure
   rule (it lives with the mesh, which publishes every link's verdict; re-exported here).
 * :mod:`.member`: the daemon's side: :class:`TensorParallelMember` (one rank's runner, the
-  async ``run``/``release`` API the data plane calls on rank 0) and :class:`RunnerSupervisor`.
+  async ``run``/``release`` API the data plane calls on rank 0) and :class:`RunnerSupervisor`;
+  :mod:`.runner_process`: the runner's process as the daemon spawns, kills and reaps it.
 * :mod:`.runner`: the runner process; :mod:`.sharding`: what a rank loads; :mod:`.wire`: frames.
 
 Importing this package does not import MLX (the runner and :mod:`.sharding` do).

@@ -24,25 +24,17 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
+from meshd.inference.tensor_parallel.runner_process import RunnerProcess
 from meshd.inference.tensor_parallel.spec import (
     TensorParallelSpec,
     TensorParallelUnsupported,
-    backend_files_and_env,
     check_tensor_parallel,
 )
 from meshd.inference.tensor_parallel.wire import (
@@ -55,12 +47,9 @@ from meshd.inference.tensor_parallel.wire import (
 
 log = logging.getLogger("meshd.tp")
 
-RUNNER_MODULE = "meshd.inference.tensor_parallel.runner"
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 5.0
 RUN_DEADLINE_MARGIN_S = 5.0
-REAP_WAIT_S = 0.05
-EXIT_CODE_WAIT_S = 1.0  # after its channel closed, how long a runner may take to be reaped
 STARTUP_MARGIN_S = 10.0
 
 
@@ -114,16 +103,13 @@ class TensorParallelMember:
         self._on_change = on_change  # told (on the loop) whenever state or error change
         self.spec = spec
         self.rank = rank
-        self._python = python
-        self._prefix = list(command_prefix)
-        self._env = dict(env or {})
         self._startup_timeout_s = startup_timeout_s
-        self._process: subprocess.Popen[bytes] | None = None
+        launcher = [*command_prefix, python]
+        self._runner = RunnerProcess(spec, rank, launcher, env or {}, startup_timeout_s)
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
-        self._folder: Path | None = None
         self.state = RunnerState.NEW
         self.error: str | None = None
         self.ready_info: dict[str, Any] = {}
@@ -133,11 +119,11 @@ class TensorParallelMember:
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+        return self._runner.pid
 
     @property
     def alive(self) -> bool:
-        return self._process is not None and self._process.poll() is None
+        return self._runner.alive
 
     async def start(self) -> None:
         """Start the runner and wait until its rank is loaded and the group formed (bounded by
@@ -150,7 +136,7 @@ class TensorParallelMember:
         self._changed()
         try:
             check_tensor_parallel(self.spec.model_dir, self.spec.size, self.spec.expert_ranges)
-            await self._spawn()
+            self._reader, self._writer = await self._runner.spawn()
             header = await self._first_frame()
         except TensorParallelUnsupported as error:
             self._fail(str(error))
@@ -165,7 +151,7 @@ class TensorParallelMember:
         self.ready_info = {k: v for k, v in header.items() if k != "type"}
         self.state = RunnerState.READY
         self._changed()
-        self._cleanup()  # the spec (with its token) and the hostfile were read at start-up
+        self._runner.cleanup()  # the spec (with its token) and the hostfile were read at start-up
         self._reader_task = asyncio.get_running_loop().create_task(
             self._read_replies(), name=f"tp-reader-{self.spec.name}-{self.rank}"
         )
@@ -177,48 +163,6 @@ class TensorParallelMember:
             time.monotonic() - self.started_at,
             self.ready_info.get("held_bytes"),
         )
-
-    async def _spawn(self) -> None:
-        self._folder = Path(tempfile.mkdtemp(prefix="meshd-tp-"))
-        os.chmod(self._folder, 0o700)
-        spec_path = self._folder / "spec.json"
-        _write_private(spec_path, self.spec.to_json())
-        files, env = backend_files_and_env(self.spec, self.rank)
-        for name, content in files.items():
-            path = self._folder / f"{name.lower()}.json"
-            _write_private(path, content)
-            env[name] = str(path)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        command = [
-            *self._prefix,
-            self._python,
-            "-m",
-            RUNNER_MODULE,
-            "--spec",
-            str(spec_path),
-            "--rank",
-            str(self.rank),
-            "--ipc-fd",
-            str(theirs.fileno()),
-            "--parent-pid",
-            str(os.getpid()),
-            "--startup-timeout",
-            str(self._startup_timeout_s),
-        ]
-        try:
-            self._process = subprocess.Popen(
-                command,
-                pass_fds=(theirs.fileno(),),
-                env={**os.environ, **self._env, **env},
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # a terminal's Ctrl-C is the daemon's to handle
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        self._reader, self._writer = await asyncio.open_unix_connection(sock=ours)
 
     async def _first_frame(self) -> dict[str, Any]:
         assert self._reader is not None
@@ -233,7 +177,7 @@ class TensorParallelMember:
                 f"{self.spec.name} rank {self.rank} was not ready within {wait_s:g} s"
             ) from None
         if frame is None:
-            code = await asyncio.to_thread(self._wait_exit, STOP_TIMEOUT_S)
+            code = await asyncio.to_thread(self._runner.wait_exit, STOP_TIMEOUT_S)
             raise TensorParallelError(
                 f"{self.spec.name} rank {self.rank}: the runner exited during start-up "
                 f"(exit code {code}); see its log lines above"
@@ -245,7 +189,7 @@ class TensorParallelMember:
         SIGKILL by PID after ``timeout_s``. Pending steps fail."""
         if self.state in (RunnerState.STOPPED, RunnerState.NEW):
             self.state = RunnerState.STOPPED
-            self._cleanup()
+            self._runner.cleanup()
             return
         if self.state is RunnerState.READY:
             self.state = RunnerState.STOPPED  # the runner's end-of-file is now expected
@@ -253,14 +197,14 @@ class TensorParallelMember:
             with contextlib.suppress(OSError, RuntimeError):
                 self._writer.write(encode_frame({"type": "stop"}))
                 await asyncio.wait_for(self._writer.drain(), timeout_s)
-        code = await asyncio.to_thread(self._wait_exit, timeout_s)
+        code = await asyncio.to_thread(self._runner.wait_exit, timeout_s)
         if code is None:
-            self._kill()
+            self._runner.kill()
         if self.state is not RunnerState.FAILED:
             self.state = RunnerState.STOPPED
         self._fail_pending(TensorParallelError(f"{self.spec.name} was stopped"))
         await self._close_channel()
-        self._cleanup()
+        self._runner.cleanup()
         self._changed()
 
     def abort(self, reason: str) -> None:
@@ -276,11 +220,11 @@ class TensorParallelMember:
     def _fail(self, reason: str) -> None:
         self.error = self.error or reason
         self.state = RunnerState.FAILED
-        self._kill()
+        self._runner.kill()
         self._fail_pending(TensorParallelError(f"{self.spec.name}: {self.error}"))
         if self._writer is not None:
             self._writer.close()
-        self._cleanup()
+        self._runner.cleanup()
         self._changed()
 
     def _changed(self) -> None:
@@ -289,26 +233,6 @@ class TensorParallelMember:
                 self._on_change()
             except Exception:  # a status hook must never break the runner's bookkeeping
                 log.exception("the runner status hook failed")
-
-    def _kill(self) -> None:
-        """SIGKILL by PID, then reap it without blocking the loop for more than a moment."""
-        process = self._process
-        if process is None or process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGKILL)
-        try:
-            process.wait(timeout=REAP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            threading.Thread(target=process.wait, name="tp-reaper", daemon=True).start()
-
-    def _wait_exit(self, timeout_s: float) -> int | None:
-        if self._process is None:
-            return None
-        try:
-            return self._process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
 
     async def _close_channel(self) -> None:
         if self._reader_task is not None and not self._reader_task.done():
@@ -319,11 +243,6 @@ class TensorParallelMember:
             self._writer.close()
             with contextlib.suppress(Exception):
                 await self._writer.wait_closed()
-
-    def _cleanup(self) -> None:
-        if self._folder is not None:
-            shutil.rmtree(self._folder, ignore_errors=True)
-            self._folder = None
 
     # ------------------------------------------------------------------ steps
 
@@ -455,20 +374,9 @@ class TensorParallelMember:
             reason = f"the runner's channel failed: {error}"
         reason = lost or reason
         if self.state is RunnerState.READY:
-            code = await self._exit_code_soon()
+            code = await self._runner.exit_code_soon()
             detail = f"{reason} (exit code {code})" if code is not None else reason
             self.abort(detail)
-
-    async def _exit_code_soon(self) -> int | None:
-        """The runner's exit code once its channel closed: the process may need a moment
-        after closing its end to be reaped (bounded; None when it is still running)."""
-        process = self._process
-        if process is None:
-            return None
-        try:
-            return await asyncio.to_thread(process.wait, EXIT_CODE_WAIT_S)
-        except subprocess.TimeoutExpired:
-            return None
 
     def _fail_pending(self, error: TensorParallelError) -> None:
         for future in self._pending.values():
@@ -495,12 +403,6 @@ class TensorParallelMember:
             "error": self.error,
             **{k: v for k, v in self.ready_info.items() if k in ("held_bytes", "load_s")},
         }
-
-
-def _write_private(path: Path, text: str) -> None:
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
-        handle.write(text)
 
 
 class RunnerSupervisor:

@@ -1,0 +1,64 @@
+"""What a client gets from a request it asks the mesh (:mod:`meshd.inference.origin`).
+
+Its own module because every side that speaks to clients reads these and nothing else of the
+origin: the router, the local gRPC service and the HTTP backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+FinishReason = Literal["stop", "length", "eos", "cancelled"]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token and the text it made visible (stop strings are never in it)."""
+
+    token_id: int
+    index: int
+    text: str
+    logits: np.ndarray | None = None  # the last stage's float32 logits (return_logits only)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Counts and timing of one request, measured at the origin."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float  # request sent -> first token received
+    decode_s: float  # first token -> last token
+    total_s: float
+    decode_compute_s: float  # compute on all stages for tokens after the first
+    seed: int
+    resumes: int = 0  # times the request moved to another plan and went on where it was
+    paused_s: float = 0.0  # what those moves added: interruption -> the next token, in total
+    plan_id: str = ""  # the plan that gave the last token
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.completion_tokens - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+    @property
+    def transport_s_per_token(self) -> float:
+        """Decode time per token not spent computing: hops, queues, serialization."""
+        steps = self.completion_tokens - 1
+        return (self.decode_s - self.decode_compute_s) / steps if steps > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    """The last event of a request that ended without an error. ``text`` is held-back text
+    flushed at the end (append it to the tokens' text)."""
+
+    finish_reason: FinishReason
+    usage: Usage
+    text: str = ""
+
+
+GenerationEvent = TokenEvent | FinalEvent

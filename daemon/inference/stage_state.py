@@ -1,0 +1,136 @@
+"""What a stage remembers of the plans it holds and their requests
+(:mod:`meshd.inference.stage_core`): a request's inputs and the step it expects, the steps
+it has handed out; a plan's position in the pipeline, its requests and its queue.
+
+Pure records, as the core that keeps them: no I/O, no clock, no MLX, asyncio or gRPC. The
+steps of a request follow the schedule the core's docstring describes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from meshd.inference.assignment import Assignment
+from meshd.inference.sampling import SamplingParams
+from meshd.inference.stage_admission import StartQueue
+from meshd.inference.stage_events import RequestStart, SamplerSetup, Work
+
+
+@dataclass(slots=True)
+class StepInput:
+    """The input of one step of a request, as it arrived (tokens, or the previous stage's
+    hidden states)."""
+
+    step: int
+    tokens: tuple[int, ...] | None = None
+    payload: object = None
+    upstream_s: float = 0.0
+    follows: bool = False  # a single stage's next step: its input is the token sampled before
+
+
+@dataclass(eq=False, slots=True)
+class StageRequest:
+    """One request open on this stage: where its steps stand and what waits to run."""
+
+    plan_id: str
+    request_id: str
+    origin: str
+    start: RequestStart
+    sampling: SamplingParams  # the Start's, validated
+    chunk_steps: int  # C: prompt chunks before the step that samples
+    last_activity: float
+    next_step: int = 0  # the step whose input this stage expects next
+    next_index: int = 0  # the index of the next generated token (sampled here / expected)
+    inputs: deque[StepInput] = field(default_factory=deque)
+    sampler_opened: bool = False
+    heads_out: int = 0  # steps handed out that sample a token
+    in_flight: int = 0  # steps on the compute thread (2 only for a following step)
+    queued: bool = False
+    ended: bool = False
+    reserved: int = 0  # KV tokens reserved at admission (first stage of a bounded plan)
+
+    def can_run(self) -> bool:
+        """A request's next step may start: its input is here, and its step before has
+        finished, or is the one whose token this step follows (a single stage)."""
+        if self.ended or not self.inputs:
+            return False
+        return self.in_flight == 0 or (self.in_flight == 1 and self.inputs[0].follows)
+
+    def work(self, plan: StagePlan, item: StepInput) -> Work:
+        """Hand out the step of ``item`` to the compute thread (on ``plan``'s stage here)."""
+        head = plan.is_last and item.step >= self.chunk_steps
+        if head and plan.is_first:
+            # A single stage samples the next step's input itself: the step that follows is
+            # ready now and waits right behind this one on the compute thread (as mlx-lm's
+            # generate_step computes one token ahead), unless this one gives the last token.
+            index = len(self.start.generated) + self.heads_out
+            if index + 1 < self.sampling.max_tokens:
+                self.inputs.append(StepInput(item.step + 1, follows=True))
+        self.heads_out += head
+        sampler = None
+        if head and not self.sampler_opened:
+            self.sampler_opened = True
+            start = self.start
+            sampler = SamplerSetup(
+                sampling=self.sampling,
+                context=start.prompt + start.generated,
+                draws=0 if self.sampling.greedy else len(start.generated),
+                return_logits=start.return_logits,
+            )
+        return Work(
+            plan.plan_id,
+            self.request_id,
+            item.step,
+            item.tokens,
+            item.payload,
+            head,
+            sampler,
+            item.upstream_s,
+            item.follows,
+            self.start.eos_ids if item.follows else frozenset(),
+        )
+
+    def forward_start(self) -> RequestStart:
+        """What the next stage gets of the Start: the tokens only where the last stage's
+        repetition penalty needs them."""
+        start = self.start
+        if self.sampling.repetition_penalty != 1.0:
+            return start
+        return RequestStart(
+            origin=start.origin,
+            prompt=(),
+            prompt_length=start.prompt_length,
+            sampling=start.sampling,
+            eos_ids=start.eos_ids,
+            prefill_chunk=start.prefill_chunk,
+            return_logits=start.return_logits,
+            generated=start.generated,
+        )
+
+
+@dataclass(eq=False, slots=True)
+class StagePlan:
+    """This node's stage of one installed plan (``index`` None: the plan holds none here)."""
+
+    assignment: Assignment
+    index: int | None
+    queue: StartQueue  # the Starts not admitted yet and the KV tokens reserved (first stage)
+    ready: bool = False
+    requests: dict[str, StageRequest] = field(default_factory=dict)
+    vocab_size: int = 0  # the model's token ids are 0 <= id < vocab_size (0: unknown)
+
+    @property
+    def plan_id(self) -> str:
+        return self.assignment.plan_id
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == len(self.assignment.stages) - 1
+
+    def node(self, index: int) -> str:
+        return self.assignment.stages[index].node_id
