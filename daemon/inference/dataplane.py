@@ -74,13 +74,9 @@ from meshd.inference.assignment import Assignment
 from meshd.inference.engine import StageEngine, StageKey
 from meshd.inference.errors import ErrorKind, InferenceError
 from meshd.inference.fencing import FenceCheck, ServedSource
+from meshd.inference.generation_events import GenerationEvent
 from meshd.inference.installed import InstalledPlan
-from meshd.inference.origin import (
-    DEFAULT_PREFILL_CHUNK,
-    DEFAULT_RESUME_TIMEOUT_S,
-    GenerationEvent,
-    Origin,
-)
+from meshd.inference.origin import DEFAULT_PREFILL_CHUNK, DEFAULT_RESUME_TIMEOUT_S, Origin
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.stage import StageRuntime
 from meshd.inference.tensor_parallel.engine import TensorParallelEngine
