@@ -422,7 +422,7 @@ def test_a_moved_boundary_reads_only_the_layers_a_node_gains(mesh: Mesh, model_d
 def test_a_model_folder_rewritten_gives_another_tokenizer_key(tmp_path: Path) -> None:
     """The tokenizer a re-plan reuses is the one of the same files: a rewritten tokenizer (or
     config) in the same folder is loaded again; the weights do not count."""
-    from meshd.inference.dataplane import _tokenizer_key
+    from meshd.inference.loaded_stages import _tokenizer_key
 
     (tmp_path / "tokenizer.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"x")

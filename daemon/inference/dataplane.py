@@ -9,11 +9,12 @@ asyncio thread already, iterate :meth:`DataPlane.generate` directly.
 
 The roles, one module each::
 
-    transport   persistent gRPC streams per node pair, Hello, routing of frames
-    origin      requests this node asks: validation, Start, Token -> events, stop strings
-    stage_core  the stage's decisions, pure: fencing, per-request state, order, what next
-    stage       runs the core: frames -> events, actions -> frames, steps -> compute thread
-    engine      the MLX side: a stage's layers, KV caches, samplers, activation codec
+    transport      persistent gRPC streams per node pair, Hello, routing of frames
+    origin         requests this node asks: validation, Start, Token -> events, stop strings
+    stage_core     the stage's decisions, pure: fencing, per-request state, order, what next
+    stage          runs the core: frames -> events, actions -> frames, steps -> compute thread
+    engine         the MLX side: a stage's layers, KV caches, samplers, activation codec
+    loaded_stages  what is loaded here and how a new load shares it: weights, tokenizer
 
 How a request flows (origin O holds the request; stages S0..Sn-1 hold the layers)::
 
@@ -41,7 +42,8 @@ How a request flows (origin O holds the request; stages S0..Sn-1 hold the layers
 
 Loading: a stage loads on the compute thread, so while a new plan loads, requests of a
 draining plan on the same node wait (MLX evaluations stay on one thread). A new plan whose
-stage on this node is identical to an installed one shares its weights instead.
+stage on this node is identical to an installed one shares its weights instead, and one that
+overlaps a loaded stage takes the layers they share (:mod:`meshd.inference.loaded_stages`).
 
 Tensor-parallel stages (:mod:`meshd.inference.tensor_parallel`): every member of the stage's
 group starts its rank's runner process when the plan is installed (:class:`RunnerSupervisor`,
@@ -64,9 +66,7 @@ import logging
 import resource
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
@@ -76,6 +76,7 @@ from meshd.inference.errors import ErrorKind, InferenceError
 from meshd.inference.fencing import FenceCheck, ServedSource
 from meshd.inference.generation_events import GenerationEvent
 from meshd.inference.installed import InstalledPlan
+from meshd.inference.loaded_stages import LoadedStages, StageLoads
 from meshd.inference.origin import DEFAULT_PREFILL_CHUNK, DEFAULT_RESUME_TIMEOUT_S, Origin
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.stage import StageRuntime
@@ -87,12 +88,7 @@ from meshd.runtime.compute import ComputeExecutor
 from meshd.runtime.lazy_imports import import_model_runtime
 from meshd.wire import dataplane_pb2 as dp
 
-if TYPE_CHECKING:  # the stage model imports mlx-lm: only where a stage is loaded
-    from meshd.inference.stage_model import StageModel
-
 log = logging.getLogger("meshd.dataplane")
-
-SPARE_KEEP_S = 20.0  # how long an uninstalled plan's stage waits for a plan to take it over
 
 
 class DataPlaneError(RuntimeError):
@@ -160,12 +156,7 @@ class DataPlane:
         )
         self.runners = runners or RunnerSupervisor(node_id)
         self.runners.set_on_change(self._publish_runners)
-        # How this node moved between plans (`meshd status`): replaced whole after each load,
-        # read from the trio thread.
-        self.loads = StageLoads()
-        self._spare: tuple[StageModel, Path] | None = None  # see _keep_spare
-        self._tokenizer_cache: tuple[tuple[Any, ...], tuple[Any, dict[str, Any]]] | None = None
-        self._spare_timer: asyncio.TimerHandle | None = None
+        self.loaded_stages = LoadedStages(node_id, self._plans, self._compute)
         # What `meshd status` shows of this node's runners: replaced whole on every change,
         # read from the trio thread (never mutated once published).
         self.runner_status: tuple[dict[str, Any], ...] = ()
@@ -188,6 +179,11 @@ class DataPlane:
     @property
     def frames_sent(self) -> int:
         return self.transport.frames_sent
+
+    @property
+    def loads(self) -> StageLoads:
+        """How this node moved between plans: what its stage loads read or kept."""
+        return self.loaded_stages.loads
 
     # ---------------------------------------------------------------- plans
 
@@ -231,11 +227,11 @@ class DataPlane:
         try:
             # One thread imports mlx_lm before two threads use it (meshd.runtime.lazy_imports).
             await asyncio.to_thread(import_model_runtime)
-            loading = [self._tokenizer_for(assignment.model_dir)]
+            loading = [self.loaded_stages.tokenizer_for(assignment.model_dir)]
             if tensor_parallel is not None:
                 loading.append(self._start_runner(tensor_parallel, plan.engine))
             elif plan.engine is not None:
-                loading.append(self._load_engine(plan.engine))
+                loading.append(self.loaded_stages.load_engine(plan.engine))
             outcomes = await asyncio.gather(*loading, return_exceptions=True)
             failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
             if failed is not None:
@@ -258,18 +254,6 @@ class DataPlane:
             len(assignment.stages),
         )
 
-    async def _tokenizer_for(self, model_dir: Path) -> tuple[Any, dict[str, Any]]:
-        """The model's tokenizer and config: the last plan's when it ran the same files (a
-        re-plan, a resume after a lost node), else loaded (0.3-1 s for SmolLM2's here: the
-        longest part of installing a plan whose layers are mostly kept). mlx-lm's wrapper is
-        shared safely: each request streams through its own copy of the detokenizer."""
-        key = await asyncio.to_thread(_tokenizer_key, model_dir)
-        if self._tokenizer_cache is not None and self._tokenizer_cache[0] == key:
-            return self._tokenizer_cache[1]
-        loaded = await asyncio.to_thread(_load_tokenizer, model_dir)
-        self._tokenizer_cache = (key, loaded)
-        return loaded
-
     def _new_plan(self, assignment: Assignment, loop: asyncio.AbstractEventLoop) -> InstalledPlan:
         index = assignment.stage_index(self.node_id)
         engine = None
@@ -290,116 +274,11 @@ class DataPlane:
         ready.add_done_callback(_retrieve_exception)
         return InstalledPlan(assignment, index, engine, ready)
 
-    async def _load_engine(self, engine: StageEngine) -> None:
-        """Load on the compute thread, sharing weights with an installed identical stage."""
-        twin = next(
-            (
-                p.engine
-                for p in self._plans.values()
-                if p.engine is not None
-                and p.engine is not engine
-                and p.engine.key == engine.key
-                and not isinstance(p.engine, TensorParallelEngine)  # its weights are elsewhere
-            ),
-            None,
-        )
-        # The stage a just-uninstalled plan left (see uninstall) serves this load or none:
-        # either way this node stops holding it now.
-        spare, self._spare = self._spare, None
-        donors = [] if twin is not None else self._donor_for(engine.key, spare)
-        del spare
-        await self._compute.run(_load_sharing, engine, twin, donors)
-        layers = engine.key.layer_end - engine.key.layer_start
-        done = self.loads
-        if twin is not None:
-            self.loads = replace(done, layers_kept=done.layers_kept + layers)
-        else:
-            assert engine.stage is not None
-            kept, kept_bytes = engine.stage.adopted_layers, engine.stage.adopted_bytes
-            self.loads = replace(
-                done,
-                stage_loads=done.stage_loads + 1,
-                layers_loaded=done.layers_loaded + layers - kept,
-                bytes_loaded=done.bytes_loaded + engine.weight_bytes - kept_bytes,
-                layers_kept=done.layers_kept + kept,
-            )
-
-    def _pipeline_engines(self) -> list[tuple[str, StageEngine]]:
-        """(plan id, engine) of the installed plans with a pipeline stage here: the stages
-        whose weights this process holds (a tensor-parallel stage's live in its runners)."""
-        return [
-            (plan_id, plan.engine)
-            for plan_id, plan in self._plans.items()
-            if plan.engine is not None and not isinstance(plan.engine, TensorParallelEngine)
-        ]
-
-    def _donor_for(self, key: StageKey, spare: tuple[StageModel, Path] | None) -> list[StageModel]:
-        """The loaded stage of the same model that shares the most layers with ``key`` (an
-        installed plan's, or ``spare``, the one an uninstalled plan left), as a one-element
-        list for load_stage to take its common layers from (empty: none shares any)."""
-        candidates = [
-            (engine.stage, engine.key.model_dir)
-            for _, engine in self._pipeline_engines()
-            if engine.stage is not None
-        ]
-        if spare is not None:
-            candidates.append(spare)
-        best_common, best = 0, None
-        for stage, model_dir in candidates:
-            if model_dir != key.model_dir:
-                continue
-            common = min(key.layer_end, stage.layer_end) - max(key.layer_start, stage.layer_start)
-            if common > best_common:
-                best_common, best = common, stage
-        return [best] if best is not None else []
-
     def stages_to_free_for(self, assignment: Assignment) -> list[str]:
-        """Installed plans whose stage here holds layers ``assignment``'s stage here does not
-        run: loading the new stage next to them holds the old and the new weights at once.
-
-        Plans with the same stage, or one that contains the new stage whole (it adopts them
-        all, reading nothing), are not in the way; nor are tensor-parallel stages (their
-        weights live in runner processes) or plans of another model.
-        """
-        index = assignment.stage_index(self.node_id)
-        if index is None or assignment.stages[index].tensor_parallel:
-            return []
-        spec = assignment.stages[index]
-        in_the_way = []
-        for plan_id, engine in self._pipeline_engines():
-            if plan_id == assignment.plan_id or engine.key.model_dir != assignment.model_dir:
-                continue
-            key = engine.key
-            contains = (
-                key.layer_start <= spec.layer_start
-                and spec.layer_end <= key.layer_end
-                and (key.has_embedding or not spec.has_embedding)
-                and (key.has_head or not spec.has_head)
-            )
-            if not contains:
-                in_the_way.append(plan_id)
-        return in_the_way
-
-    def _keep_spare(self, plan: InstalledPlan) -> None:
-        """An uninstalled plan's loaded stage stays (briefly) for the next plan to take its
-        layers from: a lost member withdraws a plan a moment before the next one commits.
-
-        Not when another installed plan still runs a stage here: that plan was loaded (it
-        took what it shares already), and the spare would only hold memory the budget does
-        not count."""
-        engine = plan.engine
-        if engine is None or engine.stage is None or isinstance(engine, TensorParallelEngine):
-            return
-        if self._pipeline_engines():
-            return
-        self._spare = (engine.stage, engine.key.model_dir)
-        if self._spare_timer is not None:
-            self._spare_timer.cancel()
-        self._spare_timer = asyncio.get_running_loop().call_later(SPARE_KEEP_S, self._drop_spare)
-
-    def _drop_spare(self) -> None:
-        self._spare = None
-        self._spare_timer = None
+        """Installed plans whose stage here would hold its weights next to ``assignment``'s
+        (the installer frees them first when memory is short): see
+        :meth:`LoadedStages.stages_to_free_for`."""
+        return self.loaded_stages.stages_to_free_for(assignment)
 
     async def _start_runner(self, spec: TensorParallelSpec, engine: StageEngine | None) -> None:
         """Start this node's rank of a tensor-parallel stage; rank 0's engine runs on it.
@@ -444,7 +323,7 @@ class DataPlane:
         lost; the mesh is re-planning, retry"), its caches and weights are released."""
         plan = self._plans.pop(plan_id, None)
         if plan is not None:
-            self._keep_spare(plan)
+            self.loaded_stages.keep_spare(plan)
         self.origin.on_plan_removed(plan_id, reason)
         # The stage's requests end first (remove_plan's first, synchronous part), then the
         # runners stop, which also ends a step the compute thread may be waiting on.
@@ -637,9 +516,7 @@ class DataPlane:
             return
         for plan_id in list(self._plans):
             await self.uninstall(plan_id, f"node {self.node_id} is shutting down")
-        if self._spare_timer is not None:
-            self._spare_timer.cancel()
-        self._drop_spare()
+        self.loaded_stages.close()
         self._closed = True
         await self.runners.close()
         await self.stage.close()
@@ -648,49 +525,10 @@ class DataPlane:
             await self._compute.close()
 
 
-@dataclass(frozen=True)
-class StageLoads:
-    """Stages this node built since it started, and what they read or kept (a stage whose
-    layers an installed plan already holds adopts them: nothing is read again)."""
-
-    stage_loads: int = 0
-    layers_loaded: int = 0
-    bytes_loaded: int = 0
-    layers_kept: int = 0
-
-
-def _load_sharing(engine: StageEngine, twin: StageEngine | None, donors: list[StageModel]) -> None:
-    """Compute thread: load ``engine``, adopting ``twin``'s weights when it has them, else
-    taking the layers it shares with ``donors`` (emptied by the load)."""
-    engine.load(twin.stage if twin is not None else None, donors)
-
-
 def _retrieve_exception(future: asyncio.Future[Any]) -> None:
     """Mark a future's exception as seen (it is reported where it is awaited)."""
     if not future.cancelled():
         future.exception()
-
-
-def _load_tokenizer(model_dir: Path) -> tuple[Any, dict[str, Any]]:
-    """mlx-lm's tokenizer wrapper (with the config's EOS ids, as mlx_lm.load does) + config."""
-    from mlx_lm.utils import load_config, load_tokenizer
-
-    config = load_config(model_dir)
-    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
-    return tokenizer, config
-
-
-def _tokenizer_key(model_dir: Path) -> tuple[Any, ...]:
-    """What identifies the tokenizer a model folder gives: the folder and the name, size and
-    modification time of every file in it but the weights (a folder rewritten with another
-    model's files gets another key)."""
-    files = []
-    for path in sorted(Path(model_dir).iterdir()):
-        if path.suffix == ".safetensors" or not path.is_file():
-            continue
-        stat = path.stat()
-        files.append((path.name, stat.st_size, stat.st_mtime_ns))
-    return (str(Path(model_dir).resolve()), tuple(files))
 
 
 def _peak_rss_bytes() -> int:
