@@ -271,9 +271,12 @@ class Single:
     s_per_token: float
     tokens: int
     load: float
+    transport_s_per_token: float | None = None  # the daemons' own measure (final event)
 
 
-def single_of(runs: list[tuple[float, list[float]]], load: float) -> Single:
+def single_of(
+    runs: list[tuple[float, list[float]]], load: float, transport: list[float] | None = None
+) -> Single:
     import statistics
 
     per_token = [(t[-1] - t[0]) / (len(t) - 1) for _, t in runs if len(t) > 1]
@@ -282,6 +285,7 @@ def single_of(runs: list[tuple[float, list[float]]], load: float) -> Single:
         statistics.median(per_token),
         round(statistics.median(len(t) for _, t in runs)),
         load,
+        statistics.median(transport) if transport else None,
     )
 
 
@@ -307,15 +311,18 @@ def mesh_single(api: str, runs: int, max_tokens: int) -> Single:
     )
     load = os.getloadavg()[0]
     results = []
+    transport = []
     for run in range(runs + 1):
         started = time.perf_counter()
         times = []
         for event in client.stream_generation(api, request, timeout_s=300):
             if event.HasField("text"):
                 times.append(time.perf_counter())
+            elif event.HasField("done") and run:
+                transport.append(event.done.transport_s_per_token)
         if run and times:
             results.append((times[0] - started, times))
-    return single_of(results, load)
+    return single_of(results, load, transport)
 
 
 def netns_mesh_single(root: Path, model: Path, cpus: list[str], runs: int, max_tokens: int):
@@ -402,16 +409,25 @@ def scaling_table(runs: int, max_tokens: int) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\none request, {max_tokens} greedy tokens, medians of {runs} runs; {cores} cores")
-    print(f"{'runner':<40} {'tok/s':>7} {'vs mlx-lm':>9} {'TTFT ms':>8} {'hop ms':>7} {'load':>5}")
-    one_node = rows[1][1].s_per_token
+    print(f"{'runner':<40} {'tok/s':>7} {'vs mlx-lm':>9} {'TTFT ms':>8} {'hop ms':>7} "
+          f"{'other ms':>8} {'hop ms':>7} {'load':>5}")  # fmt: skip
+    one_node = rows[1][1]
     for label, row, base, nodes in rows:
         versus = f"{base.s_per_token / row.s_per_token:9.2f}" if base else f"{1.0:9.2f}"
-        hop = ""
+        hop = measured = other = ""
+        if row.transport_s_per_token is not None:
+            other = f"{row.transport_s_per_token * 1e3:8.2f}"
         if nodes > 1:
-            hop = f"{(row.s_per_token - one_node) / nodes * 1e3:7.2f}"
+            hop = f"{(row.s_per_token - one_node.s_per_token) / nodes * 1e3:7.2f}"
+            if row.transport_s_per_token is not None and one_node.transport_s_per_token is not None:
+                extra = row.transport_s_per_token - one_node.transport_s_per_token
+                measured = f"{extra / nodes * 1e3:7.2f}"
         print(f"{label:<40} {1 / row.s_per_token:7.2f} {versus} {row.ttft_s * 1e3:8.0f} "
-              f"{hop:>7} {row.load:5.2f}")  # fmt: skip
-    print("hop ms: (s/token with k pinned nodes - s/token with 1 node) / k hops per token")
+              f"{hop:>7} {other:>8} {measured:>7} {row.load:5.2f}")  # fmt: skip
+    print("hop ms (first): (s/token with k pinned nodes - s/token with 1 node) / k hops per token")
+    print("other ms: the daemons' own measure of decode time per token not spent computing")
+    print("hop ms (second): (other ms with k pinned nodes - other ms with 1 node) / k; it does not")
+    print("move with the speed of the cores the stages compute on, which the first one does")
     return 0
 
 

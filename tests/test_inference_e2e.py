@@ -96,6 +96,10 @@ def test_three_hosts_answer_paris(mesh_of_three) -> None:
     assert "Paris" in text, text
     assert done.finish_reason in ("eos", "stop") and done.completion_tokens > 0
     assert done.plan_id == status.agreement.active_plan_id
+    # The part of each token's time not spent computing (three hops here): more than nothing,
+    # less than the whole.
+    assert done.completion_tokens > 1
+    assert 0 < done.transport_s_per_token < 1 / done.decode_tokens_per_s, done
 
 
 def test_same_seed_same_text_on_any_node(mesh_of_three) -> None:

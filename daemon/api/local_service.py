@@ -143,6 +143,7 @@ class LocalService(rpc.LocalServicer):
                         seed=usage.seed,
                         resumes=usage.resumes,
                         paused_s=usage.paused_s,
+                        transport_s_per_token=usage.transport_s_per_token,
                     )
                 )
         except InferenceError as exc:

@@ -322,7 +322,8 @@ def _outcome(final: FinalEvent) -> str:
     usage = final.usage
     return (
         f"finished ({final.finish_reason}): {usage.completion_tokens} tokens, "
-        f"{usage.decode_tokens_per_s:.1f} tokens/s, first token {usage.ttft_s * 1e3:.0f} ms, "
+        f"{usage.decode_tokens_per_s:.1f} tokens/s ({usage.transport_s_per_token * 1e3:.2f} ms "
+        f"of each not computing), first token {usage.ttft_s * 1e3:.0f} ms, "
         f"{usage.total_s:.2f} s in all"
     )
 

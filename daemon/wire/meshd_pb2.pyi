@@ -594,7 +594,7 @@ class ChatRequest(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., model: _Optional[str] = ..., plan_id: _Optional[str] = ...) -> None: ...
 
 class GenerationDone(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "ttft_s", "decode_tokens_per_s", "total_s", "plan_id", "model", "seed", "resumes", "paused_s")
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "ttft_s", "decode_tokens_per_s", "total_s", "plan_id", "model", "seed", "resumes", "paused_s", "transport_s_per_token")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -606,6 +606,7 @@ class GenerationDone(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     RESUMES_FIELD_NUMBER: _ClassVar[int]
     PAUSED_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
@@ -617,7 +618,8 @@ class GenerationDone(_message.Message):
     seed: int
     resumes: int
     paused_s: float
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., plan_id: _Optional[str] = ..., model: _Optional[str] = ..., seed: _Optional[int] = ..., resumes: _Optional[int] = ..., paused_s: _Optional[float] = ...) -> None: ...
+    transport_s_per_token: float
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., plan_id: _Optional[str] = ..., model: _Optional[str] = ..., seed: _Optional[int] = ..., resumes: _Optional[int] = ..., paused_s: _Optional[float] = ..., transport_s_per_token: _Optional[float] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("text", "done", "token")
