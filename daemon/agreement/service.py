@@ -258,9 +258,6 @@ class PlanAgreement:
         self._outbox_ready: dict[str, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
         self.changes = Publisher[PlanChange]("agreement")
-        # Synchronous callbacks, only for meshd.inference.serving until it subscribes to
-        # `changes` (the data-plane split); nothing else may add one.
-        self.listeners: list[Callable[[PlanChange], None]] = []
         self.last_refusal = ""
         self.commits = 0  # commits that changed the active plan id (a new layout)
         self.recommits = 0  # commits of the plan id already active (newer inputs, same layout)
@@ -425,8 +422,6 @@ class PlanAgreement:
 
     def _notify(self, change: PlanChange) -> None:
         self.changes.publish(change)
-        for listener in self.listeners:
-            listener(change)
 
     def _post(self, peer: str, message: ag.ProposalMessage) -> None:
         self._outbox[peer] = message
