@@ -72,10 +72,15 @@ def eos_ids(model_dir: Path) -> frozenset[int]:
     return frozenset(eos if isinstance(eos, list) else [eos])
 
 
-def batched_rows(mesh: Mesh, plan_id: str) -> dict[str, int]:
+def batched_rows(mesh: Mesh, plan_id: str, field: str = "batched_rows") -> dict[str, int]:
+    """Per node, the plan's stage's decode rows that ran batched (or, with ``field`` =
+    "batched_steps", the batched forward passes they ran in)."""
+
     async def read() -> dict[str, int]:
         return {
-            node_id: sum(p.batched_rows for p in node.plane.stats().plans if p.plan_id == plan_id)
+            node_id: sum(
+                getattr(p, field) for p in node.plane.stats().plans if p.plan_id == plan_id
+            )
             for node_id, node in mesh.nodes.items()
         }
 
@@ -99,13 +104,19 @@ def run_concurrently(
     return results
 
 
+@pytest.mark.parametrize("min_rows", [8, 4], ids=["one-batch", "two-micro-batches"])
 def test_eight_smollm2_requests_decode_together_as_each_would_alone(
-    mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
+    mesh: Mesh, tmp_path_factory: pytest.TempPathFactory, monkeypatch, min_rows: int
 ) -> None:
     """8 concurrent greedy requests of different lengths on 2 stages: each one's text is the
     text one mlx-lm process generates for it alone, its logits within LOGIT_BOUND; and they
-    did decode together (the stages ran batched steps)."""
+    did decode together (the stages ran batched steps). As one batch (8 rows are too few to
+    cut), and cut by the first stage into two micro-batches (at most 4 rows a pass) when the
+    fewest rows a micro-batch may have is 4."""
+    from meshd.inference import stage
     from meshd.models.store import ModelStore
+
+    monkeypatch.setattr(stage, "MIN_MICRO_BATCH_ROWS", min_rows)
 
     entry = ModelStore(tmp_path_factory.mktemp("store")).ensure_default()
     questions = [
@@ -128,7 +139,10 @@ def test_eight_smollm2_requests_decode_together_as_each_would_alone(
         params = [SamplingParams(max_tokens=8)] * len(prompts)
         results = run_concurrently(mesh, plan_id, prompts, params, return_logits=True)
         rows = batched_rows(mesh, plan_id)
+        passes = batched_rows(mesh, plan_id, "batched_steps")
     assert rows["n1"] > 0 and rows["n2"] > 0, f"no step ran batched: {rows}"
+    if stage.micro_batches(2, 8) == 2:  # no pass of more than 4 rows on either stage
+        assert rows["n1"] <= 4 * passes["n1"] and rows["n2"] <= 4 * passes["n2"], (rows, passes)
     worst = 0.0
     model, _ = load_model(entry.path)
     for prompt, (events, outcome) in zip(prompts, results, strict=True):
@@ -215,3 +229,15 @@ def test_every_architecture_decodes_batched_as_alone(tmp_path: Path, arch: str) 
     for rid in ids:
         batched.release(rid)
     assert len(batched) == 0 and batched.groups == 0
+
+
+def test_the_first_stage_cuts_only_batches_with_enough_rows_per_micro_batch() -> None:
+    """A micro-batch has at least MIN_MICRO_BATCH_ROWS rows (fewer would read every weight
+    again for nothing), and there are never more micro-batches than stages."""
+    from meshd.inference.stage import MIN_MICRO_BATCH_ROWS, micro_batches
+
+    rows = MIN_MICRO_BATCH_ROWS
+    assert [micro_batches(2, n) for n in (0, 1, rows - 1, rows, 2 * rows - 1)] == [1] * 5
+    assert micro_batches(2, 2 * rows) == 2 and micro_batches(2, 64 * rows) == 2
+    assert micro_batches(3, 2 * rows) == 2 and micro_batches(3, 3 * rows) == 3
+    assert micro_batches(1, 64 * rows) == 1

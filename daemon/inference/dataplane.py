@@ -502,6 +502,7 @@ class DataPlane:
                     open_requests=self.stage.caches_held(plan.plan_id),
                     origin_requests=self.origin.count(plan.plan_id),
                     batched_rows=plan.engine.batched_rows if plan.engine else 0,
+                    batched_steps=plan.engine.batched_steps if plan.engine else 0,
                     queued_requests=self.stage.core.queued_requests(plan.plan_id),
                     reserved_tokens=self.stage.core.reserved_tokens(plan.plan_id),
                     budget_tokens=plan.assignment.kv_budget_tokens,

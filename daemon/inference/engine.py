@@ -136,6 +136,7 @@ class StageEngine:
     _caches: RequestCaches | None = None
     _samplers: dict[str, _SamplerState] = field(default_factory=dict)
     batched_rows: int = 0  # decode steps run batched with other requests' (read in stats)
+    batched_steps: int = 0  # forward passes those rows ran in (rows / steps: the mean batch)
 
     def load(
         self, shared: StageModel | None = None, donors: list[StageModel] | None = None
@@ -196,6 +197,7 @@ class StageEngine:
         output = self.stage.run(batch, cache, logits="last" if head else "none")
         mx.eval(output)
         self.batched_rows += len(order)
+        self.batched_steps += 1
         return order, output
 
     @property

@@ -160,7 +160,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PlanStats(_message.Message):
-    __slots__ = ("plan_id", "stage_index", "layer_start", "layer_end", "weight_bytes", "open_requests", "origin_requests", "batched_rows", "queued_requests", "reserved_tokens", "budget_tokens", "queue_limit")
+    __slots__ = ("plan_id", "stage_index", "layer_start", "layer_end", "weight_bytes", "open_requests", "origin_requests", "batched_rows", "queued_requests", "reserved_tokens", "budget_tokens", "queue_limit", "batched_steps")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class PlanStats(_message.Message):
     RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_STEPS_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     stage_index: int
     layer_start: int
@@ -185,7 +186,8 @@ class PlanStats(_message.Message):
     reserved_tokens: int
     budget_tokens: int
     queue_limit: int
-    def __init__(self, plan_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., open_requests: _Optional[int] = ..., origin_requests: _Optional[int] = ..., batched_rows: _Optional[int] = ..., queued_requests: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., budget_tokens: _Optional[int] = ..., queue_limit: _Optional[int] = ...) -> None: ...
+    batched_steps: int
+    def __init__(self, plan_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., open_requests: _Optional[int] = ..., origin_requests: _Optional[int] = ..., batched_rows: _Optional[int] = ..., queued_requests: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., budget_tokens: _Optional[int] = ..., queue_limit: _Optional[int] = ..., batched_steps: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("node_id", "plans", "rss_bytes", "peak_rss_bytes", "frames_received", "frames_sent")
