@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,6 +44,7 @@ from meshd.mesh.profiling import load_or_measure_profile
 from meshd.models.store import ModelStore
 from meshd.wire import pb
 from tests.netns import Mesh, cleanup_stale, require_root_and_netns
+from tests.support.cpu_load import busy_core
 from tests.support.settled_mesh import namespaced_daemons
 
 STORY = "Write a long story about a lighthouse keeper and a storm."
@@ -224,6 +224,18 @@ def disturbance_round(kind: str, root: Path, token: str, profile: Path, model: P
                 daemon.kill()
 
 
+def short_request(daemon: DaemonProcess) -> str:
+    """A 4-token request; why it failed, or "" when it ended with its final event."""
+    request = pb.GenerateRequest(prompt="hello", sampling=pb.Sampling(max_tokens=4))
+    try:
+        events = list(client.stream_generation(daemon.api, request, 60))
+    except client.GenerationFailed as error:
+        return str(error)[:200]
+    if events and events[-1].HasField("done"):
+        return ""
+    return "the stream ended without a final event"
+
+
 def churn_round(
     seconds: float, nodes: int, root: Path, token: str, profile: Path, model: Path
 ) -> dict:
@@ -232,26 +244,17 @@ def churn_round(
     nodes, for ``seconds``: the plans committed after the first, and the failed requests."""
     with Mesh(nodes) as mesh:
         daemons = start(mesh, root / "static", token, profile, model, 5)
-        burner = None
         try:
             before = [len(commits_in(d)) for d in daemons]
-            deadline = time.monotonic() + seconds
-            spin = f"import time\nend = time.monotonic() + {seconds + 5}\n"
-            spin += "while time.monotonic() < end: pass"
-            burner = subprocess.Popen([sys.executable, "-c", spin])
             answered, failures = 0, []
-            while time.monotonic() < deadline:
-                request = pb.GenerateRequest(prompt="hello", sampling=pb.Sampling(max_tokens=4))
-                try:
-                    events = list(
-                        client.stream_generation(daemons[answered % nodes].api, request, 60)
-                    )
-                    if not events or not events[-1].HasField("done"):
-                        failures.append("the stream ended without a final event")
-                except client.GenerationFailed as error:
-                    failures.append(str(error)[:200])
-                answered += 1
-                time.sleep(2.0)
+            with busy_core(seconds):
+                deadline = time.monotonic() + seconds
+                while time.monotonic() < deadline:
+                    failure = short_request(daemons[answered % nodes])
+                    if failure:
+                        failures.append(failure)
+                    answered += 1
+                    time.sleep(2.0)
             after = [commits_in(d) for d in daemons]
             extra = [len(a) - b for a, b in zip(after, before, strict=True)]
             return {
@@ -265,16 +268,13 @@ def churn_round(
                 "failures": failures[:5],
             }
         finally:
-            if burner is not None:
-                burner.kill()
-                burner.wait(10)
             for daemon in daemons:
                 daemon.kill()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--static-s", type=float, default=120.0)
+    parser.add_argument("--static-s", type=float, default=300.0)
     parser.add_argument("--static-nodes", type=int, default=4)
     parser.add_argument("--skip", nargs="*", default=[], choices=["kill", "term", "churn"])
     parser.add_argument("--label", default="this tree")

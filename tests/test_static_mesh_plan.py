@@ -13,14 +13,13 @@ issue's 5 s probes over minutes.)
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from meshd.api import client
 from meshd.api.launcher import DaemonProcess
 from meshd.wire import pb
+from tests.support.cpu_load import busy_core
 
 OBSERVE_S = 30.0
 COMMITTED = re.compile(r"committed plan ([0-9a-f]{12})")
@@ -46,9 +45,8 @@ def test_a_static_loaded_mesh_commits_no_new_plan(
         )
     plan_id = nodes[0].status().agreement.active_plan_id
     before = [commits(node) for node in nodes]
-    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     answered = 0
-    try:
+    with busy_core(OBSERVE_S):
         deadline = time.monotonic() + OBSERVE_S
         while time.monotonic() < deadline:
             request = pb.GenerateRequest(prompt="hello", sampling=pb.Sampling(max_tokens=2))
@@ -56,9 +54,6 @@ def test_a_static_loaded_mesh_commits_no_new_plan(
             assert events[-1].HasField("done"), events
             answered += 1
             time.sleep(0.5)
-    finally:
-        burner.kill()
-        burner.wait(10)
     after = [commits(node) for node in nodes]
     new = [a[len(b) :] for a, b in zip(after, before, strict=True)]
     assert all(len(extra) <= 1 for extra in new), f"plans committed on a static mesh: {new}"
