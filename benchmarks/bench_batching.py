@@ -1,16 +1,18 @@
 """Continuous batching, measured on the product: real `meshd run` daemons vs one mlx-lm process.
 
-Two loopback daemons (`--strategy memory`: the embedded SmolLM2-135M-Instruct split in two
-stages), each pinned to its own core with taskset to stand in for two machines, serve N
-concurrent streaming chat requests over the OpenAI HTTP API (greedy, ``--max-tokens``
-each). The reference is one mlx-lm process pinned to the same cores, decoding the same
-prompts with mlx-lm's own ``BatchGenerator`` (continuous batching in one process). For each
-N: aggregate tokens/s (all completion tokens / wall time from the first request sent to the
-last token), p50/p99 time to first token, p50/p99 inter-token latency (time between two
-streamed chunks of one request), and the load average when the row started (this machine is
-shared: read the numbers with it).
+Two loopback daemons (the embedded SmolLM2-135M-Instruct split in two stages: by memory, 15/15
+layers, or with ``--strategy speed`` by the product's default strategy forced to a pipeline,
+19/11, since the last stage also runs the head), each pinned to its own core with taskset to
+stand in for two machines, serve N concurrent streaming chat requests over the OpenAI HTTP API
+(greedy, ``--max-tokens`` each). The reference is one mlx-lm process pinned to the same cores,
+decoding the same prompts with mlx-lm's own ``BatchGenerator`` (continuous batching in one
+process). For each N: aggregate tokens/s (all completion tokens / wall time from the first
+request sent to the last token), p50/p99 time to first token, p50/p99 inter-token latency (time
+between two streamed chunks of one request), and the load average when the row started (this
+machine is shared: read the numbers with it).
 
     .venv/bin/python benchmarks/bench_batching.py [--concurrency 1 4 8 16] [--max-tokens 64]
+        [--strategy memory|speed]
 
 Daemons announce on 127.0.0.1 only and talk over loopback; everything they create is in a
 temporary directory removed at the end, and they are killed by PID.
