@@ -26,7 +26,8 @@ class Layout:
 
 @dataclass(frozen=True)
 class Score:
-    """Predicted decode timing of a layout (see partitioner.cost for the definitions)."""
+    """Predicted decode timing of a layout (see partitioner.cost for the definitions):
+    time_per_token_s under `concurrency`, and one sequence alone (decode_s, stage_s, hops_s)."""
 
     time_per_token_s: float
     decode_s: float
@@ -52,37 +53,54 @@ class Evaluator:
         found = self.route(src, dst, payload_bytes)
         return math.inf if found is None else found.seconds
 
-    def activation_hop_s(self, src: Unit, dst: Unit) -> float:
-        return self.hop_s(src, dst, self.cost.hidden_bytes)
+    def activation_hop_s(self, src: Unit, dst: Unit, rows: int = 1) -> float:
+        return self.hop_s(src, dst, rows * self.cost.hidden_bytes)
 
-    def ring_hops_s(self, units: tuple[Unit, ...]) -> float:
-        """Forward hops with one hidden state each, plus the token back to the first stage."""
+    def ring_hops_s(self, units: tuple[Unit, ...], rows: int | None = None) -> float:
+        """Forward hops with the hidden states of one micro-batch (``rows`` sequences; by
+        default the rows a decode step of `concurrency` sequences has on this many stages),
+        plus their tokens back to the first stage."""
         if len(units) < 2:
             return 0.0
-        total = sum(self.activation_hop_s(units[i], units[i + 1]) for i in range(len(units) - 1))
-        return total + self.hop_s(units[-1], units[0], TOKEN_BYTES)
+        if rows is None:
+            rows = self.cost.step_rows(len(units))
+        total = sum(
+            self.activation_hop_s(units[i], units[i + 1], rows) for i in range(len(units) - 1)
+        )
+        return total + self.hop_s(units[-1], units[0], rows * TOKEN_BYTES)
 
-    def stage_s(self, layout: Layout) -> tuple[float, ...]:
+    def stage_s(self, layout: Layout, rows: int | None = None) -> tuple[float, ...]:
+        """Each stage's decode step of ``rows`` sequences (by default: of one micro-batch of
+        `concurrency` sequences on this many stages)."""
+        if rows is None:
+            rows = self.cost.step_rows(len(layout.units))
         last = len(layout.units) - 1
         return tuple(
-            self.cost.stage_decode_s(unit, start, end, last=index == last)
+            self.cost.stage_step_s(unit, start, end, last=index == last, rows=rows)
             for index, (unit, (start, end)) in enumerate(
                 zip(layout.units, layout.ranges(), strict=True)
             )
         )
 
     def time_per_token(self, stage_s: tuple[float, ...] | list[float], hops_s: float) -> float:
-        decode = sum(stage_s) + hops_s
-        return max(decode, self.cost.concurrency * max(stage_s))
+        """Between two tokens of one sequence, from the step times of one micro-batch and its
+        hops: a micro-batch's round, or the turns all micro-batches take at the slowest stage."""
+        round_s = sum(stage_s) + hops_s
+        return max(round_s, self.cost.micro_batches(len(stage_s)) * max(stage_s))
 
     def score(self, layout: Layout) -> Score:
-        stage_s = self.stage_s(layout)
-        hops_s = self.ring_hops_s(layout.units)
+        step_s = self.stage_s(layout)
+        step_hops_s = self.ring_hops_s(layout.units)
+        if self.cost.concurrency == 1:
+            alone_s, alone_hops_s = step_s, step_hops_s
+        else:
+            alone_s = self.stage_s(layout, rows=1)
+            alone_hops_s = self.ring_hops_s(layout.units, rows=1)
         return Score(
-            time_per_token_s=self.time_per_token(stage_s, hops_s),
-            decode_s=sum(stage_s) + hops_s,
-            stage_s=stage_s,
-            hops_s=hops_s,
+            time_per_token_s=self.time_per_token(step_s, step_hops_s),
+            decode_s=sum(alone_s) + alone_hops_s,
+            stage_s=alone_s,
+            hops_s=alone_hops_s,
         )
 
     def fits(self, layout: Layout) -> bool:

@@ -195,12 +195,14 @@ class _SearchState:
         self.bounds = bounds
         self.hops_s = hops_s
         self.last = len(units) - 1
+        self.rows = self.cost.step_rows(len(units))
         self.stage_s = [self._time(i, bounds[i], bounds[i + 1]) for i in range(len(units))]
         self.fill = [self._fill(i, bounds[i], bounds[i + 1]) for i in range(len(units))]
         self.best = evaluator.time_per_token(self.stage_s, hops_s)
 
     def _time(self, index: int, start: int, end: int) -> float:
-        return self.cost.stage_decode_s(self.units[index], start, end, last=index == self.last)
+        unit, last = self.units[index], index == self.last
+        return self.cost.stage_step_s(unit, start, end, last=last, rows=self.rows)
 
     def _fill(self, index: int, start: int, end: int) -> float:
         """Share of the unit's usable memory the stage uses; inf when it does not fit."""
@@ -281,8 +283,9 @@ def split_for_order(
     """The fastest fitting split the search finds for units in this order, with its time.
 
     Starting points: the exact minimum of the summed stage times (dynamic programming, when
-    stages x layers^2 is at most DP_BUDGET: this is the optimum for one sequence), and for one
-    sequence the fastest units filled first, under concurrency stage times balanced by speed
+    stages x layers^2 is at most DP_BUDGET: this is the optimum when one batch goes round the
+    ring at a time), and the fastest units filled first, or, where the sequences decode in
+    several micro-batches that keep every stage busy, stage times balanced by speed
     (water-filling within memory caps). Each is refined by local search and the fastest
     result kept."""
     cost = evaluator.cost
@@ -302,10 +305,12 @@ def split_for_order(
         if exact is None:
             return None
         starts.append(exact)
-    # One sequence: start from the fastest units filled first. Several: from stage times
-    # balanced by speed only; also refining the fastest-first start made planning 4.5x slower
-    # at 64 nodes for plans that were as often worse as better (see the commit that added this).
-    balanced = balanced_counts(rates, caps, total) if cost.concurrency > 1 else None
+    # One batch at a time: start from the fastest units filled first. Micro-batches: from
+    # stage times balanced by speed only; also refining the fastest-first start made planning
+    # 4.5x slower at 64 nodes for plans that were as often worse as better (see the commit
+    # that added this).
+    pipelined = cost.micro_batches(len(units)) > 1
+    balanced = balanced_counts(rates, caps, total) if pipelined else None
     proposals = [balanced if balanced is not None else fill_fastest_counts(rates, caps, total)]
     for counts in proposals:
         repaired = repair_bounds(cost, units, bounds_from_counts(counts))
@@ -321,12 +326,14 @@ def split_for_order(
 
 
 def min_sum_bounds(cost: CostModel, units: Sequence[Unit]) -> tuple[int, ...] | None:
-    """Boundaries minimising the sum of stage decode times with every stage fitting (exact).
+    """Boundaries minimising the sum of stage decode step times (of the rows a micro-batch
+    has on this many stages) with every stage fitting (exact).
 
     best[i][k]: least time for stages 0..i-1 holding layers [0, k). A stage's start is tried
     from its end backwards and stops at the first range that does not fit (ranges only grow).
     """
     count, total = len(units), cost.num_layers
+    rows = cost.step_rows(count)
     best = [[math.inf] * (total + 1) for _ in range(count + 1)]
     came_from = [[-1] * (total + 1) for _ in range(count + 1)]
     best[0][0] = 0.0
@@ -339,7 +346,7 @@ def min_sum_bounds(cost: CostModel, units: Sequence[Unit]) -> tuple[int, ...] | 
                     break
                 if best[i][start] == math.inf:
                     continue
-                value = best[i][start] + cost.stage_decode_s(unit, start, end, last=last)
+                value = best[i][start] + cost.stage_step_s(unit, start, end, last=last, rows=rows)
                 if value < best[i + 1][end]:
                     best[i + 1][end] = value
                     came_from[i + 1][end] = start

@@ -244,8 +244,10 @@ class SpeedSearch:
         Every layer's active weights are read and computed by some unit, at best the fastest of
         the set (a tensor-parallel group counts as its members together), the head by one
         member; a ring of S > 1 stages has S hops of at least the smallest latency in the mesh;
-        and under concurrency the slowest stage takes at least as long as all units sharing
-        the work in proportion to their speed.
+        and where `concurrency` sequences decode in m micro-batches, the slowest stage's step
+        (at least as long as all units sharing the work in proportion to their speed) comes
+        round m times per token. Reads count one token's active weights (what any step reads
+        at least), FLOPs a step's rows.
         """
         cost = self.cost
         read = cost.active_bytes(0, cost.num_layers)
@@ -254,17 +256,18 @@ class SpeedSearch:
         compute = max(unit.total_flops for unit in unit_set)
         head_bandwidth = max(max(unit.member_bandwidth) for unit in unit_set)
         head_compute = max(max(unit.member_flops) for unit in unit_set)
+        count = len(unit_set)
+        rows = cost.step_rows(count)
         stages = max(
             read / bandwidth + cost.model.head_matrix_bytes / head_bandwidth,
-            flops / compute + cost.head_flops / head_compute,
+            rows * (flops / compute + cost.head_flops / head_compute),
         )
-        count = len(unit_set)
         hops = count * self._min_latency if count > 1 else 0.0
         slowest_stage = max(  # stages in parallel, perfectly balanced
             read / sum(unit.total_bandwidth for unit in unit_set),
-            flops / sum(unit.total_flops for unit in unit_set),
+            rows * flops / sum(unit.total_flops for unit in unit_set),
         )
-        return max(stages + hops, cost.concurrency * slowest_stage)
+        return max(stages + hops, cost.micro_batches(count) * slowest_stage)
 
     def evaluate(self, unit_set: frozenset[Unit]) -> Ranked | None:
         """Best layout for this set of units (order, rotation and split), cached."""

@@ -113,10 +113,10 @@ def test_eight_smollm2_requests_decode_together_as_each_would_alone(
     did decode together (the stages ran batched steps). As one batch (8 rows are too few to
     cut), and cut by the first stage into two micro-batches (at most 4 rows a pass) when the
     fewest rows a micro-batch may have is 4."""
-    from meshd.inference import stage
+    import partitioner.cost
     from meshd.models.store import ModelStore
 
-    monkeypatch.setattr(stage, "MIN_MICRO_BATCH_ROWS", min_rows)
+    monkeypatch.setattr(partitioner.cost, "MIN_MICRO_BATCH_ROWS", min_rows)
 
     entry = ModelStore(tmp_path_factory.mktemp("store")).ensure_default()
     questions = [
@@ -234,7 +234,7 @@ def test_every_architecture_decodes_batched_as_alone(tmp_path: Path, arch: str) 
 def test_the_first_stage_cuts_only_batches_with_enough_rows_per_micro_batch() -> None:
     """A micro-batch has at least MIN_MICRO_BATCH_ROWS rows (fewer would read every weight
     again for nothing), and there are never more micro-batches than stages."""
-    from meshd.inference.stage import MIN_MICRO_BATCH_ROWS, micro_batches
+    from partitioner.cost import MIN_MICRO_BATCH_ROWS, micro_batches
 
     rows = MIN_MICRO_BATCH_ROWS
     assert [micro_batches(2, n) for n in (0, 1, rows - 1, rows, 2 * rows - 1)] == [1] * 5

@@ -26,7 +26,7 @@ from partitioner import (
     quantize,
     sticky_bucket_index,
 )
-from partitioner.cost import OVERHEAD_FIXED_BYTES, CostModel
+from partitioner.cost import OVERHEAD_FIXED_BYTES, CostModel, Unit
 from partitioner.split import capped_proportional, largest_remainder
 
 MiB = 2**20
@@ -282,14 +282,24 @@ def test_disconnected_mesh_plans_in_the_part_that_fits() -> None:
     assert stage_nodes(memory_plan) == [("big",)]
 
 
-def test_concurrency_favours_balanced_stages() -> None:
-    mesh = make_mesh({"a": (4 * GiB, *FAST), "b": (4 * GiB, *FAST)}, default_link=(1e-5, 1e10))
+def test_concurrency_splits_only_where_micro_batches_keep_every_stage_busy() -> None:
+    """The stages batch concurrent decode steps (partitioner.cost): 4 sequences go round as
+    one batch, and splitting them over two nodes only adds hops, so they stay on one node; 16
+    decode in two micro-batches of 8, each stage computing one while the other computes the
+    other, so on these compute-bound nodes balanced stages double the aggregate throughput."""
+    fast = {"a": (4 * GiB, *FAST), "b": (4 * GiB, *FAST)}
+    mesh = make_mesh(fast, default_link=(1e-5, 1e10))
     model = tiny_model([200 * MiB] * 8)
     alone = plan_model(mesh, model)
-    busy = plan_model(mesh, model, PlanOptions(concurrency=4))
-    assert len(alone.stages) == 1
-    assert layer_counts(busy) == [4, 4]
-    assert busy.prediction.aggregate_tokens_per_s > 1.5 * alone.prediction.tokens_per_s
+    four = plan_model(mesh, model, PlanOptions(concurrency=4))
+    sixteen = plan_model(mesh, model, PlanOptions(concurrency=16))
+    one_node = plan_model(make_mesh({"a": fast["a"]}), model, PlanOptions(concurrency=16))
+    assert len(alone.stages) == 1 and len(four.stages) == 1
+    assert four.prediction.aggregate_tokens_per_s > 1.5 * alone.prediction.tokens_per_s
+    assert layer_counts(sixteen) == [4, 4]
+    assert (
+        sixteen.prediction.aggregate_tokens_per_s > 1.9 * one_node.prediction.aggregate_tokens_per_s
+    )
 
 
 def test_prediction_follows_the_stated_cost_model() -> None:
@@ -302,6 +312,47 @@ def test_prediction_follows_the_stated_cost_model() -> None:
     assert plan.prediction.decode_s_per_token == pytest.approx(max(read / q_bw, work / q_flops))
     assert plan.prediction.ttft_s == pytest.approx(max(read / q_bw, 64 * work / q_flops))
     assert plan.prediction.tokens_per_s == pytest.approx(1 / plan.prediction.decode_s_per_token)
+
+
+@pytest.mark.parametrize("concurrency", [1, 3, 8, 40])
+def test_one_node_decodes_concurrent_sequences_as_one_batch(concurrency: int) -> None:
+    """On one node all sequences decode as one batch: a step reads the weights once and
+    computes every row, so tokens come max(read / bandwidth, C x FLOPs / compute) apart."""
+    flops, bandwidth = 2e12, 100e9
+    model = tiny_model([100 * MiB] * 3)
+    options = PlanOptions(concurrency=concurrency)
+    plan = plan_model(make_mesh({"a": (GiB, flops, bandwidth)}), model, options)
+    q_flops, q_bw = quantize(flops), quantize(bandwidth)
+    read = 300 * MiB + 4 * MiB
+    work = 2 * (300 * MiB // 2) + 2 * 256 * 64
+    step = max(read / q_bw, concurrency * work / q_flops)
+    assert plan.prediction.time_per_token_s == pytest.approx(step)
+    assert plan.prediction.aggregate_tokens_per_s == pytest.approx(concurrency / step)
+    assert plan.prediction.decode_s_per_token == pytest.approx(max(read / q_bw, work / q_flops))
+
+
+def test_micro_batches_take_turns_at_the_slowest_stage() -> None:
+    """16 sequences on 2 stages: two micro-batches of 8 rows; a token every max(one micro-
+    batch's round: both steps and both hops with 8 rows, 2 x the slower step)."""
+    latency, link_bw = 1e-4, 1e9
+    nodes = {"a": (600 * MiB, *FAST), "b": (600 * MiB, *SLOW)}  # neither holds the model
+    mesh = make_mesh(nodes, default_link=(latency, link_bw))
+    model = tiny_model([100 * MiB] * 8)
+    plan = plan_model(mesh, model, PlanOptions(concurrency=16))
+    assert len(plan.stages) == 2
+    cost = CostModel(model, PlanOptions(concurrency=16))
+    assert (cost.micro_batches(2), cost.step_rows(2)) == (2, 8)
+    steps = []
+    for index, stage in enumerate(plan.stages):
+        flops, bandwidth = nodes[stage.nodes[0]][1:]
+        unit = Unit((stage.nodes[0],), 600 * MiB, quantize(flops), quantize(bandwidth))
+        start, end = stage.layer_start, stage.layer_end
+        steps.append(cost.stage_step_s(unit, start, end, last=index == 1, rows=8))
+    q_lat, q_bw = quantize(latency), quantize(link_bw)
+    hops = q_lat + 8 * 64 * 2 / q_bw + q_lat + 8 * 8 / q_bw
+    expected = max(sum(steps) + hops, 2 * max(steps))
+    assert plan.prediction.time_per_token_s == pytest.approx(expected)
+    assert plan.prediction.aggregate_tokens_per_s == pytest.approx(16 / expected)
 
 
 def test_two_stage_prediction_counts_forward_hop_and_token_hop() -> None:

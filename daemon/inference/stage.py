@@ -17,7 +17,7 @@ them. The frames of one batched step go to each node as one Bundle, and a bundle
 read before the next steps are handed out, so a batch stays together down the pipeline. The
 first stage cuts a batch of at least MIN_MICRO_BATCH_ROWS rows per stage into as many
 micro-batches as the plan has stages, so every stage has one to compute while the others
-compute theirs (:func:`micro_batches`).
+compute theirs (:func:`partitioner.cost.micro_batches`: the cost model prices the same rule).
 
 Cores: stages of one plan on the same machine (the daemon knows from the peers' machine
 fingerprints) take turns while one request runs, so each may use every core; with several
@@ -66,6 +66,7 @@ from meshd.inference.stage_events import (
 from meshd.inference.transport import Transport, describe_error
 from meshd.runtime.compute import ComputeExecutor
 from meshd.wire import dataplane_pb2 as dp
+from partitioner.cost import micro_batches
 
 log = logging.getLogger("meshd.dataplane")
 
@@ -73,9 +74,6 @@ log = logging.getLogger("meshd.dataplane")
 # one waits there, so the thread goes on without waiting for this loop to hand it out, and the
 # choice of what runs next is still made no more than one step ahead.
 QUEUED_STEPS = 2
-
-# The fewest rows a micro-batch of decode steps is cut down to (see micro_batches).
-MIN_MICRO_BATCH_ROWS = 8
 
 
 @dataclass(eq=False)
@@ -407,18 +405,6 @@ class StageRuntime:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
-
-
-def micro_batches(stages: int, rows: int) -> int:
-    """How many micro-batches the first stage cuts a decode batch of ``rows`` into: one per
-    stage, so each stage has one to compute while the others compute theirs, but none of
-    fewer than MIN_MICRO_BATCH_ROWS rows. A decode step of a few rows is memory-bound (it
-    reads every weight once, whatever its rows), so cutting a small batch multiplies the
-    weight reads and the frames and hand-offs per step without shortening a step. Measured
-    with two pinned daemons (SmolLM2 float32 on CPU, 19/11 layers): 4 requests ran 2.8x one
-    request's throughput as one batch and 2.4x as two micro-batches of 2; 16 requests
-    6.3-6.5x either way."""
-    return max(1, min(stages, rows // MIN_MICRO_BATCH_ROWS))
 
 
 def _steps_job(engine: StageEngine, job: list[Work], cores_share: int) -> list[StepResult]:
