@@ -95,7 +95,7 @@ def models(draw: st.DrawFn, max_layers: int = 6, tensor_parallel: bool = False) 
 def options(draw: st.DrawFn) -> PlanOptions:
     return PlanOptions(
         reserve_bytes=draw(st.sampled_from([0, 32 * MiB])),
-        concurrency=draw(st.integers(1, 3)),
+        concurrency=draw(st.sampled_from([1, 2, 3, 16, 24])),  # one batch; micro-batches
         exclude=frozenset(draw(st.lists(st.sampled_from(NODE_IDS), max_size=1))),
         prefill_chunk=draw(st.sampled_from([16, 512])),
     )
