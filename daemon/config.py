@@ -38,6 +38,7 @@ ENV_PREFIX = "MESHD_"
 DEFAULT_HTTP = "127.0.0.1:52380"
 DEFAULT_TENSOR_PARALLEL_PORT = 53400  # = meshd.inference.tensor_parallel.spec.DEFAULT_BASE_PORT
 TENSOR_PARALLEL_PORT_MAX = 65535 - 1024
+MAX_DRAFT_TOKENS = 16  # drafts per speculative step: beyond, a step costs more than guesses save
 
 
 class ConfigError(ValueError):
@@ -140,6 +141,13 @@ def _count(value: Any) -> int:
     count = int(value)
     if count < 1:
         raise ValueError("must be at least 1")
+    return count
+
+
+def _draft_count(value: Any) -> int:
+    count = int(value)
+    if not 0 <= count <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"must be between 0 (off) and {MAX_DRAFT_TOKENS}")
     return count
 
 
@@ -320,6 +328,14 @@ class Config:
         "plan's reserved KV (context length x concurrency) is taken; beyond: refused "
         "(HTTP 429, gRPC RESOURCE_EXHAUSTED)",
         read=_count,
+        metavar="N",
+    )
+    draft_tokens: int = setting(
+        0,
+        "speculative decoding: tokens the first stage of a pipeline guesses per step for a "
+        "greedy request decoding alone, from the prompt and the answer so far; the stages "
+        "verify them in one pass and keep those greedy decoding gives (0: off)",
+        read=_draft_count,
         metavar="N",
     )
     leave_grace_s: float = setting(

@@ -154,6 +154,7 @@ class Node:
             served=committed.view,
             resume_timeout_s=self.config.resume_timeout_s,
             max_queued_per_plan=self.config.queue_limit,
+            draft_tokens=self.config.draft_tokens,
             report=lambda text: bridge.call_soon_in_trio(events.add, "%s", text),
         )
         self.plans = PlanInstaller(

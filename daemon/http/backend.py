@@ -98,6 +98,8 @@ class Activity:
     queued_requests: int  # waiting on this node (a first stage) for the plan's KV memory
     tokens_per_s: float
     tokens_total: int
+    drafted_tokens: int = 0  # speculative drafts this node (a last stage) verified
+    accepted_tokens: int = 0  # ...and accepted
 
 
 @dataclass(frozen=True)
@@ -304,6 +306,8 @@ class MeshBackend:
             queued_requests=sum(p.queued_requests for p in stats.plans),
             tokens_per_s=rate,
             tokens_total=total,
+            drafted_tokens=sum(p.drafted_tokens for p in stats.plans),
+            accepted_tokens=sum(p.accepted_tokens for p in stats.plans),
         )
 
     async def _in_trio(self, fn: Any) -> Any:

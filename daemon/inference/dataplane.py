@@ -84,6 +84,7 @@ from meshd.inference.tensor_parallel.engine import TensorParallelEngine
 from meshd.inference.tensor_parallel.member import RunnerSupervisor
 from meshd.inference.tensor_parallel.spec import TensorParallelSpec
 from meshd.inference.transport import ChannelFactory, DataPlaneServicer, Transport
+from meshd.models.info import every_layer_keeps_kv
 from meshd.runtime.compute import ComputeExecutor
 from meshd.runtime.lazy_imports import import_model_runtime
 from meshd.wire import dataplane_pb2 as dp
@@ -125,9 +126,11 @@ class DataPlane:
         resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S,
         report: Callable[[str], None] | None = None,
         runners: RunnerSupervisor | None = None,
+        draft_tokens: int = 0,
     ) -> None:
         self.node_id = node_id
         self.max_requests_per_stage = max_requests_per_stage
+        self.draft_tokens = draft_tokens
         self._owns_compute = compute is None
         self._compute = compute or ComputeExecutor(f"meshd-compute-{node_id}")
         self._plans: dict[str, InstalledPlan] = {}
@@ -246,13 +249,33 @@ class DataPlane:
             self.record_load_failure(assignment.plan_id, str(error))
             raise
         plan.ready.set_result(None)
-        self.stage.plan_loaded(assignment.plan_id, vocab_size=plan.vocab_size)
+        drafts = await self._drafts_for(assignment, plan)
+        self.stage.plan_loaded(assignment.plan_id, vocab_size=plan.vocab_size, draft_tokens=drafts)
         log.info(
             "installed plan %s (stage %s of %d)",
             assignment.plan_id[:12],
             plan.index,
             len(assignment.stages),
         )
+
+    async def _drafts_for(self, assignment: Assignment, plan: InstalledPlan) -> int:
+        """Tokens this node drafts per step for ``plan``'s greedy requests (speculative
+        decoding, :mod:`meshd.inference.drafting`): ``draft_tokens`` on the first stage of a
+        pipeline of plain stages whose every layer keeps a KV cache (rejected drafts are
+        taken back by dropping cache positions); 0 everywhere else."""
+        stages = assignment.stages
+        if (
+            self.draft_tokens <= 0
+            or len(stages) < 2
+            or assignment.stage_index(self.node_id) != 0
+            or any(stage.tensor_parallel for stage in stages)
+            or not isinstance(plan.engine, StageEngine)
+            or not every_layer_keeps_kv(plan.config or {})
+        ):
+            return 0
+        engine = plan.engine
+        can_roll_back = await self._compute.run(lambda: engine.can_roll_back)
+        return self.draft_tokens if can_roll_back else 0
 
     def _new_plan(self, assignment: Assignment, loop: asyncio.AbstractEventLoop) -> InstalledPlan:
         index = assignment.stage_index(self.node_id)
@@ -503,6 +526,8 @@ class DataPlane:
                     origin_requests=self.origin.count(plan.plan_id),
                     batched_rows=plan.engine.batched_rows if plan.engine else 0,
                     batched_steps=plan.engine.batched_steps if plan.engine else 0,
+                    drafted_tokens=getattr(plan.engine, "drafted_tokens", 0),
+                    accepted_tokens=getattr(plan.engine, "accepted_tokens", 0),
                     queued_requests=self.stage.core.queued_requests(plan.plan_id),
                     reserved_tokens=self.stage.core.reserved_tokens(plan.plan_id),
                     budget_tokens=plan.assignment.kv_budget_tokens,

@@ -37,6 +37,7 @@ from meshd.inference.stage_events import (
     SamplerSetup,
     Skipped,
     StepResult,
+    Verified,
     Work,
 )
 from meshd.runtime.blas import default_blas_threads, set_blas_threads
@@ -137,6 +138,8 @@ class StageEngine:
     _samplers: dict[str, _SamplerState] = field(default_factory=dict)
     batched_rows: int = 0  # decode steps run batched with other requests' (read in stats)
     batched_steps: int = 0  # forward passes those rows ran in (rows / steps: the mean batch)
+    drafted_tokens: int = 0  # last stage: draft tokens it verified (read in stats)
+    accepted_tokens: int = 0  # ...and accepted
 
     def load(
         self, shared: StageModel | None = None, donors: list[StageModel] | None = None
@@ -169,16 +172,58 @@ class StageEngine:
             return_logits=setup.return_logits,
         )
 
-    def run(self, request_id: str, inputs: mx.array, *, head: bool) -> mx.array:
+    def run(
+        self, request_id: str, inputs: mx.array, *, head: bool, every_position: bool = False
+    ) -> mx.array:
         """One step of one request through this stage, evaluated: hidden states, or on the
-        last stage with ``head`` the logits of the step's last position ``(1, 1, vocab)``."""
+        last stage with ``head`` the logits of the step's last position ``(1, 1, vocab)`` (of
+        every position with ``every_position``: a speculative step's)."""
         if self.stage is None or self._caches is None:
             raise RuntimeError("this node's stage is not loaded")
         cache = self._caches.get(request_id)
-        logits = "last" if head else "none"
+        logits = ("all" if every_position else "last") if head else "none"
         output = self.stage.run(inputs, cache, logits=logits)
         mx.eval(output)
         return output
+
+    def roll_back(self, request_id: str, positions: int) -> None:
+        """Drop the last ``positions`` positions of the request's caches: the drafts of its
+        speculative step before that the last stage rejected."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        if self._caches is None:
+            raise RuntimeError("this node's stage is not loaded")
+        cache = self._caches.get(request_id)
+        if not can_trim_prompt_cache(cache):
+            raise RuntimeError(
+                "this stage's caches cannot drop positions, so it cannot take back rejected "
+                "drafts: speculative decoding needs a model whose every layer keeps a KV cache"
+            )
+        dropped = trim_prompt_cache(cache, positions)
+        if dropped != positions:
+            raise RuntimeError(f"the caches held {dropped} positions to drop, not {positions}")
+
+    def verify(self, logits: mx.array, drafts: Sequence[int]) -> tuple[int, ...]:
+        """Greedy verification of a speculative step from its logits ``(1, 1 + drafts,
+        vocab)``: the token greedy decoding gives at each position, as long as the one before
+        equals the draft there; so every draft accepted, then the first token of the model's
+        own (a correction, or the one after the last draft)."""
+        guesses = mx.argmax(logits[0], axis=-1).tolist()
+        tokens: list[int] = []
+        for position, token in enumerate(guesses):
+            tokens.append(int(token))
+            if position >= len(drafts) or token != drafts[position]:
+                break
+        self.drafted_tokens += len(drafts)
+        self.accepted_tokens += len(tokens) - 1
+        return tuple(tokens)
+
+    @property
+    def can_roll_back(self) -> bool:
+        """Whether this stage's caches can drop positions again (every layer a KV cache)."""
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
+        return self.stage is not None and can_trim_prompt_cache(self.stage.make_cache())
 
     @property
     def batchable(self) -> bool:
@@ -242,6 +287,8 @@ class StageEngine:
 
 def is_decode_step(work: Work) -> bool:
     """Whether ``work`` runs one position (a decode step, which may join a batch)."""
+    if work.rollback or work.drafts:
+        return False  # a speculative step, or the one after it: alone on its own caches
     if work.follows:
         return True
     if work.tokens is not None:
@@ -350,12 +397,18 @@ def run_step(engine: StageEngine, work: Work, cores_share: int) -> StepResult:
             inputs = decode_hidden(payload.dtype, payload.shape, payload.data)
         if work.sampler is not None:
             engine.open_sampler(work.request_id, work.sampler)
-        output = engine.run(work.request_id, inputs, head=work.head)
+        if work.rollback:
+            engine.roll_back(work.request_id, work.rollback)
+        speculative = bool(work.drafts)
+        output = engine.run(work.request_id, inputs, head=work.head, every_position=speculative)
         compute_s = work.upstream_s + time.perf_counter() - started
         if not engine.key.has_head:
             return Hidden(encode_hidden(output), compute_s)
         if not work.head:
             return Advanced(compute_s)
+        if speculative:
+            tokens = engine.verify(output, work.drafts)
+            return Verified(tokens, work.upstream_s + time.perf_counter() - started)
         token, logits = engine.sample(work.request_id, output)
         return Sampled(token, logits, work.upstream_s + time.perf_counter() - started)
     except TooManyRequests as error:

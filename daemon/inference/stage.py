@@ -61,6 +61,7 @@ from meshd.inference.stage_events import (
     StartFrame,
     StepResult,
     TokenFrame,
+    Verified,
     Work,
 )
 from meshd.inference.transport import Transport, describe_error
@@ -131,9 +132,10 @@ class StageRuntime:
         self.core.add_plan(assignment)
         self._start_sweeper()
 
-    def plan_loaded(self, plan_id: str, vocab_size: int = 0) -> None:
-        """The plan's stage is loaded; token ids outside ``vocab_size`` are refused."""
-        self.core.plan_loaded(plan_id, vocab_size=vocab_size)
+    def plan_loaded(self, plan_id: str, vocab_size: int = 0, draft_tokens: int = 0) -> None:
+        """The plan's stage is loaded; token ids outside ``vocab_size`` are refused; the
+        first stage of a pipeline drafts up to ``draft_tokens`` tokens per step."""
+        self.core.plan_loaded(plan_id, vocab_size=vocab_size, draft_tokens=draft_tokens)
 
     def plan_failed(self, plan_id: str, reason: str) -> None:
         self._carry_out(self.core.plan_failed(plan_id, reason))
@@ -172,6 +174,8 @@ class StageRuntime:
             activation,
             activation.compute_s,
             start,
+            activation.rollback,
+            tuple(activation.draft_tokens),
         )
         now = time.monotonic()
         self._carry_out(self.core.on_activation(event, self._fence(frame.plan_id), now))
@@ -380,7 +384,7 @@ class StageRuntime:
                 stage.cached.add(work.request_id)
             actions += self.core.on_computed(work, result, now)
         self._pump()  # the compute thread's next step first, then the frames
-        if len(job) > 1:
+        if len(job) > 1 or isinstance(results[0], Verified):  # several tokens: one bundle
             self._carry_out_bundled(actions)
         else:
             self._carry_out(actions)
@@ -430,4 +434,6 @@ def _with_frame(work: Work, result: StepResult) -> StepResult:
     activation.shape.extend(hidden.shape)
     activation.data = hidden.data
     activation.compute_s = result.compute_s
+    activation.rollback = work.rollback
+    activation.draft_tokens.extend(work.drafts)
     return Hidden(frame, result.compute_s)

@@ -31,6 +31,19 @@ samples every step with the request's seeded sampler; whichever copy of a token 
 the first stage first is its input, the other copy is dropped. (Whether the two agree is the
 origin's check: it compares every token of the new attempt with the one it delivered.)
 
+Speculative decoding (``plan_loaded(draft_tokens=k)``, the first stage of a pipeline of
+plain stages; :mod:`meshd.inference.drafting`): for a greedy request without a repetition
+penalty that decodes alone on the plan, the first stage looks up to k tokens it guesses
+follow the token it just received in the request's prompt and answer so far, and runs them
+in the same step (1 + k positions). The later stages run the step as it comes, and the last
+verifies it: the token greedy decoding gives at each position, as long as the one before
+was the draft there (:class:`~meshd.inference.stage_events.Verified`), each sent on as a Token
+in order. The first stage counts the Tokens that equal its drafts (their positions are in
+every cache already); the first that does not, or the one after the last draft, is the next
+step's input, and that step carries how many drafted positions every stage drops from its
+caches before it runs (``rollback``). A step of a few positions costs about what one does (the
+weights are read once), so each accepted draft saves a round trip through every stage.
+
 Rules (each refusal ends the request on this node and tells its origin with a Failure):
 
 * Fencing, for every Start, Activation and Token: the plan must be committed here (the
@@ -70,6 +83,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from meshd.inference.assignment import Assignment
+from meshd.inference.drafting import drafts_for, may_draft
 from meshd.inference.stage_admission import StartQueue, limit_error, start_error, token_error
 from meshd.inference.stage_events import (
     Action,
@@ -89,6 +103,7 @@ from meshd.inference.stage_events import (
     StartFrame,
     StepResult,
     TokenFrame,
+    Verified,
     Work,
     request_steps,
 )
@@ -134,13 +149,15 @@ class StageCore:
             self._plans[assignment.plan_id] = StagePlan(assignment, index, queue)
         self._load_failures.pop(assignment.plan_id, None)
 
-    def plan_loaded(self, plan_id: str, vocab_size: int = 0) -> None:
+    def plan_loaded(self, plan_id: str, vocab_size: int = 0, draft_tokens: int = 0) -> None:
         """The plan's stage is loaded here; ``vocab_size`` (when known) bounds the token ids
-        the first stage accepts."""
+        the first stage accepts; ``draft_tokens``: how many tokens the first stage of a
+        pipeline may draft per step (speculative decoding, see :meth:`on_token`)."""
         plan = self._plans.get(plan_id)
         if plan is not None:
             plan.ready = True
             plan.vocab_size = vocab_size
+            plan.draft_tokens = draft_tokens if plan.is_first and not plan.is_last else 0
 
     def plan_failed(self, plan_id: str, reason: str) -> list[Action]:
         """This node cannot serve ``plan_id`` (its part could not be fetched or loaded):
@@ -238,6 +255,8 @@ class StageCore:
             return opened
         opened.reserved = plan.queue.reserve(start)
         context = start.prompt + start.generated
+        if plan.draft_tokens and may_draft(opened):
+            opened.history = list(context)
         offset = 0
         for step, size in enumerate(_steps_of(start)):
             opened.inputs.append(StepInput(step, tokens=context[offset : offset + size]))
@@ -280,7 +299,13 @@ class StageCore:
         request.next_step += 1
         request.last_activity = now
         request.inputs.append(
-            StepInput(frame.step, payload=frame.payload, upstream_s=frame.upstream_s)
+            StepInput(
+                frame.step,
+                payload=frame.payload,
+                upstream_s=frame.upstream_s,
+                rollback=frame.rollback,
+                drafts=frame.drafts,
+            )
         )
         self._enqueue(request)
         return []
@@ -312,7 +337,19 @@ class StageCore:
             return self._refuse(request.origin, frame, bad_token)
         request.next_index += 1
         request.last_activity = now
-        request.inputs.append(StepInput(request.next_step, tokens=(frame.token_id,)))
+        if request.history is not None:
+            request.history.append(frame.token_id)
+        pending = request.drafts
+        if request.accepted < len(pending) and frame.token_id == pending[request.accepted]:
+            request.accepted += 1  # a draft accepted: its position is in the caches already
+            return []
+        rollback = len(pending) - request.accepted  # the drafts the last stage rejected
+        drafts = drafts_for(plan, request)
+        request.drafts, request.accepted = drafts, 0
+        step = StepInput(
+            request.next_step, tokens=(frame.token_id, *drafts), rollback=rollback, drafts=drafts
+        )
+        request.inputs.append(step)
         request.next_step += 1
         self._enqueue(request)
         return []
@@ -425,6 +462,12 @@ class StageCore:
             )
         elif isinstance(result, Sampled):
             actions += self._on_sampled(plan, request, result)
+        elif isinstance(result, Verified):
+            for position, token in enumerate(result.tokens):
+                spent = result.compute_s if position == 0 else 0.0  # the step's, counted once
+                actions += self._on_sampled(plan, request, Sampled(token, b"", spent))
+                if request.ended:
+                    break
         elif isinstance(result, Skipped):
             return []  # the step before ended the request: nothing happened
         if not request.ended:

@@ -78,6 +78,8 @@ class ActivationFrame:
     payload: object  # the hidden states, opaque here (decoded on the compute thread)
     upstream_s: float  # compute time of this step on the stages before
     start: RequestStart | None = None  # on the request's first Activation (step 0) only
+    rollback: int = 0  # positions of the step before to drop first (rejected drafts)
+    drafts: tuple[int, ...] = ()  # tokens drafted after the step's first (speculative step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +123,8 @@ class Work:
     upstream_s: float
     follows: bool = False  # a single stage: the input is the token its step before sampled
     stop_ids: frozenset[int] = frozenset()  # ...and that token ended the request if in here
+    rollback: int = 0  # positions of the step before to drop from the caches first
+    drafts: tuple[int, ...] = ()  # a speculative step: the drafted tokens it also runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +150,15 @@ class Sampled:
 
 
 @dataclass(frozen=True, slots=True)
+class Verified:
+    """The last stage ran a speculative step: the tokens it gives, in order: the drafts it
+    accepted (each the token it would have sampled there), then its own next token."""
+
+    tokens: tuple[int, ...]
+    compute_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Skipped:
     """A following step that did not run: the token before it ended the request."""
 
@@ -156,7 +169,7 @@ class ComputeFailed:
     reason: str
 
 
-StepResult = Hidden | Advanced | Sampled | Skipped | ComputeFailed
+StepResult = Hidden | Advanced | Sampled | Verified | Skipped | ComputeFailed
 
 
 # --- Actions ----------------------------------------------------------------------------------

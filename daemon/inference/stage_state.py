@@ -27,6 +27,8 @@ class StepInput:
     payload: object = None
     upstream_s: float = 0.0
     follows: bool = False  # a single stage's next step: its input is the token sampled before
+    rollback: int = 0  # positions of the step before to drop first (rejected drafts)
+    drafts: tuple[int, ...] = ()  # drafted tokens the step runs after its first (speculative)
 
 
 @dataclass(eq=False, slots=True)
@@ -49,6 +51,12 @@ class StageRequest:
     queued: bool = False
     ended: bool = False
     reserved: int = 0  # KV tokens reserved at admission (first stage of a bounded plan)
+    # First stage of a plan that drafts: the prompt and the tokens generated so far (what the
+    # drafts are looked up in), the drafts of the step in flight and how many came back
+    # accepted (the tokens that equal them, in order, arrive before the next input).
+    history: list[int] | None = None
+    drafts: tuple[int, ...] = ()
+    accepted: int = 0
 
     def can_run(self) -> bool:
         """A request's next step may start: its input is here, and its step before has
@@ -89,6 +97,8 @@ class StageRequest:
             item.upstream_s,
             item.follows,
             self.start.eos_ids if item.follows else frozenset(),
+            item.rollback,
+            item.drafts,
         )
 
     def forward_start(self) -> RequestStart:
@@ -119,6 +129,7 @@ class StagePlan:
     ready: bool = False
     requests: dict[str, StageRequest] = field(default_factory=dict)
     vocab_size: int = 0  # the model's token ids are 0 <= id < vocab_size (0: unknown)
+    draft_tokens: int = 0  # first stage: tokens it may draft per step (0: no speculation)
 
     @property
     def plan_id(self) -> str:

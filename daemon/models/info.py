@@ -283,6 +283,22 @@ def _cache_layout(
     return tuple(kinds), tuple(per_token), tuple(windows), tuple(states)
 
 
+def every_layer_keeps_kv(config: dict[str, Any]) -> bool:
+    """Whether every layer of the model ``config`` (config.json) describes keeps a KV cache
+    of full attention or MLA: a cache that can drop its last positions again (speculative
+    decoding takes back rejected drafts that way). False for sliding-window and recurrent
+    layers, and for a config that does not say enough."""
+    text = _text_config(config)
+    declared = text.get("num_hidden_layers") or text.get("n_layer") or text.get("num_layers")
+    if not isinstance(declared, int) or declared <= 0:
+        return False
+    try:
+        kinds = _cache_layout(text, declared, 2, Path("config.json"))[0]
+    except ModelInfoError:
+        return False
+    return all(kind in ("full", "mla") for kind in kinds)
+
+
 def _is_linear_layer(text: dict[str, Any], layer: int) -> bool:
     """mlx-lm's rule (qwen3_next.py, qwen3_5.py): every full_attention_interval-th layer is
     full attention, the others gated delta-net."""

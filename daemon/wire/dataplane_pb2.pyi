@@ -110,20 +110,24 @@ class Start(_message.Message):
     def __init__(self, origin_node_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., return_logits: _Optional[bool] = ..., generated_tokens: _Optional[_Iterable[int]] = ..., catch_up: _Optional[bool] = ...) -> None: ...
 
 class Activation(_message.Message):
-    __slots__ = ("start", "step", "dtype", "shape", "data", "compute_s")
+    __slots__ = ("start", "step", "dtype", "shape", "data", "compute_s", "rollback", "draft_tokens")
     START_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     start: Start
     step: int
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     compute_s: float
-    def __init__(self, start: _Optional[_Union[Start, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    rollback: int
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[_Union[Start, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., compute_s: _Optional[float] = ..., rollback: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Token(_message.Message):
     __slots__ = ("token_id", "index", "finish", "compute_s", "logits")
@@ -160,7 +164,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PlanStats(_message.Message):
-    __slots__ = ("plan_id", "stage_index", "layer_start", "layer_end", "weight_bytes", "open_requests", "origin_requests", "batched_rows", "queued_requests", "reserved_tokens", "budget_tokens", "queue_limit", "batched_steps")
+    __slots__ = ("plan_id", "stage_index", "layer_start", "layer_end", "weight_bytes", "open_requests", "origin_requests", "batched_rows", "queued_requests", "reserved_tokens", "budget_tokens", "queue_limit", "batched_steps", "drafted_tokens", "accepted_tokens")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +178,8 @@ class PlanStats(_message.Message):
     BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     BATCHED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     stage_index: int
     layer_start: int
@@ -187,7 +193,9 @@ class PlanStats(_message.Message):
     budget_tokens: int
     queue_limit: int
     batched_steps: int
-    def __init__(self, plan_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., open_requests: _Optional[int] = ..., origin_requests: _Optional[int] = ..., batched_rows: _Optional[int] = ..., queued_requests: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., budget_tokens: _Optional[int] = ..., queue_limit: _Optional[int] = ..., batched_steps: _Optional[int] = ...) -> None: ...
+    drafted_tokens: int
+    accepted_tokens: int
+    def __init__(self, plan_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., open_requests: _Optional[int] = ..., origin_requests: _Optional[int] = ..., batched_rows: _Optional[int] = ..., queued_requests: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., budget_tokens: _Optional[int] = ..., queue_limit: _Optional[int] = ..., batched_steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("node_id", "plans", "rss_bytes", "peak_rss_bytes", "frames_received", "frames_sent")

@@ -319,6 +319,9 @@ function onActivity(activity) {
   $("requests").textContent = String(activity.requests);
   $("stage-requests").textContent = String(activity.stage_requests);
   $("queued-requests").textContent = String(activity.queued_requests ?? 0);
+  const drafted = num(activity.drafted_tokens ?? 0);
+  $("drafts-accepted").textContent = drafted
+    ? `${Math.round((100 * num(activity.accepted_tokens ?? 0)) / drafted)}%` : "-";
   const now = Date.now() / 1000;
   state.rates[0].push(now);
   state.rates[1].push(num(activity.tokens_per_s));

@@ -72,8 +72,14 @@ class TensorParallelEngine(StageEngine):
     def load(self, shared: Any = None) -> None:
         """Nothing to load here: the runners hold the weights (started by the data plane)."""
 
-    def run(self, request_id: str, inputs: mx.array, *, head: bool) -> mx.array:
-        """Compute thread: one step of the request through the group's runners."""
+    def run(
+        self, request_id: str, inputs: mx.array, *, head: bool, every_position: bool = False
+    ) -> mx.array:
+        """Compute thread: one step of the request through the group's runners. A group does
+        not run speculative steps (a plan with one never drafts: ``every_position`` is an
+        error)."""
+        if every_position:
+            raise RuntimeError("a tensor-parallel stage does not run speculative steps")
         member = self._member()
         dtype, shape, data = from_mx(inputs)
         logits = "last" if head else "none"
