@@ -49,6 +49,8 @@ def test_meshd_table_and_explicit_file(tmp_path: Path) -> None:
         ("tensor_parallel_trusted_networks = ['10.0.0.0/33']", "tensor_parallel_trusted_networks"),
         ("tensor_parallel_port = 65000", "the runners use the 1024 ports"),
         ("parallelism = 'both'", "auto or pipeline or tensor or hybrid"),
+        ("draft_tokens = 17", "between 0 .off. and 16"),
+        ("draft_tokens = -1", "between 0 .off. and 16"),
     ],
 )
 def test_bad_settings_name_the_problem(tmp_path: Path, text: str, message: str) -> None:
