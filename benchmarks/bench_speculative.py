@@ -1,4 +1,4 @@
-"""Speculative decoding on the product: two `meshd run` daemons, with and without drafts.
+"""Speculative decoding on the product: `meshd run` daemons, with and without drafts.
 
 Two daemons, each in its own network namespace (tests/netns.py: a bridge inside a namespace
 of its own, nothing touches the machine's interfaces) and pinned with taskset to its own core
@@ -11,7 +11,10 @@ whether the text is the same. The prompts: two that invite copying (fixing code,
 text), two plain chat answers.
 
     sudo .venv/bin/python benchmarks/bench_speculative.py [--draft-tokens 4] [--runs 3]
-        [--max-tokens 96]
+        [--max-tokens 96] [--nodes 2]
+
+``--nodes 1``: one daemon pinned to one core holds the whole model (a single stage drafts
+on its compute thread, where the token its next step follows is).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def run_prompts(api: str, runs: int, max_tokens: int) -> dict[str, tuple[int, fl
     return found
 
 
-def mesh_run(root: Path, model: Path, drafts: int, runs: int, max_tokens: int):
+def mesh_run(root: Path, model: Path, drafts: int, runs: int, max_tokens: int, nodes: int):
     from tests.netns import Mesh
 
     token = security.encode_join_token(security.create_mesh_secret(f"bench-spec-{drafts}"))
@@ -79,10 +82,10 @@ def mesh_run(root: Path, model: Path, drafts: int, runs: int, max_tokens: int):
     if not profile.exists():
         profile.mkdir()
         load_or_measure_profile(profile, memory_budget_override=None)
-    with Mesh(2) as mesh:
+    with Mesh(nodes) as mesh:
         daemons = []
         try:
-            for node, cpu in zip(mesh.nodes, ["0", "1"], strict=True):
+            for node, cpu in zip(mesh.nodes, ["0", "1"][:nodes], strict=True):
                 state = root / f"{mesh.prefix}-{node.index}"
                 state.mkdir()
                 shutil.copyfile(profile / "profile.json", state / "profile.json")
@@ -92,7 +95,7 @@ def mesh_run(root: Path, model: Path, drafts: int, runs: int, max_tokens: int):
                 daemon = PinnedDaemon(state, args, cpu)
                 daemon.netns = node.ns
                 daemons.append(daemon.start())
-            wait_for_stages(daemons, 2)
+            wait_for_stages(daemons, nodes)
             return run_prompts(daemons[0].api, runs, max_tokens)
         finally:
             for daemon in daemons:
@@ -104,6 +107,7 @@ def main() -> int:
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=2)
     args = parser.parse_args()
     from tests.netns import cleanup_stale
 
@@ -111,9 +115,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-spec-") as tmp:
         root = Path(tmp)
         model = ModelStore(root / "store").ensure_default().path
-        plain = mesh_run(root, model, 0, args.runs, args.max_tokens)
-        drafted = mesh_run(root, model, args.draft_tokens, args.runs, args.max_tokens)
-    print(f"2 pinned netns daemons, SmolLM2 15/15 layers, greedy, median of {args.runs} runs")
+        plain = mesh_run(root, model, 0, args.runs, args.max_tokens, args.nodes)
+        drafted = mesh_run(root, model, args.draft_tokens, args.runs, args.max_tokens, args.nodes)
+    split = "15/15 layers" if args.nodes == 2 else "all 30 layers on one node"
+    print(f"{args.nodes} pinned netns daemon(s), SmolLM2 {split}, greedy, median of {args.runs}")
     print(f"{'prompt':16s}{'tokens':>8s}{'no drafts':>12s}{f'drafts {args.draft_tokens}':>12s}"
           f"{'speed-up':>10s}  same text")  # fmt: skip
     for name in PROMPTS:

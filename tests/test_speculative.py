@@ -139,11 +139,27 @@ def test_a_request_in_company_gets_no_drafts() -> None:
     assert all(w.drafts == () for w in works)  # the two decode batched instead
 
 
-def test_a_single_stage_or_a_later_stage_never_drafts() -> None:
-    single = StageCore("a")
-    single.add_plan(plan_of("p", "a"))
-    single.plan_loaded("p", draft_tokens=4)
-    assert single._plans["p"].draft_tokens == 0  # its next input is sampled on its own thread
+def test_a_single_stage_drafts_on_its_compute_thread_where_its_next_input_is() -> None:
+    core = StageCore("a")
+    core.add_plan(plan_of("p", "a"))
+    core.plan_loaded("p", draft_tokens=4)
+    start = start_of(COPY, chunk=64, sampling=SamplingParams(max_tokens=16))
+    core.on_start(StartFrame("o", "p", "r", start), None, T0)
+    (prefill,) = core.next_batch(T0)
+    core.on_computed(prefill, Advanced(0.0), T0)
+    (last,) = core.next_batch(T0)
+    assert last.sampler is not None and last.sampler.draft
+    (follows,) = core.next_batch(T0)  # handed out behind the step whose token it follows
+    assert follows.follows and follows.draft_limit == 4 and follows.drafts == ()
+    assert prefill.draft_limit == 0 and last.draft_limit == 0
+    actions = core.on_computed(last, Sampled(12, b"", 0.01), T0)
+    assert [a.token_id for a in actions if isinstance(a, SendToken)] == [12]
+    actions = core.on_computed(follows, Verified((13, 14, 7), 0.02), T0)
+    sent = [(a.token_id, a.index) for a in actions if isinstance(a, SendToken)]
+    assert sent == [(13, 1), (14, 2), (7, 3)]  # its own drafts, verified on its thread
+
+
+def test_a_later_stage_never_drafts() -> None:
     later = StageCore("b")
     later.add_plan(plan_of("p", "a", "b", "c"))
     later.plan_loaded("p", draft_tokens=4)
@@ -191,7 +207,7 @@ def test_the_last_stage_stops_at_an_eos_inside_the_verified_tokens() -> None:
     assert [(t.token_id, t.finish) for t in tokens] == [(6, Finish.NONE), (99, Finish.EOS)]
 
 
-# --- Two real stages --------------------------------------------------------------------------
+# --- Real stages over gRPC -------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -207,9 +223,16 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         loop.close()
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [[("n1", (0, 15)), ("n2", (15, 30))], [("n1", (0, 30))]],
+    ids=["two-stages", "one-stage"],
+)
 def test_smollm2_with_drafts_gives_the_greedy_text_without_them(
-    mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
+    mesh: Mesh, tmp_path_factory: pytest.TempPathFactory, layout: list
 ) -> None:
+    """A prompt that invites copying, greedy: the same tokens with drafts as without, and
+    drafts were accepted (counted where they are verified: the last stage)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from meshd.models.store import ModelStore
@@ -221,13 +244,13 @@ def test_smollm2_with_drafts_gives_the_greedy_text_without_them(
     messages = [{"role": "user", "content": ask}]
     prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     params = SamplingParams(max_tokens=48)
-    layout = [("n1", (0, 15)), ("n2", (15, 30))]
+    last = layout[-1][0]
 
-    def run(node: str, request_id: str) -> list[int]:
+    def run(request_id: str) -> tuple[list[int], tuple[int, int]]:
         assignment = mesh.assignment_for(model_dir, layout)
         mesh.install(assignment)
         try:
-            plane = mesh.nodes[node].plane
+            plane = mesh.nodes["n1"].plane
 
             async def generate() -> tuple[list, object]:
                 stream = plane.generate(assignment.plan_id, prompt, params, request_id=request_id)
@@ -237,21 +260,20 @@ def test_smollm2_with_drafts_gives_the_greedy_text_without_them(
             assert not isinstance(final, Exception), final
             mesh.wait_all_freed(assignment.plan_id)
             stats = mesh.loop.run(_stats(mesh, assignment.plan_id))
-            return [t.token_id for t in tokens], stats
+            return [t.token_id for t in tokens], stats[last]
         finally:
             mesh.uninstall(assignment.plan_id)
 
-    drafted, stats = run("n1", "with-drafts")
-    drafted_tokens, accepted_tokens = stats["n2"]  # counted where they are verified
-    assert 0 < accepted_tokens <= drafted_tokens, stats
+    drafted, (drafted_tokens, accepted_tokens) = run(f"with-drafts-{len(layout)}")
+    assert 0 < accepted_tokens <= drafted_tokens
     print(f"drafts: {accepted_tokens} of {drafted_tokens} accepted over {len(drafted)} tokens")
-    plain_mesh_node = mesh.nodes["n1"].plane
-    plain_mesh_node.draft_tokens = 0  # the same plan without drafts
+    origin = mesh.nodes["n1"].plane
+    origin.draft_tokens = 0  # the same plan without drafts
     try:
-        plain, plain_stats = run("n1", "without-drafts")
+        plain, plain_counts = run(f"without-drafts-{len(layout)}")
     finally:
-        plain_mesh_node.draft_tokens = 4
-    assert plain_stats["n2"] == (0, 0)
+        origin.draft_tokens = 4
+    assert plain_counts == (0, 0)
     assert drafted == plain
     assert "def add_numbers(a, b):" in tokenizer.decode(drafted)  # it did copy
 

@@ -261,12 +261,11 @@ class DataPlane:
     async def _drafts_for(self, assignment: Assignment, plan: InstalledPlan) -> int:
         """Tokens this node drafts per step for ``plan``'s greedy requests (speculative
         decoding, :mod:`meshd.inference.drafting`): ``draft_tokens`` on the first stage of a
-        pipeline of plain stages whose every layer keeps a KV cache (rejected drafts are
-        taken back by dropping cache positions); 0 everywhere else."""
+        plan of plain stages whose every layer keeps a KV cache (rejected drafts are taken
+        back by dropping cache positions); 0 everywhere else."""
         stages = assignment.stages
         if (
             self.draft_tokens <= 0
-            or len(stages) < 2
             or assignment.stage_index(self.node_id) != 0
             or any(stage.tensor_parallel for stage in stages)
             or not isinstance(plan.engine, StageEngine)

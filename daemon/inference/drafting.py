@@ -47,19 +47,6 @@ def prompt_lookup(history: Sequence[int], count: int) -> tuple[int, ...]:
     return ()
 
 
-def may_draft(request: StageRequest) -> bool:
-    """Whether the first stage may draft for ``request``: greedy sampling without a
-    repetition penalty (a draft is accepted when it is the token greedy decoding gives), no
-    logits asked for, and not a request catching up with an older attempt of itself."""
-    sampling, start = request.sampling, request.start
-    return (
-        sampling.greedy
-        and sampling.repetition_penalty == 1.0
-        and not start.return_logits
-        and not start.catch_up
-    )
-
-
 def drafts_for(plan: StagePlan, request: StageRequest) -> tuple[int, ...]:
     """The tokens the first stage guesses follow the token it just received: only for a
     request that decodes alone on the plan (several decode batched, which fills the pipeline

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from meshd.inference.drafting import prompt_lookup
 from meshd.inference.sampling import TokenSampler
 from meshd.inference.stage_events import (
     Advanced,
@@ -120,6 +121,9 @@ class _SamplerState:
     context: list[int] | None  # prompt + generated, kept only for the repetition penalty
     return_logits: bool
     last_token: int | None = None  # the input of a single stage's following step
+    history: list[int] | None = None  # a single stage that drafts: prompt + answer so far
+    generated: int = 0  # tokens the request has generated (a single stage that drafts)
+    max_tokens: int = 0
 
 
 @dataclass
@@ -170,6 +174,9 @@ class StageEngine:
             sampler=sampler,
             context=list(setup.context) if keep_context else None,
             return_logits=setup.return_logits,
+            history=list(setup.context) if setup.draft else None,
+            generated=setup.generated,
+            max_tokens=setup.sampling.max_tokens,
         )
 
     def run(
@@ -191,6 +198,8 @@ class StageEngine:
         speculative step before that the last stage rejected."""
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
+        if positions <= 0:
+            return
         if self._caches is None:
             raise RuntimeError("this node's stage is not loaded")
         cache = self._caches.get(request_id)
@@ -259,10 +268,41 @@ class StageEngine:
         row = logits[:, -1, :]  # what mlx-lm's generate_step samples from
         token = state.sampler.sample(row, state.context or [])
         state.last_token = token
+        state.generated += 1
         if state.context is not None:
             state.context.append(token)
+        if state.history is not None:
+            state.history.append(token)
         raw = bytes(memoryview(row.astype(mx.float32).reshape(-1))) if state.return_logits else b""
         return token, raw
+
+    def own_drafts(self, request_id: str, limit: int) -> tuple[int, ...]:
+        """A single stage's drafts for the step after its last token (prompt lookup in the
+        request's prompt and answer so far), no more than it may still generate after the
+        token that step samples; empty when it keeps no history or is done."""
+        state = self._samplers.get(request_id)
+        if state is None or state.history is None:
+            return ()
+        return prompt_lookup(state.history, min(limit, state.max_tokens - state.generated - 1))
+
+    def done(self, request_id: str) -> bool:
+        """Whether a single stage that drafts has given the request its max_tokens."""
+        state = self._samplers.get(request_id)
+        return (
+            state is not None
+            and state.history is not None
+            and (state.generated >= state.max_tokens)
+        )
+
+    def settle(self, request_id: str, drafts: Sequence[int], tokens: Sequence[int]) -> None:
+        """A single stage verified its own drafts: drop the rejected positions from the
+        caches and go on from the last token it gives."""
+        self.roll_back(request_id, len(drafts) - (len(tokens) - 1))
+        state = self._samplers[request_id]
+        state.last_token = tokens[-1]
+        state.generated += len(tokens)
+        if state.history is not None:
+            state.history.extend(tokens)
 
     def last_token(self, request_id: str) -> int:
         """The token the request's last step sampled here (a single stage's next input)."""
@@ -287,7 +327,7 @@ class StageEngine:
 
 def is_decode_step(work: Work) -> bool:
     """Whether ``work`` runs one position (a decode step, which may join a batch)."""
-    if work.rollback or work.drafts:
+    if work.rollback or work.drafts or work.draft_limit:
         return False  # a speculative step, or the one after it: alone on its own caches
     if work.follows:
         return True
@@ -385,11 +425,14 @@ def run_step(engine: StageEngine, work: Work, cores_share: int) -> StepResult:
     set_blas_threads(None if share == 1 else default_blas_threads() // share)
     started = time.perf_counter()
     try:
+        drafts = work.drafts
         if work.follows:
             token = engine.last_token(work.request_id)
-            if token in work.stop_ids:
+            if token in work.stop_ids or (work.draft_limit and engine.done(work.request_id)):
                 return Skipped()
-            inputs = mx.array([[token]])
+            if work.draft_limit:
+                drafts = engine.own_drafts(work.request_id, work.draft_limit)
+            inputs = mx.array([[token, *drafts]])
         elif work.tokens is not None:
             inputs = mx.array([work.tokens])
         else:
@@ -399,7 +442,7 @@ def run_step(engine: StageEngine, work: Work, cores_share: int) -> StepResult:
             engine.open_sampler(work.request_id, work.sampler)
         if work.rollback:
             engine.roll_back(work.request_id, work.rollback)
-        speculative = bool(work.drafts)
+        speculative = bool(drafts)
         output = engine.run(work.request_id, inputs, head=work.head, every_position=speculative)
         compute_s = work.upstream_s + time.perf_counter() - started
         if not engine.key.has_head:
@@ -407,7 +450,11 @@ def run_step(engine: StageEngine, work: Work, cores_share: int) -> StepResult:
         if not work.head:
             return Advanced(compute_s)
         if speculative:
-            tokens = engine.verify(output, work.drafts)
+            tokens = engine.verify(output, drafts)
+            if work.follows:  # a single stage: its own drafts, settled here
+                stop = next((i for i, t in enumerate(tokens) if t in work.stop_ids), None)
+                tokens = tokens if stop is None else tokens[: stop + 1]
+                engine.settle(work.request_id, drafts, tokens)
             return Verified(tokens, work.upstream_s + time.perf_counter() - started)
         token, logits = engine.sample(work.request_id, output)
         return Sampled(token, logits, work.upstream_s + time.perf_counter() - started)

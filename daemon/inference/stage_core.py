@@ -83,7 +83,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from meshd.inference.assignment import Assignment
-from meshd.inference.drafting import drafts_for, may_draft
+from meshd.inference.drafting import drafts_for
 from meshd.inference.stage_admission import StartQueue, limit_error, start_error, token_error
 from meshd.inference.stage_events import (
     Action,
@@ -157,7 +157,7 @@ class StageCore:
         if plan is not None:
             plan.ready = True
             plan.vocab_size = vocab_size
-            plan.draft_tokens = draft_tokens if plan.is_first and not plan.is_last else 0
+            plan.draft_tokens = draft_tokens if plan.is_first else 0
 
     def plan_failed(self, plan_id: str, reason: str) -> list[Action]:
         """This node cannot serve ``plan_id`` (its part could not be fetched or loaded):
@@ -255,7 +255,7 @@ class StageCore:
             return opened
         opened.reserved = plan.queue.reserve(start)
         context = start.prompt + start.generated
-        if plan.draft_tokens and may_draft(opened):
+        if plan.draft_tokens and not plan.is_last and opened.drafts_allowed():
             opened.history = list(context)
         offset = 0
         for step, size in enumerate(_steps_of(start)):

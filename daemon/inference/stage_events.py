@@ -107,6 +107,10 @@ class SamplerSetup:
     context: tuple[int, ...]  # prompt + generated: the repetition penalty's window reads it
     draws: int  # random draws the request made before (a resumed request continues its RNG)
     return_logits: bool
+    # A single stage that drafts (speculative decoding): it keeps the prompt and the answer
+    # so far to look the drafts up in, and counts the tokens against max_tokens.
+    draft: bool = False
+    generated: int = 0  # tokens the request generated before (a resumed request)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +129,7 @@ class Work:
     stop_ids: frozenset[int] = frozenset()  # ...and that token ended the request if in here
     rollback: int = 0  # positions of the step before to drop from the caches first
     drafts: tuple[int, ...] = ()  # a speculative step: the drafted tokens it also runs
+    draft_limit: int = 0  # a single stage's following step: draft up to this many itself
 
 
 @dataclass(frozen=True, slots=True)

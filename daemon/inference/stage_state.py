@@ -76,6 +76,8 @@ class StageRequest:
             if index + 1 < self.sampling.max_tokens:
                 self.inputs.append(StepInput(item.step + 1, follows=True))
         self.heads_out += head
+        # A single stage drafts on its compute thread, where the token its step follows is.
+        drafting = plan.draft_tokens > 0 and plan.is_last and self.drafts_allowed()
         sampler = None
         if head and not self.sampler_opened:
             self.sampler_opened = True
@@ -85,7 +87,10 @@ class StageRequest:
                 context=start.prompt + start.generated,
                 draws=0 if self.sampling.greedy else len(start.generated),
                 return_logits=start.return_logits,
+                draft=drafting,
+                generated=len(start.generated),
             )
+        alone = len(plan.requests) == 1 and not plan.queue.waiting
         return Work(
             plan.plan_id,
             self.request_id,
@@ -99,6 +104,19 @@ class StageRequest:
             self.start.eos_ids if item.follows else frozenset(),
             item.rollback,
             item.drafts,
+            plan.draft_tokens if drafting and item.follows and alone else 0,
+        )
+
+    def drafts_allowed(self) -> bool:
+        """Whether the first stage may draft for this request: greedy sampling without a
+        repetition penalty (a draft is accepted when it is the token greedy decoding gives), no
+        logits asked for, and not a request catching up with an older attempt of itself."""
+        sampling, start = self.sampling, self.start
+        return (
+            sampling.greedy
+            and sampling.repetition_penalty == 1.0
+            and not start.return_logits
+            and not start.catch_up
         )
 
     def forward_start(self) -> RequestStart:
