@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from meshd.inference.drafting import prompt_lookup
+from meshd.inference.drafting import DraftIndex
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.stage_core import StageCore
 from meshd.inference.stage_events import (
@@ -42,13 +42,22 @@ from tests.test_stage_core import T0, activation, drain, plan_of, start_of
 # --- The lookup -------------------------------------------------------------------------------
 
 
+def lookup(history: list[int], count: int) -> tuple[int, ...]:
+    return DraftIndex(history).drafts(count)
+
+
 def test_the_lookup_proposes_what_followed_the_latest_earlier_occurrence() -> None:
     history = [5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 5, 6, 7]
-    assert prompt_lookup(history, 2) == (2, 3)  # the latest earlier "5 6 7" came before 2 3
-    assert prompt_lookup(history, 5) == (2, 3, 5, 6, 7)
-    assert prompt_lookup([1, 2, 3, 9, 2, 3], 3) == (9, 2, 3)  # two tokens when three never recur
-    assert prompt_lookup([1, 2, 3, 4], 3) == ()  # nothing recurs: no guess
-    assert prompt_lookup(history, 0) == ()
+    assert lookup(history, 2) == (2, 3)  # the latest earlier "5 6 7" came before 2 3
+    assert lookup(history, 5) == (2, 3, 5, 6, 7)
+    assert lookup([1, 2, 3, 9, 2, 3], 3) == (9, 2, 3)  # two tokens when three never recur
+    assert lookup([1, 2, 3, 4], 3) == ()  # nothing recurs: no guess
+    assert lookup(history, 0) == ()
+    index = DraftIndex([4, 1, 2, 3])
+    index.extend([9, 1, 2])  # appended one by one, as the tokens arrive
+    assert index.drafts(3) == (3, 9, 1)
+    index.append(8)
+    assert index.drafts(2) == () and len(index) == 8
 
 
 # --- The first stage's core -------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from meshd.inference.drafting import prompt_lookup
+from meshd.inference.drafting import DraftIndex
 from meshd.inference.sampling import TokenSampler
 from meshd.inference.stage_events import (
     Advanced,
@@ -121,7 +121,7 @@ class _SamplerState:
     context: list[int] | None  # prompt + generated, kept only for the repetition penalty
     return_logits: bool
     last_token: int | None = None  # the input of a single stage's following step
-    history: list[int] | None = None  # a single stage that drafts: prompt + answer so far
+    history: DraftIndex | None = None  # a single stage that drafts: prompt + answer so far
     generated: int = 0  # tokens the request has generated (a single stage that drafts)
     max_tokens: int = 0
 
@@ -174,7 +174,7 @@ class StageEngine:
             sampler=sampler,
             context=list(setup.context) if keep_context else None,
             return_logits=setup.return_logits,
-            history=list(setup.context) if setup.draft else None,
+            history=DraftIndex(setup.context) if setup.draft else None,
             generated=setup.generated,
             max_tokens=setup.sampling.max_tokens,
         )
@@ -283,7 +283,7 @@ class StageEngine:
         state = self._samplers.get(request_id)
         if state is None or state.history is None:
             return ()
-        return prompt_lookup(state.history, min(limit, state.max_tokens - state.generated - 1))
+        return state.history.drafts(min(limit, state.max_tokens - state.generated - 1))
 
     def done(self, request_id: str) -> bool:
         """Whether a single stage that drafts has given the request its max_tokens."""

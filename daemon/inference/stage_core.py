@@ -31,18 +31,10 @@ samples every step with the request's seeded sampler; whichever copy of a token 
 the first stage first is its input, the other copy is dropped. (Whether the two agree is the
 origin's check: it compares every token of the new attempt with the one it delivered.)
 
-Speculative decoding (``plan_loaded(draft_tokens=k)``, the first stage of a pipeline of
-plain stages; :mod:`meshd.inference.drafting`): for a greedy request without a repetition
-penalty that decodes alone on the plan, the first stage looks up to k tokens it guesses
-follow the token it just received in the request's prompt and answer so far, and runs them
-in the same step (1 + k positions). The later stages run the step as it comes, and the last
-verifies it: the token greedy decoding gives at each position, as long as the one before
-was the draft there (:class:`~meshd.inference.stage_events.Verified`), each sent on as a Token
-in order. The first stage counts the Tokens that equal its drafts (their positions are in
-every cache already); the first that does not, or the one after the last draft, is the next
-step's input, and that step carries how many drafted positions every stage drops from its
-caches before it runs (``rollback``). A step of a few positions costs about what one does (the
-weights are read once), so each accepted draft saves a round trip through every stage.
+Speculative decoding (``plan_loaded(draft_tokens=k)``): the first stage may run a step of
+the token it received plus up to k tokens it guesses follow; the last stage sends on those
+greedy decoding confirms, and the next step says how many drafted positions every stage drops
+(``rollback``). The protocol in full: :mod:`meshd.inference.drafting`.
 
 Rules (each refusal ends the request on this node and tells its origin with a Failure):
 
@@ -83,7 +75,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from meshd.inference.assignment import Assignment
-from meshd.inference.drafting import drafts_for
+from meshd.inference.drafting import DraftIndex, drafts_for
 from meshd.inference.stage_admission import StartQueue, limit_error, start_error, token_error
 from meshd.inference.stage_events import (
     Action,
@@ -256,7 +248,7 @@ class StageCore:
         opened.reserved = plan.queue.reserve(start)
         context = start.prompt + start.generated
         if plan.draft_tokens and not plan.is_last and opened.drafts_allowed():
-            opened.history = list(context)
+            opened.history = DraftIndex(context)
         offset = 0
         for step, size in enumerate(_steps_of(start)):
             opened.inputs.append(StepInput(step, tokens=context[offset : offset + size]))

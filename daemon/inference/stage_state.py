@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from meshd.inference.assignment import Assignment
+from meshd.inference.drafting import DraftIndex
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.stage_admission import StartQueue
 from meshd.inference.stage_events import RequestStart, SamplerSetup, Work
@@ -54,7 +55,7 @@ class StageRequest:
     # First stage of a plan that drafts: the prompt and the tokens generated so far (what the
     # drafts are looked up in), the drafts of the step in flight and how many came back
     # accepted (the tokens that equal them, in order, arrive before the next input).
-    history: list[int] | None = None
+    history: DraftIndex | None = None
     drafts: tuple[int, ...] = ()
     accepted: int = 0
 
