@@ -130,6 +130,65 @@ def test_a_peer_lost_in_the_middle_of_a_call_is_one_line_not_a_traceback(caplog)
     assert lost and "UNAVAILABLE" in lost[0], lost
 
 
+def test_a_session_cancelled_as_its_call_fails_stops_quietly(caplog) -> None:
+    """The daemon stops (its sessions are cancelled) just as a call to a peer fails: the
+    session's nursery ends with both the cancellation and the call's error in one group. The
+    session loop says the failure like any other (one line, no traceback) and lets only the
+    cancellation go on, so the stop is clean (before: the group escaped Membership.run)."""
+    import logging
+
+    import trio
+
+    from meshd.mesh.identity import Identity
+    from meshd.mesh.membership import Membership
+    from meshd.runtime.bridge import AsyncioThread
+    from meshd.runtime.events import EventLog
+
+    address = "127.0.0.1:9"  # never dialled: the session below is the race itself
+
+    async def main() -> bool:
+        async with AsyncioThread() as bridge:
+            membership = Membership(
+                Identity("me-00000001", "me"),
+                "test",
+                bridge,
+                lambda address, _probe: grpc.aio.insecure_channel(address),
+                EventLog(),
+                heartbeat_interval_s=0.05,
+                peer_timeout_s=1.0,
+                link_probe_interval_s=30.0,
+            )
+            in_call = trio.Event()
+
+            async def failing_call() -> None:
+                try:
+                    await trio.sleep_forever()
+                except trio.Cancelled:
+                    raise ConnectionError("the peer's call failed as the session stopped") from None
+
+            async def racing_session(address: str, source: str) -> None:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(failing_call)
+                    in_call.set()
+                    await trio.sleep_forever()
+
+            membership._session = racing_session  # type: ignore[method-assign]
+            membership._wanted[address] = "static"
+            with trio.CancelScope() as stopping:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(membership._session_loop, address, "static")
+                    await in_call.wait()
+                    stopping.cancel()
+            return stopping.cancelled_caught
+
+    with caplog.at_level(logging.DEBUG, logger="meshd"):
+        assert trio.run(main)
+    ours = [r for r in caplog.records if r.name.startswith("meshd")]
+    assert not [r for r in ours if r.levelno >= logging.ERROR or r.exc_info]
+    said = [r.getMessage() for r in ours if address in r.getMessage()]
+    assert any("ConnectionError: the peer's call failed" in line for line in said), said
+
+
 def test_a_daemon_of_another_mesh_is_named_once_on_both_sides(daemons, mesh_token) -> None:
     import time
 
