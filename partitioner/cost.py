@@ -416,11 +416,16 @@ class CostModel:
     def active_read(self, start: int, end: int, tokens: int = 1) -> float:
         """Bytes ``tokens`` tokens read together in layers [start, end) on one node: the shared
         weights once, the routed experts they touch (at most all of them)."""
-        read = self._prefix_active[end] - self._prefix_active[start]
         if tokens <= 1 or self._expert_fraction <= 0.0:
-            return read
+            return self._prefix_active[end] - self._prefix_active[start]
+        return self._touched_read(start, end, self.expert_touch(tokens))
+
+    def _touched_read(self, start: int, end: int, touch: float) -> float:
+        """active_read for tokens whose expert_touch is ``touch`` (the planner's inner loops
+        compute it once per step size)."""
+        read = self._prefix_active[end] - self._prefix_active[start]
         routed = self._prefix_active_expert[end] - self._prefix_active_expert[start]
-        touched = min(routed * self.expert_touch(tokens), self.expert_bytes(start, end))
+        touched = min(routed * touch, self.expert_bytes(start, end))
         return read - routed + max(touched, routed)
 
     def stage_decode_s(self, unit: Unit, start: int, end: int, *, last: bool) -> float:
@@ -442,7 +447,7 @@ class CostModel:
         degree = unit.degree
         if degree == 1:
             if touch > 1.0:
-                read = self.active_read(start, end, tokens)
+                read = self._touched_read(start, end, touch)
             if last:
                 read += self._head_matrix_bytes
                 flops += self.head_flops
