@@ -90,7 +90,7 @@ def drafts_for(plan: StagePlan, request: StageRequest) -> tuple[int, ...]:
     request that decodes alone on the plan (several decode batched, which fills the pipeline
     better), and no more than the request may still generate after the token the step
     samples."""
-    if request.history is None or len(plan.requests) > 1 or plan.queue.waiting:
+    if request.history is None or not plan.one_request_alone:
         return ()
     room = request.sampling.max_tokens - request.next_index - 1
     return request.history.drafts(min(plan.draft_tokens, room))

@@ -91,7 +91,6 @@ class StageRequest:
                 draft=drafting,
                 generated=len(start.generated),
             )
-        alone = len(plan.requests) == 1 and not plan.queue.waiting
         return Work(
             plan.plan_id,
             self.request_id,
@@ -105,7 +104,7 @@ class StageRequest:
             self.start.eos_ids if item.follows else frozenset(),
             item.rollback,
             item.drafts,
-            plan.draft_tokens if drafting and item.follows and alone else 0,
+            plan.draft_tokens if drafting and item.follows and plan.one_request_alone else 0,
         )
 
     def drafts_allowed(self) -> bool:
@@ -153,6 +152,12 @@ class StagePlan:
     @property
     def plan_id(self) -> str:
         return self.assignment.plan_id
+
+    @property
+    def one_request_alone(self) -> bool:
+        """One request open and none waiting: only then do its steps get drafts (several
+        requests decode batched, which fills the pipeline better)."""
+        return len(self.requests) == 1 and not self.queue.waiting
 
     @property
     def is_first(self) -> bool:
