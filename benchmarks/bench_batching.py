@@ -45,8 +45,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -103,6 +105,9 @@ def pct(values: list[float], q: int) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+T = TypeVar("T")
 
 
 # --- The mesh ---------------------------------------------------------------------------------
@@ -329,9 +334,18 @@ def mesh_single(api: str, runs: int, max_tokens: int) -> Single:
 
 def netns_mesh_single(root: Path, model: Path, cpus: list[str], runs: int, max_tokens: int):
     """len(cpus) daemons, each in its own namespace and pinned to its cpu; one request."""
+    return netns_mesh(root, model, cpus, [], lambda api: mesh_single(api, runs, max_tokens))
+
+
+def netns_mesh(
+    root: Path, model: Path, cpus: list[str], extra_args: list[str], measure: Callable[[str], T]
+) -> T:
+    """len(cpus) daemons (``extra_args`` added to each), each in its own namespace and pinned
+    to its cpu, splitting ``model`` by memory: ``measure(first daemon's API)`` once they serve
+    it, then they are killed."""
     from tests.netns import Mesh
 
-    token = security.encode_join_token(security.create_mesh_secret("bench-scaling"))
+    token = security.encode_join_token(security.create_mesh_secret("bench-netns"))
     profile = root / "profile"
     if not profile.exists():
         profile.mkdir()
@@ -345,12 +359,12 @@ def netns_mesh_single(root: Path, model: Path, cpus: list[str], runs: int, max_t
                 shutil.copyfile(profile / "profile.json", state / "profile.json")
                 args = ["--interface", "eth0", "--join", token, "--name", f"s{node.index}",
                         "--model", str(model), "--strategy", "memory",
-                        "--log-level", "WARNING"]  # fmt: skip
+                        "--log-level", "WARNING", *extra_args]  # fmt: skip
                 daemon = PinnedDaemon(state, args, cpu)
                 daemon.netns = node.ns
                 daemons.append(daemon.start())
             wait_for_stages(daemons, len(cpus))
-            return mesh_single(daemons[0].api, runs, max_tokens)
+            return measure(daemons[0].api)
         finally:
             for daemon in daemons:
                 daemon.kill()

@@ -20,7 +20,6 @@ on its compute thread, where the token its next step follows is).
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
 import tempfile
@@ -33,11 +32,9 @@ from meshd.runtime.blas import enable_fast_blas
 
 enable_fast_blas()
 
-from bench_batching import PinnedDaemon, wait_for_stages
+from bench_batching import netns_mesh
 
 from meshd.api import client
-from meshd.mesh import security
-from meshd.mesh.profiling import load_or_measure_profile
 from meshd.models.store import ModelStore
 from meshd.wire import pb
 
@@ -74,34 +71,6 @@ def run_prompts(api: str, runs: int, max_tokens: int) -> dict[str, tuple[int, fl
     return found
 
 
-def mesh_run(root: Path, model: Path, drafts: int, runs: int, max_tokens: int, nodes: int):
-    from tests.netns import Mesh
-
-    token = security.encode_join_token(security.create_mesh_secret(f"bench-spec-{drafts}"))
-    profile = root / "profile"
-    if not profile.exists():
-        profile.mkdir()
-        load_or_measure_profile(profile, memory_budget_override=None)
-    with Mesh(nodes) as mesh:
-        daemons = []
-        try:
-            for node, cpu in zip(mesh.nodes, ["0", "1"][:nodes], strict=True):
-                state = root / f"{mesh.prefix}-{node.index}"
-                state.mkdir()
-                shutil.copyfile(profile / "profile.json", state / "profile.json")
-                args = ["--interface", "eth0", "--join", token, "--name", f"s{node.index}",
-                        "--model", str(model), "--strategy", "memory",
-                        "--draft-tokens", str(drafts), "--log-level", "WARNING"]  # fmt: skip
-                daemon = PinnedDaemon(state, args, cpu)
-                daemon.netns = node.ns
-                daemons.append(daemon.start())
-            wait_for_stages(daemons, nodes)
-            return run_prompts(daemons[0].api, runs, max_tokens)
-        finally:
-            for daemon in daemons:
-                daemon.kill()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft-tokens", type=int, default=4)
@@ -115,8 +84,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-spec-") as tmp:
         root = Path(tmp)
         model = ModelStore(root / "store").ensure_default().path
-        plain = mesh_run(root, model, 0, args.runs, args.max_tokens, args.nodes)
-        drafted = mesh_run(root, model, args.draft_tokens, args.runs, args.max_tokens, args.nodes)
+        cpus = ["0", "1"][: args.nodes]
+
+        def measure(api: str) -> dict[str, tuple[int, float, str]]:
+            return run_prompts(api, args.runs, args.max_tokens)
+
+        plain = netns_mesh(root, model, cpus, ["--draft-tokens", "0"], measure)
+        drafts = ["--draft-tokens", str(args.draft_tokens)]
+        drafted = netns_mesh(root, model, cpus, drafts, measure)
     split = "15/15 layers" if args.nodes == 2 else "all 30 layers on one node"
     print(f"{args.nodes} pinned netns daemon(s), SmolLM2 {split}, greedy, median of {args.runs}")
     print(f"{'prompt':16s}{'tokens':>8s}{'no drafts':>12s}{f'drafts {args.draft_tokens}':>12s}"
