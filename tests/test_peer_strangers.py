@@ -74,6 +74,24 @@ class DyingPeer:
         return Servicer()
 
 
+def plain_membership(bridge):
+    """A node's membership speaking plain (insecure) gRPC to the fake peers of these tests."""
+    from meshd.mesh.identity import Identity
+    from meshd.mesh.membership import Membership
+    from meshd.runtime.events import EventLog
+
+    return Membership(
+        Identity("me-00000001", "me"),
+        "test",
+        bridge,
+        lambda address, _probe: grpc.aio.insecure_channel(address),
+        EventLog(),
+        heartbeat_interval_s=0.05,
+        peer_timeout_s=1.0,
+        link_probe_interval_s=30.0,
+    )
+
+
 def test_a_peer_lost_in_the_middle_of_a_call_is_one_line_not_a_traceback(caplog) -> None:
     """An expected failure (the peer died while this node fetched its state) ends the session
     with the 'lost' line in words; no ERROR, no traceback (those are for bugs)."""
@@ -81,10 +99,7 @@ def test_a_peer_lost_in_the_middle_of_a_call_is_one_line_not_a_traceback(caplog)
 
     import trio
 
-    from meshd.mesh.identity import Identity
-    from meshd.mesh.membership import Membership
     from meshd.runtime.bridge import AsyncioThread
-    from meshd.runtime.events import EventLog
     from meshd.wire import rpc
 
     async def start_peer() -> tuple[grpc.aio.Server, int]:
@@ -97,16 +112,7 @@ def test_a_peer_lost_in_the_middle_of_a_call_is_one_line_not_a_traceback(caplog)
     async def main() -> None:
         async with AsyncioThread() as bridge:
             server, port = await bridge.run(start_peer)
-            membership = Membership(
-                Identity("me-00000001", "me"),
-                "test",
-                bridge,
-                lambda address, _probe: grpc.aio.insecure_channel(address),
-                EventLog(),
-                heartbeat_interval_s=0.05,
-                peer_timeout_s=1.0,
-                link_probe_interval_s=30.0,
-            )
+            membership = plain_membership(bridge)
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(membership.run)
@@ -139,25 +145,13 @@ def test_a_session_cancelled_as_its_call_fails_stops_quietly(caplog) -> None:
 
     import trio
 
-    from meshd.mesh.identity import Identity
-    from meshd.mesh.membership import Membership
     from meshd.runtime.bridge import AsyncioThread
-    from meshd.runtime.events import EventLog
 
     address = "127.0.0.1:9"  # never dialled: the session below is the race itself
 
     async def main() -> bool:
         async with AsyncioThread() as bridge:
-            membership = Membership(
-                Identity("me-00000001", "me"),
-                "test",
-                bridge,
-                lambda address, _probe: grpc.aio.insecure_channel(address),
-                EventLog(),
-                heartbeat_interval_s=0.05,
-                peer_timeout_s=1.0,
-                link_probe_interval_s=30.0,
-            )
+            membership = plain_membership(bridge)
             in_call = trio.Event()
 
             async def failing_call() -> None:
