@@ -268,7 +268,7 @@ class DataPlane:
             self.draft_tokens <= 0
             or assignment.stage_index(self.node_id) != 0
             or any(stage.tensor_parallel for stage in stages)
-            or not isinstance(plan.engine, StageEngine)
+            or plan.engine is None
             or not every_layer_keeps_kv(plan.config or {})
         ):
             return 0
@@ -525,8 +525,8 @@ class DataPlane:
                     origin_requests=self.origin.count(plan.plan_id),
                     batched_rows=plan.engine.batched_rows if plan.engine else 0,
                     batched_steps=plan.engine.batched_steps if plan.engine else 0,
-                    drafted_tokens=getattr(plan.engine, "drafted_tokens", 0),
-                    accepted_tokens=getattr(plan.engine, "accepted_tokens", 0),
+                    drafted_tokens=plan.engine.drafted_tokens if plan.engine else 0,
+                    accepted_tokens=plan.engine.accepted_tokens if plan.engine else 0,
                     queued_requests=self.stage.core.queued_requests(plan.plan_id),
                     reserved_tokens=self.stage.core.reserved_tokens(plan.plan_id),
                     budget_tokens=plan.assignment.kv_budget_tokens,

@@ -123,7 +123,6 @@ class _SamplerState:
     last_token: int | None = None  # the input of a single stage's following step
     history: DraftIndex | None = None  # a single stage that drafts: prompt + answer so far
     generated: int = 0  # tokens the request has generated (a single stage that drafts)
-    max_tokens: int = 0
 
 
 @dataclass
@@ -176,7 +175,6 @@ class StageEngine:
             return_logits=setup.return_logits,
             history=DraftIndex(setup.context) if setup.draft else None,
             generated=setup.generated,
-            max_tokens=setup.sampling.max_tokens,
         )
 
     def run(
@@ -283,16 +281,15 @@ class StageEngine:
         state = self._samplers.get(request_id)
         if state is None or state.history is None:
             return ()
-        return state.history.drafts(min(limit, state.max_tokens - state.generated - 1))
+        room = state.sampler.params.max_tokens - state.generated - 1
+        return state.history.drafts(min(limit, room))
 
     def done(self, request_id: str) -> bool:
         """Whether a single stage that drafts has given the request its max_tokens."""
         state = self._samplers.get(request_id)
-        return (
-            state is not None
-            and state.history is not None
-            and (state.generated >= state.max_tokens)
-        )
+        if state is None or state.history is None:
+            return False
+        return state.generated >= state.sampler.params.max_tokens
 
     def settle(self, request_id: str, drafts: Sequence[int], tokens: Sequence[int]) -> None:
         """A single stage verified its own drafts: drop the rejected positions from the

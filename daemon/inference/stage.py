@@ -133,8 +133,8 @@ class StageRuntime:
         self._start_sweeper()
 
     def plan_loaded(self, plan_id: str, vocab_size: int = 0, draft_tokens: int = 0) -> None:
-        """The plan's stage is loaded; token ids outside ``vocab_size`` are refused; the
-        first stage of a pipeline drafts up to ``draft_tokens`` tokens per step."""
+        """The plan's stage is loaded; token ids outside ``vocab_size`` are refused; a first
+        stage drafts up to ``draft_tokens`` tokens per step."""
         self.core.plan_loaded(plan_id, vocab_size=vocab_size, draft_tokens=draft_tokens)
 
     def plan_failed(self, plan_id: str, reason: str) -> None:
