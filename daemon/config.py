@@ -231,6 +231,19 @@ class Config:
         read=_seconds(),
         metavar="SECONDS",
     )
+    lanes: bool = setting(
+        True,
+        "carry a plan's frames over lanes, direct mutual-TLS connections to the peers that are "
+        "cheaper per frame than the peer port's gRPC streams (--no-lanes: only the peer port)",
+        read=_flag,
+    )
+    lane_port: int = setting(
+        0,
+        "port the lanes listen on (0 picks a free one; peers learn it over the peer port); a "
+        "peer that cannot reach it sends its frames over the peer port instead",
+        read=_port,
+        metavar="PORT",
+    )
     api: str = setting(
         "",
         "local client API address: unix:/path or 127.0.0.1:PORT (default: socket in state dir)",

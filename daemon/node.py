@@ -193,6 +193,19 @@ class Node:
         await server.start()
         self.gate.check_installed()
         self.peer_port = port
+        if self.config.lanes:
+            try:
+                await self.plane.transport.open_lanes(
+                    self.config.peer_host,
+                    self.credentials,
+                    port=self.config.lane_port,
+                    handshake_timeout_s=self.config.peer_handshake_timeout_s,
+                )
+            except OSError as error:
+                raise ConfigError(
+                    f"cannot listen for lanes on {self.config.peer_host}:{self.config.lane_port}"
+                    f" ({error}): give this daemon another --lane-port (0 picks a free one)"
+                ) from None
         return server
 
     # ------------------------------------------------------------ status

@@ -151,6 +151,37 @@ def test_greedy_tokens_and_logits_equal_mlx_lm(
     assert final.usage.completion_tokens == STEPS and final.usage.prompt_tokens == len(PROMPT)
 
 
+def test_nodes_with_and_without_lanes_generate_exactly_together(
+    loop: LoopThread, models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A node that offers no lane (an older peer, or `--no-lanes`) in a plan with nodes that
+    do: its links carry frames over their gRPC streams, the others' over lanes, and the
+    request is still bit-identical to mlx-lm. The origin holds no stage, so the last
+    stage's tokens come back over the connection the origin opened (a lane to a, the
+    stream to b)."""
+    mesh = Mesh(loop, tmp_path)
+    try:
+        mesh.add_node("a")
+        mesh.add_node("b", lanes=False)
+        mesh.add_node("o")
+        params = SamplingParams(temperature=0.0, max_tokens=STEPS)
+        ref_tokens, ref_logits = mlx_lm_reference(models["llama"], PROMPT, params)
+        for stages in (("a", "b"), ("b", "a")):
+            with installed(mesh, assignment(mesh, models["llama"], stages)) as plan_id:
+                events, outcome = mesh.generate("o", plan_id, PROMPT, params, return_logits=True)
+            assert finished(outcome).finish_reason == "length"
+            assert [event.token_id for event in events] == ref_tokens
+            for event, ref in zip(events, ref_logits, strict=True):
+                assert np.array_equal(event.logits, ref)
+        lanes_of = {n: mesh.nodes[n].plane.transport for n in ("a", "b", "o")}
+        assert lanes_of["o"]._outbound["a"].lane is not None
+        assert lanes_of["o"]._outbound["b"].lane is None
+        assert lanes_of["a"]._outbound["b"].lane is None
+        assert lanes_of["b"]._outbound["a"].lane is None  # nor does it dial lanes
+    finally:
+        mesh.close()
+
+
 def test_chunked_prefill_equals_mlx_lm_with_the_same_step_size(
     mesh: Mesh, models: dict[str, Path]
 ) -> None:

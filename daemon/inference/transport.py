@@ -1,12 +1,19 @@
-"""Data-plane transport: persistent gRPC streams between nodes, and where a frame goes.
+"""Data-plane transport: a link per ordered node pair, and where a frame goes.
 
-A persistent bidirectional stream per ordered node pair (``DataPlane/Link``), opened lazily by
-the sender, reused by every request, reopened on the next send after a failure. Frames are
+A link is a persistent bidirectional stream (``DataPlane/Link``), opened lazily by the
+sender, reused by every request, reopened on the next send after a failure. Frames are
 written in order, so a request's steps reach each stage in order. Both sides start with a
 Hello; the receiving side checks it against the TLS certificate's node id, the sending side
 checks that the address answered as the node the plan names. A stream's return direction
 carries frames only to a node that has no address in the plan (an origin that holds no
 stage): such an origin opens streams to every stage before it starts a request.
+
+Where the receiving side offers a lane (its Hello's ``lane_port``, :mod:`meshd.inference.
+lanes`), the sender opens it before the link counts as open, and from then on every frame of
+the link, both ways, goes over the lane; the stream stays open beside it, and the link breaks
+when either breaks. A lane that cannot open leaves the frames on the stream (it is tried
+again after ``lanes.RETRY_AFTER_S``). Answers to a node with no address go on the connection
+it opened last (its lane, once it has one), so they follow its frames' path.
 
 This module knows frames only as protobuf messages to move: what they mean is the business
 of the :class:`LinkHandler` it delivers them to (the data plane's facade), through a narrow
@@ -23,11 +30,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
 
+from meshd.inference import lanes
+from meshd.inference.lanes import Lane, LaneClosed, LaneListener
 from meshd.mesh import channels, security
 from meshd.mesh.channels import ChannelFactory
 from meshd.runtime.rpc_guard import add_guarded_servicer
@@ -77,6 +88,8 @@ class _OutboundLink:
         hello_timeout_s: float,
         on_frame: Callable[[str, dp.Frame], None],
         on_broken: Callable[[_OutboundLink, str], None],
+        lane_context: ssl.SSLContext | None = None,
+        lanes_refused: dict[tuple[str, int], float] | None = None,
     ) -> None:
         self.peer = peer
         self.address = address
@@ -86,6 +99,10 @@ class _OutboundLink:
         self._on_frame = on_frame
         self._on_broken = on_broken
         self._outbox: asyncio.Queue[dp.Frame] = asyncio.Queue()
+        self._lane_context = lane_context
+        self._lanes_refused = lanes_refused if lanes_refused is not None else {}
+        self.lane: Lane | None = None  # where frames go once open; else the gRPC stream
+        self._lane_lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._opened.add_done_callback(_retrieve_exception)
         self.broken = False
@@ -95,6 +112,8 @@ class _OutboundLink:
     def send(self, frame: dp.Frame) -> bool:
         if self.broken:
             return False
+        if self.lane is not None:
+            return self.lane.send(frame)
         self._outbox.put_nowait(frame)
         return True
 
@@ -115,6 +134,8 @@ class _OutboundLink:
     async def close(self) -> None:
         self._closing = True
         self.broken = True
+        if self.lane is not None:
+            self.lane.close()
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._task
@@ -128,6 +149,8 @@ class _OutboundLink:
             async with asyncio.timeout(self._hello_timeout_s):
                 reply = await call.read()
             self._check_hello(reply)
+            if reply.hello.lane_port and self._lane_context is not None:
+                await self._open_lane(reply.hello.lane_port)
             self._opened.set_result(None)
             await self._pump(call)
         except asyncio.CancelledError:
@@ -150,19 +173,58 @@ class _OutboundLink:
                 "plan's address book is stale"
             )
 
-    async def _pump(self, call: Any) -> None:
-        """Write queued frames and read returned ones until either direction ends."""
-        writer = asyncio.create_task(self._write(call))
-        reader = asyncio.create_task(self._read(call))
+    async def _open_lane(self, port: int) -> None:
+        """Move the link's frames to a lane at ``port``; where none opens, they stay on the
+        gRPC stream (the link works either way, the lane only makes each frame cheaper)."""
+        assert self._lane_context is not None
+        if self._lanes_refused.get((self.address, port), 0.0) > time.monotonic():
+            return  # it failed a moment ago: no new wait on every link opened
         try:
-            done, _ = await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_COMPLETED)
+            lane = await lanes.dial(
+                self.address,
+                port,
+                self._lane_context,
+                self.peer,
+                self._on_frame,
+                self._on_lane_lost,
+                min(self._hello_timeout_s, lanes.OPEN_TIMEOUT_S),
+            )
+        except LaneClosed as error:
+            self._lanes_refused[(self.address, port)] = time.monotonic() + lanes.RETRY_AFTER_S
+            log.warning(
+                "no lane to %s (%s), its frames go over the gRPC stream (slower) for %g s: %s",
+                self.peer,
+                self.address,
+                lanes.RETRY_AFTER_S,
+                error,
+            )
+            return
+        self.lane = lane
+        while not self._outbox.empty():  # frames queued while the link opened, in order
+            lane.send(self._outbox.get_nowait())
+
+    def _on_lane_lost(self, lane: Lane, reason: str) -> None:
+        if not self._lane_lost.done():
+            self._lane_lost.set_result(reason)
+
+    async def _pump(self, call: Any) -> None:
+        """Write queued frames and read returned ones until either direction (or the lane)
+        ends."""
+        reader = asyncio.create_task(self._read(call))
+        other = self._lane_lost if self.lane is not None else asyncio.create_task(self._write(call))
+        try:
+            done, _ = await asyncio.wait({other, reader}, return_when=asyncio.FIRST_COMPLETED)
+            if self._lane_lost in done:
+                raise LinkError(self._lane_lost.result())
             for task in done:
                 task.result()  # raises the direction's error
             raise LinkError("the peer closed the stream")
         finally:
-            writer.cancel()
+            other.cancel()
             reader.cancel()
             call.cancel()
+            if self.lane is not None:
+                self.lane.close()
 
     async def _write(self, call: Any) -> None:
         while True:
@@ -227,8 +289,37 @@ class Transport:
         self._inbound: dict[str, _InboundLink] = {}
         self._retired: set[asyncio.Future[None]] = set()  # links being closed (address moved)
         self._closed = False
+        self._lanes: LaneListener | None = None  # accepts peers' lanes, once opened
+        self._answer_on_lane: set[str] = set()  # peers whose newest link to us is a lane
+        self._lanes_refused: dict[tuple[str, int], float] = {}  # (address, port) -> retry at
+        self._lane_context: ssl.SSLContext | None = None  # dials peers' lanes
         self.frames_received = 0
         self.frames_sent = 0
+
+    async def open_lanes(
+        self,
+        host: str,
+        credentials: security.NodeCredentials,
+        *,
+        port: int = 0,
+        handshake_timeout_s: float = lanes.HANDSHAKE_TIMEOUT_S,
+    ) -> int:
+        """Offer peers a lane (:mod:`meshd.inference.lanes`) on ``host``:``port`` and dial
+        theirs; returns the listener's port. OSError when it cannot listen there."""
+        self.bind_loop()
+        server_context, self._lane_context = lanes.tls_contexts(credentials)
+        self._lanes = LaneListener(
+            server_context,
+            self.dispatch,
+            self._answer_on_lane.add,
+            self._on_lane_lost,
+            handshake_timeout_s=handshake_timeout_s,
+        )
+        return await self._lanes.start(host, port)
+
+    def _on_lane_lost(self, peer: str, reason: str) -> None:
+        if not self._closed:
+            self._handler.on_peer_lost(peer, reason)
 
     def bind_loop(self) -> asyncio.AbstractEventLoop:
         """The one asyncio loop this transport runs on (bound on first use)."""
@@ -259,10 +350,14 @@ class Transport:
         """Best effort to a node we may have no address for: local, its stream, or ours."""
         if node_id == self.node_id:
             return self.send(node_id, "", frame)
+        lane = self._lanes.lanes.get(node_id) if self._lanes is not None else None
         inbound = self._inbound.get(node_id)
-        if inbound is not None and inbound.send(frame):
-            self.frames_sent += 1
-            return True
+        # On the connection the peer opened last: its link's lane, once it has one.
+        newest_first = (lane, inbound) if node_id in self._answer_on_lane else (inbound, lane)
+        for connection in newest_first:
+            if connection is not None and connection.send(frame):
+                self.frames_sent += 1
+                return True
         outbound = self._outbound.get(node_id)
         if outbound is not None and outbound.send(frame):
             self.frames_sent += 1
@@ -302,6 +397,8 @@ class Transport:
                 hello_timeout_s=self.link_timeout_s,
                 on_frame=self.dispatch,
                 on_broken=self._on_outbound_broken,
+                lane_context=self._lane_context,
+                lanes_refused=self._lanes_refused,
             )
             self._outbound[node_id] = link
         return link
@@ -324,8 +421,10 @@ class Transport:
         self.bind_loop()
         peer = await self._accept_hello(context)
         link = _InboundLink(peer, context)
-        await context.write(dp.Frame(hello=dp.Hello(node_id=self.node_id)))
+        lane_port = self._lanes.port if self._lanes is not None else 0
+        await context.write(dp.Frame(hello=dp.Hello(node_id=self.node_id, lane_port=lane_port)))
         self._inbound[peer] = link
+        self._answer_on_lane.discard(peer)
         writer = asyncio.create_task(link.write_forever())
         reason = "the peer closed the stream"
         try:
@@ -379,6 +478,8 @@ class Transport:
         self._outbound.clear()
         for inbound in self._inbound.values():
             inbound.closed = True
+        if self._lanes is not None:
+            await self._lanes.close()
 
 
 class DataPlaneServicer(dp_grpc.DataPlaneServicer):

@@ -64,10 +64,12 @@ class Bundle(_message.Message):
     def __init__(self, frames: _Optional[_Iterable[_Union[Frame, _Mapping]]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("node_id",)
+    __slots__ = ("node_id", "lane_port")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LANE_PORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
-    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+    lane_port: int
+    def __init__(self, node_id: _Optional[str] = ..., lane_port: _Optional[int] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens")

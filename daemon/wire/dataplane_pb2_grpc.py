@@ -54,6 +54,9 @@ class DataPlaneServicer:
         reused by every request. Both sides start with a Hello. Frames the opener sends flow
         client -> server; the server writes frames back on the same stream only for an origin
         that is not itself a stage of the plan (it has no address in the plan to be dialled at).
+        Where the server's Hello offers a lane (Hello.lane_port) and the opener reaches it, the
+        link's frames, both ways, go over the lane instead, and the stream stays open beside it
+        (the link breaks when either does).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

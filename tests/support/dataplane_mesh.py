@@ -82,9 +82,13 @@ class Mesh:
         self.nodes: dict[str, Node] = {}
         self._plan_ids = itertools.count()
 
-    def add_node(self, node_id: str, *, follow: bool = False, **plane_options: Any) -> Node:
+    def add_node(
+        self, node_id: str, *, follow: bool = False, lanes: bool = True, **plane_options: Any
+    ) -> Node:
         """A node; with ``follow`` its origin follows the committed plans (``active`` of
-        :meth:`install`) and moves its requests to the next one, as a daemon's does."""
+        :meth:`install`) and moves its requests to the next one, as a daemon's does. With
+        ``lanes`` (as a daemon) it offers and dials lanes; without, its links carry frames
+        over their gRPC streams only."""
         credentials = security.load_or_create_node_credentials(
             self.state_dir / node_id, self.secret, node_id
         )
@@ -97,6 +101,8 @@ class Mesh:
                 node_id, peer_channel_factory(credentials), committed.check, **plane_options
             )
             server, port = await start_server(plane.servicer(), credentials)
+            if lanes:
+                await plane.transport.open_lanes("127.0.0.1", credentials)
             return Node(node_id, plane, server, f"127.0.0.1:{port}", committed)
 
         node = self.loop.run(start())

@@ -74,6 +74,7 @@ async def _serve_node(args: argparse.Namespace) -> None:
         prefill_chunk=args.prefill_chunk,
     )
     server, port = await start_server(plane.servicer(), credentials, args.listen)
+    await plane.transport.open_lanes(args.listen.rpartition(":")[0], credentials)
     _emit({"node_id": args.node_id, "port": port})
     try:
         while line := await asyncio.to_thread(sys.stdin.readline):

@@ -1,0 +1,450 @@
+"""Lanes: a link's frames over a plain mutual-TLS TCP connection, read and written in place.
+
+Why: a frame that crosses a grpc.aio stream inside a daemon takes ~1.1 ms from one node's
+compute thread to the next one's on this project's 2-core machines (``perf sched``: 0.6 ms
+of the sender's loop thread busy through the writer task and ``call.write``, ~0.2 ms of gRPC
+core's event-engine threads and poller handing the message on, 0.3 ms of the receiver's
+loop). A lane is a non-blocking TLS socket that the same loop watches: :meth:`Lane.send`
+encrypts the frame and hands it to the socket at once, and the receiving side decrypts what
+arrived and hands every whole frame straight to the stage runtime in the loop's readiness
+callback, with no task, queue or extra thread between. Not asyncio's own TLS transport: its
+record layer is Python, and on a core whose caches the stage's matrix work has just
+evicted, it cost ~0.14 ms of the receiver's loop per frame; ``ssl.SSLSocket`` does the same
+in C.
+
+What stays the same: every frame is the same ``dataplane.Frame`` (``proto/dataplane.proto``),
+each preceded by its length (4 bytes, big-endian) on the wire. Both ends present a
+certificate of the mesh CA (TLS 1.3, the same node credentials as the peer port) and each
+takes the other's node id from its certificate, so a lane carries frames only between
+members, and only from the node it names. The link's gRPC stream still opens first (Hello
+both ways, and the listener's port in the answer, ``Hello.lane_port``) and stays open: the
+link breaks when either breaks, and where no lane opens (a peer that offers none, a port a
+firewall blocks) the frames go over the stream as before.
+
+The listener is a second open port: handshakes are bounded in time
+(``HANDSHAKE_TIMEOUT_S``) and per source address (``MAX_PENDING_PER_SOURCE`` connections
+still in their handshake), as the peer port's are (:mod:`meshd.mesh.gate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import ssl
+import struct
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from meshd.mesh import security
+from meshd.mesh.channels import MAX_MESSAGE_BYTES
+from meshd.wire import dataplane_pb2 as dp
+
+log = logging.getLogger("meshd.dataplane")
+
+HEADER = struct.Struct(">I")
+HANDSHAKE_TIMEOUT_S = 5.0
+# A dialler waits this long for a lane (a LAN's connect and handshake take milliseconds),
+# then uses the link's gRPC stream, and tries that peer's lane again after RETRY_AFTER_S.
+OPEN_TIMEOUT_S = 2.0
+RETRY_AFTER_S = 60.0
+READ_CHUNK_BYTES = 256 << 10
+MAX_PENDING_PER_SOURCE = 8
+# A silently dead peer (a cable pulled) is noticed like the peer port's keepalives do.
+KEEPALIVE_IDLE_S = 10
+KEEPALIVE_INTERVAL_S = 2
+KEEPALIVE_PROBES = 2
+
+
+class LaneClosed(ConnectionError):
+    """A lane could not open or broke; the message names the peer and why."""
+
+
+def tls_contexts(credentials: security.NodeCredentials) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """The (server, client) TLS contexts of lanes: TLS 1.3, this node's certificate, and only
+    the mesh CA trusted; both sides must present a certificate. The node id is checked from
+    the certificate after the handshake (:func:`certified_node_id`), not as a host name."""
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False
+    ca = credentials.ca_certificate_pem.decode("ascii")
+    with tempfile.TemporaryDirectory(prefix="meshd-lane-") as folder:
+        # ssl loads a key pair only from files: a private folder, gone after loading.
+        key, cert = Path(folder) / "node.key", Path(folder) / "node.crt"
+        descriptor = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "wb") as out:
+            out.write(credentials.private_key_pem)
+        cert.write_bytes(credentials.certificate_pem)
+        for context in (server, client):
+            context.minimum_version = ssl.TLSVersion.TLSv1_3
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(cadata=ca)
+            context.load_cert_chain(cert, key)
+    return server, client
+
+
+def certified_node_id(certificate: dict[str, Any] | None) -> str | None:
+    """The node id (common name) of a verified certificate (``SSLSocket.getpeercert()``)."""
+    for entry in (certificate or {}).get("subject", ()):
+        for key, value in entry:
+            if key == "commonName":
+                return str(value)
+    return None
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    """TCP keepalives and no Nagle delay on the lane's socket (where the system has them)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (
+            ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+            ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+        ):
+            option = getattr(socket, name, None)
+            if option is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+class Lane:
+    """One end of an open lane: a non-blocking TLS socket that the loop watches.
+
+    Reading happens in the loop's readiness callback: as many bytes as the socket holds are
+    decrypted (in C) and every whole frame in them goes to ``on_frame(peer, frame)`` at
+    once. :meth:`send` hands a frame to the socket in place; what it cannot take yet waits,
+    in order, until the socket is writable. ``on_lost(lane, reason)`` runs once when the
+    lane ends for any reason but :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        sock: ssl.SSLSocket,
+        peer: str,
+        on_frame: Callable[[str, dp.Frame], None],
+        on_lost: Callable[[Lane, str], None],
+    ) -> None:
+        self.peer = peer
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._on_frame = on_frame
+        self._on_lost = on_lost
+        self._loop = asyncio.get_running_loop()
+        self._chunk = bytearray(READ_CHUNK_BYTES)
+        self._pending = bytearray()  # the start of a frame whose rest has not arrived
+        self._backlog = bytearray()  # bytes the socket did not take yet, in order
+        self._writing = False  # a writer callback is registered
+        self.used = False  # bytes went either way (a lane never used is not missed)
+        self.closed = False
+        _keep_alive(sock)
+        self._loop.add_reader(self._fd, self._readable)
+
+    def send(self, frame: dp.Frame) -> bool:
+        """Write ``frame`` now (or after what the socket has not taken yet); False once the
+        lane is closed."""
+        if self.closed:
+            return False
+        self.used = True
+        payload = frame.SerializeToString()
+        self._backlog += HEADER.pack(len(payload))
+        self._backlog += payload
+        if not self._writing:
+            self._flush()
+        return not self.closed
+
+    def close(self) -> None:
+        """Close without reporting a loss (the owner is done with the lane)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._loop.remove_reader(self._fd)
+        if self._writing:
+            self._loop.remove_writer(self._fd)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    # ------------------------------------------------------------ the loop's callbacks
+
+    def _readable(self) -> None:
+        view = memoryview(self._chunk)
+        while not self.closed:
+            try:
+                count = self._sock.recv_into(self._chunk)
+            except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+                break
+            except ssl.SSLWantWriteError:
+                break  # TLS wants to write first: the writer callback flushes, then we read
+            except OSError as error:
+                self._fail(f"the lane broke: {error}")
+                return
+            if count == 0:
+                self._fail("the peer closed the lane")
+                return
+            self._received(view[:count])
+        if self._backlog and not self._writing and not self.closed:
+            self._flush()  # a write that waited for TLS to read
+
+    def _received(self, data: memoryview) -> None:
+        """Hand every whole frame in what was pending and ``data`` to ``on_frame``; keep the
+        start of an incomplete one."""
+        self.used = True
+        if self._pending:
+            self._pending += data
+            consumed = self._frames_in(self._pending)
+            del self._pending[:consumed]
+        else:
+            consumed = self._frames_in(data)
+            self._pending = bytearray(data[consumed:])
+
+    def _frames_in(self, buffer: bytearray | memoryview) -> int:
+        """Parse and deliver the whole frames at the start of ``buffer``; bytes consumed."""
+        start = 0
+        with memoryview(buffer) as view:
+            end = len(view)
+            while not self.closed and end - start >= HEADER.size:
+                (length,) = HEADER.unpack_from(view, start)
+                if length > MAX_MESSAGE_BYTES:
+                    self._fail(f"a frame of {length} bytes is over the {MAX_MESSAGE_BYTES} limit")
+                    break
+                stop = start + HEADER.size + length
+                if stop > end:
+                    break
+                try:
+                    frame = dp.Frame.FromString(view[start + HEADER.size : stop])
+                except DecodeError as error:
+                    self._fail(f"an unreadable frame: {error}")
+                    break
+                start = stop
+                self._on_frame(self.peer, frame)
+        return start
+
+    def _flush(self) -> None:
+        """Give the socket what it takes of the backlog; watch for writability if any is
+        left (one callback, until the backlog is empty)."""
+        try:
+            sent = self._sock.send(self._backlog)
+        except (ssl.SSLWantWriteError, BlockingIOError, InterruptedError):
+            sent = 0
+        except ssl.SSLWantReadError:
+            return  # TLS must read first: _readable flushes after it read
+        except OSError as error:
+            self._fail(f"the lane broke: {error}")
+            return
+        del self._backlog[:sent]
+        if self._backlog and not self._writing:
+            self._writing = True
+            self._loop.add_writer(self._fd, self._writable)
+        elif not self._backlog and self._writing:
+            self._writing = False
+            self._loop.remove_writer(self._fd)
+
+    def _writable(self) -> None:
+        if not self.closed:
+            self._flush()
+
+    def _fail(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.close()
+        self._on_lost(self, reason)
+
+
+async def _until_ready(sock: socket.socket, *, write: bool) -> None:
+    """Wait until ``sock`` is readable (or writable)."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    fd = sock.fileno()
+    if write:
+        loop.add_writer(fd, wake)
+    else:
+        loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        if write:
+            loop.remove_writer(fd)
+        else:
+            loop.remove_reader(fd)
+
+
+async def _handshake(sock: ssl.SSLSocket) -> str:
+    """Run the TLS handshake of a non-blocking socket on the loop; the peer's node id."""
+    while True:
+        try:
+            sock.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            await _until_ready(sock, write=False)
+        except ssl.SSLWantWriteError:
+            await _until_ready(sock, write=True)
+    certified = certified_node_id(sock.getpeercert())
+    if certified is None:
+        raise LaneClosed("the peer presented no node certificate")
+    return certified
+
+
+class LaneListener:
+    """The accepting side: one TLS listener per node, its lanes by peer node id;
+    ``on_open(peer)`` once a peer's lane is open, ``on_lost(peer, reason)`` when it ends.
+
+    A connection becomes a lane once its handshake passed (within HANDSHAKE_TIMEOUT_S); at
+    most MAX_PENDING_PER_SOURCE connections from one address may be in their handshake at
+    once, a further one is closed at once.
+    """
+
+    def __init__(
+        self,
+        context: ssl.SSLContext,
+        on_frame: Callable[[str, dp.Frame], None],
+        on_open: Callable[[str], None],
+        on_lost: Callable[[str, str], None],
+        *,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    ) -> None:
+        self._context = context
+        self._handshake_timeout_s = handshake_timeout_s
+        self._on_frame = on_frame
+        self._on_open = on_open
+        self._on_lost = on_lost
+        self._socket: socket.socket | None = None
+        self._handshakes: set[asyncio.Task[None]] = set()
+        self._pending: Counter[str] = Counter()  # source address -> handshakes under way
+        self.lanes: dict[str, Lane] = {}
+        self.port = 0
+
+    async def start(self, host: str, port: int = 0) -> int:
+        """Listen on ``host`` (the peer port's host) at ``port`` (0: a free one); returns the
+        port. OSError when it cannot (the port is taken)."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listening = socket.create_server((host, port), family=family)
+        listening.setblocking(False)
+        self._socket = listening
+        self.port = listening.getsockname()[1]
+        asyncio.get_running_loop().add_reader(listening.fileno(), self._accept)
+        return self.port
+
+    def _accept(self) -> None:
+        assert self._socket is not None
+        while True:
+            try:
+                sock, address = self._socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as error:  # out of descriptors: leave the rest for later
+                log.warning("the lane listener could not accept a connection: %s", error)
+                return
+            source = str(address[0])
+            if self._pending[source] >= MAX_PENDING_PER_SOURCE:
+                sock.close()
+                continue
+            self._pending[source] += 1
+            task = asyncio.create_task(self._admit(sock, source), name=f"lane-from-{source}")
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _admit(self, sock: socket.socket, source: str) -> None:
+        """One accepted connection: handshake in time, then a lane; else closed quietly
+        (a stranger's failed handshake is not this node's error)."""
+        wrapped: ssl.SSLSocket | None = None
+        try:
+            sock.setblocking(False)
+            wrapped = self._context.wrap_socket(
+                sock, server_side=True, do_handshake_on_connect=False
+            )
+            async with asyncio.timeout(self._handshake_timeout_s):
+                peer = await _handshake(wrapped)
+        except BaseException as error:
+            (wrapped or sock).close()
+            if not isinstance(error, OSError | TimeoutError | LaneClosed):
+                raise  # cancelled: the listener is closing
+            log.debug("a lane from %s was refused: %s", source, error)
+            return
+        finally:
+            self._pending[source] -= 1
+            if self._pending[source] <= 0:
+                del self._pending[source]
+        lane = Lane(wrapped, peer, self._on_frame, self._lost)
+        previous = self.lanes.get(peer)
+        self.lanes[peer] = lane
+        if previous is not None:
+            previous.close()  # the peer reopened its link: the old lane is done
+        self._on_open(peer)
+
+    def _lost(self, lane: Lane, reason: str) -> None:
+        if self.lanes.get(lane.peer) is not lane:
+            return
+        del self.lanes[lane.peer]
+        if lane.used:  # else the dialler gave up on it and kept its gRPC stream
+            self._on_lost(lane.peer, f"its lane to us broke: {reason}")
+
+    async def close(self) -> None:
+        if self._socket is not None:
+            asyncio.get_running_loop().remove_reader(self._socket.fileno())
+            self._socket.close()
+            self._socket = None
+        for task in list(self._handshakes):
+            task.cancel()
+        for lane in list(self.lanes.values()):
+            lane.close()
+        self.lanes.clear()
+
+
+def split_address(address: str) -> str:
+    """The host of a ``host:port`` address (``[v6]:port`` too)."""
+    host = address.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+async def dial(
+    address: str,
+    port: int,
+    context: ssl.SSLContext,
+    peer: str,
+    on_frame: Callable[[str, dp.Frame], None],
+    on_lost: Callable[[Lane, str], None],
+    timeout_s: float,
+) -> Lane:
+    """Open a lane to ``peer`` at the host of its link ``address`` and ``port``; LaneClosed
+    when it cannot open in ``timeout_s`` or the certificate names another node."""
+    loop = asyncio.get_running_loop()
+    host = split_address(address)
+    sock: socket.socket | None = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, kind, proto, _, target = infos[0]
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, target)
+            sock = context.wrap_socket(
+                sock, server_hostname=security.TLS_SERVER_NAME, do_handshake_on_connect=False
+            )
+            certified = await _handshake(sock)
+    except BaseException as error:
+        if sock is not None:
+            sock.close()
+        if isinstance(error, TimeoutError):
+            raise LaneClosed(f"no lane to {host}:{port} within {timeout_s:g} s") from None
+        if isinstance(error, OSError | LaneClosed):
+            raise LaneClosed(f"no lane to {host}:{port}: {error}") from None
+        raise  # cancelled: the link is closing
+    if certified != peer:
+        sock.close()
+        raise LaneClosed(
+            f"the certificate at {host}:{port} names node {certified}, not {peer}: the plan's "
+            "address book is stale"
+        )
+    assert isinstance(sock, ssl.SSLSocket)
+    return Lane(sock, peer, on_frame, on_lost)

@@ -1,0 +1,377 @@
+"""Lanes: a link's frames over a mutual-TLS TCP connection beside its gRPC stream.
+
+Real parts throughout: two data-plane transports, each behind its own grpc.aio server with
+the mesh's mutual TLS, on 127.0.0.1; the lanes are real TLS connections between them. A
+recording handler stands in for the data plane above the transport (what it does with
+frames is tested in test_dataplane, which runs over lanes too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from meshd.inference import lanes
+from meshd.inference.transport import DataPlaneServicer, Transport, start_server
+from meshd.mesh import security
+from meshd.mesh.channels import peer_channel_factory
+from meshd.wire import dataplane_pb2 as dp
+from tests.support.dataplane_mesh import LoopThread
+
+WAIT_S = 10.0
+
+
+@dataclass
+class Recorder:
+    """The handler above a transport: every frame and every lost peer, in order."""
+
+    frames: list[tuple[str, dp.Frame]] = field(default_factory=list)
+    lost: list[tuple[str, str]] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def on_frame(self, sender: str, frame: dp.Frame) -> None:
+        self.frames.append((sender, frame))
+        self.changed.set()
+
+    def on_peer_lost(self, peer: str, reason: str) -> None:
+        self.lost.append((peer, reason))
+        self.changed.set()
+
+    async def wait_for(self, condition: object) -> None:
+        async with asyncio.timeout(WAIT_S):
+            while not condition():  # type: ignore[operator]
+                self.changed.clear()
+                await self.changed.wait()
+
+
+@dataclass
+class Node:
+    node_id: str
+    transport: Transport
+    recorder: Recorder
+    server: grpc.aio.Server
+    address: str
+    credentials: security.NodeCredentials
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[LoopThread]:
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+async def start_node(
+    state: Path, secret: security.MeshSecret, node_id: str, *, lanes_on: bool = True
+) -> Node:
+    credentials = security.load_or_create_node_credentials(state / node_id, secret, node_id)
+    recorder = Recorder()
+    transport = Transport(node_id, peer_channel_factory(credentials), recorder)
+    servicer = DataPlaneServicer(transport.serve_link, dp.StatsReply)
+    server, port = await start_server(servicer, credentials)
+    if lanes_on:
+        await transport.open_lanes("127.0.0.1", credentials)
+    return Node(node_id, transport, recorder, server, f"127.0.0.1:{port}", credentials)
+
+
+async def stop(*nodes: Node) -> None:
+    for node in nodes:
+        await node.transport.close()
+        await node.server.stop(0)
+
+
+def frame(index: int, size: int = 16) -> dp.Frame:
+    activation = dp.Activation(step=index, dtype="uint8", data=bytes([index % 251]) * size)
+    activation.shape.append(size)
+    return dp.Frame(plan_id="p", request_id=f"r{index}", activation=activation)
+
+
+def steps(recorder: Recorder) -> list[int]:
+    return [received.activation.step for _, received in recorder.frames]
+
+
+def test_frames_go_over_the_lane_in_order_and_intact_and_answers_come_back_on_it(
+    loop: LoopThread, tmp_path: Path
+) -> None:
+    """Frames sent before the link opened and after, small and large (a 3 MiB prefill
+    chunk), arrive in send order; a node with no address for the sender answers on the lane
+    the sender opened."""
+    secret = security.create_mesh_secret("lanes")
+
+    async def run() -> None:
+        a = await start_node(tmp_path, secret, "a")
+        b = await start_node(tmp_path, secret, "b")
+        try:
+            sizes = [16] * 50 + [3 << 20] + [2304] * 100
+            for index, size in enumerate(sizes):
+                assert a.transport.send("b", b.address, frame(index, size))
+            await b.recorder.wait_for(lambda: len(b.recorder.frames) == len(sizes))
+            assert steps(b.recorder) == list(range(len(sizes)))
+            for index, ((sender, received), size) in enumerate(
+                zip(b.recorder.frames, sizes, strict=True)
+            ):
+                assert sender == "a"
+                assert received.activation.data == bytes([index % 251]) * size
+            link = a.transport._outbound["b"]
+            assert link.lane is not None and not link.lane.closed
+            assert b.transport._lanes is not None and set(b.transport._lanes.lanes) == {"a"}
+
+            assert b.transport.reply("a", frame(7))  # b has no address for a
+            await a.recorder.wait_for(lambda: a.recorder.frames)
+            assert a.recorder.frames[0][0] == "b" and steps(a.recorder) == [7]
+            assert not a.recorder.lost and not b.recorder.lost
+        finally:
+            await stop(a, b)
+
+    loop.run(run(), timeout=60)
+
+
+def test_a_peer_that_offers_no_lane_gets_the_frames_over_the_grpc_stream(
+    loop: LoopThread, tmp_path: Path
+) -> None:
+    secret = security.create_mesh_secret("lanes")
+
+    async def run() -> None:
+        a = await start_node(tmp_path, secret, "a")
+        b = await start_node(tmp_path, secret, "b", lanes_on=False)
+        try:
+            for index in range(20):
+                assert a.transport.send("b", b.address, frame(index))
+            await b.recorder.wait_for(lambda: len(b.recorder.frames) == 20)
+            assert steps(b.recorder) == list(range(20))
+            assert a.transport._outbound["b"].lane is None
+            assert b.transport.reply("a", frame(3))  # answered on the stream
+            await a.recorder.wait_for(lambda: a.recorder.frames)
+            assert steps(a.recorder) == [3]
+        finally:
+            await stop(a, b)
+
+    loop.run(run(), timeout=60)
+
+
+def test_a_lane_that_cannot_open_leaves_the_frames_on_the_stream(
+    loop: LoopThread, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lane port nobody listens on (as behind a firewall): the link says so once and
+    carries on over its gRPC stream."""
+    secret = security.create_mesh_secret("lanes")
+
+    async def run() -> None:
+        a = await start_node(tmp_path, secret, "a")
+        b = await start_node(tmp_path, secret, "b")
+        try:
+            assert b.transport._lanes is not None
+            await b.transport._lanes.close()  # the port is still offered, nobody accepts
+            for index in range(10):
+                assert a.transport.send("b", b.address, frame(index))
+            await b.recorder.wait_for(lambda: len(b.recorder.frames) == 10)
+            assert steps(b.recorder) == list(range(10))
+            assert a.transport._outbound["b"].lane is None
+            await a.transport._outbound["b"].close()  # a new link soon after: no new wait
+            assert a.transport.send("b", b.address, frame(10))
+            await b.recorder.wait_for(lambda: len(b.recorder.frames) == 11)
+        finally:
+            await stop(a, b)
+
+    with caplog.at_level(logging.WARNING, logger="meshd.dataplane"):
+        loop.run(run(), timeout=60)
+    assert caplog.text.count("no lane to b") == 1, "one wait, then the stream for a while"
+    assert "go over the gRPC stream" in caplog.text
+
+
+def test_a_broken_lane_breaks_the_link_on_both_sides_and_the_next_send_opens_a_new_one(
+    loop: LoopThread, tmp_path: Path
+) -> None:
+    secret = security.create_mesh_secret("lanes")
+
+    async def run() -> None:
+        a = await start_node(tmp_path, secret, "a")
+        b = await start_node(tmp_path, secret, "b")
+        try:
+            assert a.transport.send("b", b.address, frame(0))
+            await b.recorder.wait_for(lambda: b.recorder.frames)
+            assert b.transport._lanes is not None
+            inbound = b.transport._lanes.lanes["a"]
+            inbound._sock.shutdown(socket.SHUT_RDWR)  # the connection drops under both ends
+            await a.recorder.wait_for(lambda: a.recorder.lost)
+            await b.recorder.wait_for(lambda: b.recorder.lost)
+            assert a.recorder.lost[0][0] == "b" and "lane" in a.recorder.lost[0][1]
+            assert b.recorder.lost[0][0] == "a" and "lane" in b.recorder.lost[0][1]
+            assert "b" not in a.transport._outbound
+
+            assert a.transport.send("b", b.address, frame(1))  # a new link, a new lane
+            await b.recorder.wait_for(lambda: len(b.recorder.frames) == 2)
+            assert steps(b.recorder) == [0, 1]
+            assert a.transport._outbound["b"].lane is not None
+        finally:
+            await stop(a, b)
+
+    loop.run(run(), timeout=60)
+
+
+def test_a_lane_its_dialler_dropped_unused_is_not_taken_for_a_lost_peer(
+    loop: LoopThread, tmp_path: Path
+) -> None:
+    """A dialler that gave up waiting for a lane (and kept its gRPC stream) closes it
+    before any frame went over it: the listener forgets it without ending anything."""
+    secret = security.create_mesh_secret("lanes")
+
+    async def run() -> None:
+        b = await start_node(tmp_path, secret, "b")
+        member = security.load_or_create_node_credentials(tmp_path / "a", secret, "a")
+        try:
+            assert b.transport._lanes is not None
+            _, client = lanes.tls_contexts(member)
+            lane = await lanes.dial(
+                b.address, b.transport._lanes.port, client, "b", _ignore, _ignore, 5.0
+            )
+            async with asyncio.timeout(WAIT_S):
+                while "a" not in b.transport._lanes.lanes:
+                    await asyncio.sleep(0.01)
+            lane.close()
+            async with asyncio.timeout(WAIT_S):
+                while "a" in b.transport._lanes.lanes:
+                    await asyncio.sleep(0.01)
+            assert not b.recorder.lost
+        finally:
+            await stop(b)
+
+    loop.run(run(), timeout=60)
+
+
+def test_a_lane_takes_only_members_and_only_the_node_its_dialler_expects(
+    loop: LoopThread, tmp_path: Path
+) -> None:
+    """A certificate of another mesh fails the handshake and delivers nothing; a member's
+    certificate that names another node than the plan says is refused by the dialler."""
+    secret = security.create_mesh_secret("lanes")
+    stranger = security.load_or_create_node_credentials(
+        tmp_path / "stranger", security.create_mesh_secret("other"), "a"
+    )
+
+    async def run() -> None:
+        b = await start_node(tmp_path, secret, "b")
+        member = security.load_or_create_node_credentials(tmp_path / "a", secret, "a")
+        try:
+            assert b.transport._lanes is not None
+            port = b.transport._lanes.port
+            _, outsider = lanes.tls_contexts(stranger)
+            with pytest.raises(lanes.LaneClosed):
+                await lanes.dial(b.address, port, outsider, "b", _ignore, _ignore, 5.0)
+            _, client = lanes.tls_contexts(member)
+            with pytest.raises(lanes.LaneClosed, match="names node b, not c"):
+                await lanes.dial(b.address, port, client, "c", _ignore, _ignore, 5.0)
+            await asyncio.sleep(0.2)
+            assert not b.recorder.frames
+        finally:
+            await stop(b)
+
+    loop.run(run(), timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (lanes.HEADER.pack(5) + b"\xff\xff\xff\xff\xff", "unreadable frame"),
+        (lanes.HEADER.pack(1 << 31), "over the"),
+    ],
+)
+def test_a_bad_frame_closes_the_lane_with_the_reason(
+    loop: LoopThread, tmp_path: Path, payload: bytes, reason: str
+) -> None:
+    """Bytes that are not a frame, or a length over the message limit (which must not make
+    the receiver wait for, or allocate, 2 GiB): the receiver drops the lane and says why."""
+    secret = security.create_mesh_secret("lanes")
+
+    async def run() -> None:
+        b = await start_node(tmp_path, secret, "b")
+        member = security.load_or_create_node_credentials(tmp_path / "a", secret, "a")
+        try:
+            assert b.transport._lanes is not None
+            _, client = lanes.tls_contexts(member)
+            lost: list[str] = []
+            lane = await lanes.dial(
+                b.address, b.transport._lanes.port, client, "b", _ignore, _record(lost), 5.0
+            )
+            lane._sock.send(payload)
+            await b.recorder.wait_for(lambda: b.recorder.lost)
+            assert b.recorder.lost[0][0] == "a" and reason in b.recorder.lost[0][1]
+            assert not b.recorder.frames
+            async with asyncio.timeout(WAIT_S):
+                while not lost:
+                    await asyncio.sleep(0.01)
+        finally:
+            await stop(b)
+
+    loop.run(run(), timeout=60)
+
+
+def test_tls_contexts_insist_on_tls_1_3_and_a_certificate_both_ways(tmp_path: Path) -> None:
+    credentials = security.load_or_create_node_credentials(
+        tmp_path / "a", security.create_mesh_secret("lanes"), "a"
+    )
+    for context in lanes.tls_contexts(credentials):
+        assert context.minimum_version is ssl.TLSVersion.TLSv1_3
+        assert context.verify_mode is ssl.CERT_REQUIRED
+    assert lanes.split_address("[::1]:7000") == "::1"
+    assert lanes.split_address("10.0.0.2:7000") == "10.0.0.2"
+
+
+def _ignore(*_: object) -> None:
+    return None
+
+
+def _record(into: list[str]):  # type: ignore[no-untyped-def]
+    def record(_lane: object, reason: str) -> None:
+        into.append(reason)
+
+    return record
+
+
+def test_the_listener_bounds_handshakes_in_time_and_per_source_address(
+    loop: LoopThread, tmp_path: Path
+) -> None:
+    """Connections that never start TLS (a port scan, a stuck or hostile client): past
+    MAX_PENDING_PER_SOURCE from one address a new one is closed at once, and each is closed
+    when its handshake time is up; then a member's lane opens as usual."""
+    secret = security.create_mesh_secret("lanes")
+    member = security.load_or_create_node_credentials(tmp_path / "a", secret, "a")
+    own = security.load_or_create_node_credentials(tmp_path / "b", secret, "b")
+
+    async def run() -> None:
+        server_context, _ = lanes.tls_contexts(own)
+        listener = lanes.LaneListener(
+            server_context, _ignore, _ignore, _ignore, handshake_timeout_s=0.5
+        )
+        port = await listener.start("127.0.0.1")
+        loop_ = asyncio.get_running_loop()
+        idle: list[socket.socket] = []
+        try:
+            for _ in range(lanes.MAX_PENDING_PER_SOURCE + 1):
+                sock = socket.socket()
+                sock.setblocking(False)
+                await loop_.sock_connect(sock, ("127.0.0.1", port))
+                idle.append(sock)
+            async with asyncio.timeout(0.4):  # the one over the bound: closed at once
+                assert await loop_.sock_recv(idle[-1], 1) == b""
+            async with asyncio.timeout(WAIT_S):  # the others: when their time is up
+                for sock in idle[:-1]:
+                    assert await loop_.sock_recv(sock, 1) == b""
+            _, client = lanes.tls_contexts(member)
+            lane = await lanes.dial(f"127.0.0.1:{port}", port, client, "b", _ignore, _ignore, 5)
+            assert not lane.closed
+            lane.close()
+        finally:
+            for sock in idle:
+                sock.close()
+            await listener.close()
+
+    loop.run(run(), timeout=60)
