@@ -47,6 +47,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -332,9 +333,17 @@ def mesh_single(api: str, runs: int, max_tokens: int) -> Single:
     return single_of(results, load, transport)
 
 
-def netns_mesh_single(root: Path, model: Path, cpus: list[str], runs: int, max_tokens: int):
+def netns_mesh_single(
+    root: Path,
+    model: Path,
+    cpus: list[str],
+    runs: int,
+    max_tokens: int,
+    extra_args: list[str] | None = None,
+):
     """len(cpus) daemons, each in its own namespace and pinned to its cpu; one request."""
-    return netns_mesh(root, model, cpus, [], lambda api: mesh_single(api, runs, max_tokens))
+    measure = partial(mesh_single, runs=runs, max_tokens=max_tokens)
+    return netns_mesh(root, model, cpus, extra_args or [], measure)
 
 
 def netns_mesh(
@@ -399,8 +408,9 @@ def wait_for_stages(daemons: list[DaemonProcess], stages: int) -> None:
         )
 
 
-def scaling_table(runs: int, max_tokens: int) -> int:
-    """The one-request table (see the module docstring)."""
+def scaling_table(runs: int, max_tokens: int, streams_too: bool = False) -> int:
+    """The one-request table (see the module docstring); with ``streams_too``, the multi-node
+    rows again with `--no-lanes` (frames over the peer port's gRPC streams), same run."""
     from tests.netns import cleanup_stale, require_root_and_netns
 
     require_root_and_netns()
@@ -413,11 +423,13 @@ def scaling_table(runs: int, max_tokens: int) -> int:
         model = ModelStore(root / "store").ensure_default().path
         one_core = reference_single(model, "0", runs, max_tokens)
         rows.append(("mlx-lm, 1 process on core 0", one_core, None, 0))
+        variants = [("", [])] + ([(", --no-lanes", ["--no-lanes"])] if streams_too else [])
         for cpus in layouts:
-            result = netns_mesh_single(root, model, cpus, runs, max_tokens)
-            shared = " (2 share core 0)" if len(cpus) > cores else ""
-            label = f"{len(cpus)} node(s), cores {','.join(cpus)}{shared}"
-            rows.append((label, result, one_core, len(cpus)))
+            for suffix, extra in variants if len(cpus) > 1 else variants[:1]:
+                result = netns_mesh_single(root, model, cpus, runs, max_tokens, extra)
+                shared = " (2 share core 0)" if len(cpus) > cores else ""
+                label = f"{len(cpus)} node(s), cores {','.join(cpus)}{shared}{suffix}"
+                rows.append((label, result, one_core, len(cpus)))
         every_core = reference_single(model, "", runs, max_tokens)
         rows.append(("mlx-lm, 1 process, every core", every_core, None, 0))
         unpinned = loopback_mesh_single(root, model, 2, runs, max_tokens)
@@ -455,12 +467,16 @@ def main() -> int:
     parser.add_argument("--scaling", action="store_true", help="one request on 1, 2, 3 nodes")
     parser.add_argument("--runs", type=int, default=5, help="requests per --scaling row")
     parser.add_argument(
+        "--no-lanes-too", action="store_true",
+        help="--scaling also runs the multi-node rows with --no-lanes (gRPC streams only)",
+    )  # fmt: skip
+    parser.add_argument(
         "--strategy", choices=["memory", "speed"], default="memory",
         help="how the daemons split the layers (see start_mesh)",
     )  # fmt: skip
     args = parser.parse_args()
     if args.scaling:
-        return scaling_table(args.runs, args.max_tokens)
+        return scaling_table(args.runs, args.max_tokens, args.no_lanes_too)
     cores = os.cpu_count() or 1
     cpus = ["", ""] if args.no_pin or cores < 2 else ["0", "1"]
     all_cpus = "" if args.no_pin or cores < 2 else "0,1"
