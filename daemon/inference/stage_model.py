@@ -185,6 +185,10 @@ class StageModel:
             _LayerKind.of(cache, layer_range[0] + offset)
             for offset, cache in enumerate(empty_caches)
         ]
+        # Asked for every step the stage runtime schedules: decided once, here.
+        self._batchable = self._recipe.batched and all(
+            hasattr(type(cache), "merge") for cache in empty_caches
+        )
 
     @property
     def layer_start(self) -> int:
@@ -222,9 +226,7 @@ class StageModel:
     def batchable(self) -> bool:
         """Whether requests may decode together here (:meth:`RequestCaches.batch`): the
         architecture's recipe allows it and every layer's cache has a batch variant."""
-        return self._recipe.batched and all(
-            hasattr(type(cache), "merge") for cache in self._empty_caches
-        )
+        return self._batchable
 
     @property
     def has_head(self) -> bool:
