@@ -202,6 +202,7 @@ class Node:
                     handshake_timeout_s=self.config.peer_handshake_timeout_s,
                 )
             except OSError as error:
+                await server.stop(None)
                 raise ConfigError(
                     f"cannot listen for lanes on {self.config.peer_host}:{self.config.lane_port}"
                     f" ({error}): give this daemon another --lane-port (0 picks a free one)"

@@ -57,7 +57,9 @@ def expect_error(daemon: DaemonProcess, request, code: grpc.StatusCode, words: s
 
 @pytest.fixture(scope="module")
 def mesh_of_three(default_model, tmp_path_factory):
-    """Three namespaced daemons serving the default model split 10/10/10."""
+    """Three namespaced daemons serving the default model split 10/10/10. host2 runs with
+    --no-lanes (as an older daemon would): its links carry frames over the peer port's gRPC
+    streams, host0's and host1's to each other over lanes, and every answer is the same."""
     from meshd.mesh import security
     from tests.netns import Mesh, cleanup_stale, require_root_and_netns
 
@@ -70,7 +72,7 @@ def mesh_of_three(default_model, tmp_path_factory):
             DaemonProcess(
                 root / f"host{i}",
                 ["--interface", "eth0", "--join", token, "--model", str(default_model),
-                 "--strategy", "memory"],
+                 "--strategy", "memory", *(["--no-lanes"] if i == 2 else [])],
                 netns=mesh.nodes[i].ns,
             ).start()
             for i in range(3)

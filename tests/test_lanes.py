@@ -35,6 +35,7 @@ class Recorder:
 
     frames: list[tuple[str, dp.Frame]] = field(default_factory=list)
     lost: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the event log would say
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def on_frame(self, sender: str, frame: dp.Frame) -> None:
@@ -74,7 +75,9 @@ async def start_node(
 ) -> Node:
     credentials = security.load_or_create_node_credentials(state / node_id, secret, node_id)
     recorder = Recorder()
-    transport = Transport(node_id, peer_channel_factory(credentials), recorder)
+    transport = Transport(
+        node_id, peer_channel_factory(credentials), recorder, report=recorder.notes.append
+    )
     servicer = DataPlaneServicer(transport.serve_link, dp.StatsReply)
     server, port = await start_server(servicer, credentials)
     if lanes_on:
@@ -178,6 +181,10 @@ def test_a_lane_that_cannot_open_leaves_the_frames_on_the_stream(
             await a.transport._outbound["b"].close()  # a new link soon after: no new wait
             assert a.transport.send("b", b.address, frame(10))
             await b.recorder.wait_for(lambda: len(b.recorder.frames) == 11)
+            port = b.transport._lanes.port
+            assert len(a.recorder.notes) == 1, a.recorder.notes
+            assert "no lane to b" in a.recorder.notes[0]
+            assert f"let TCP port {port} through" in a.recorder.notes[0]
         finally:
             await stop(a, b)
 

@@ -31,6 +31,20 @@ def test_second_daemon_on_a_taken_peer_port_fails_to_start(daemons) -> None:
     assert first.status().peer_address.endswith(f":{port}")  # the first one is untouched
 
 
+def test_a_taken_lane_port_stops_the_daemon_with_the_fix(daemons) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        daemon = daemons([*LOOPBACK, "--peer-port", "0", "--lane-port", str(port)])
+        assert daemon.proc is not None
+        code = daemon.proc.wait(30)
+    log = daemon.log_tail()
+    assert code == 2, log
+    assert f"cannot listen for lanes on 127.0.0.1:{port}" in log, log
+    assert "give this daemon another --lane-port" in log and "Traceback" not in log, log
+
+
 def test_second_daemon_on_one_state_dir_leaves_the_running_one_alone(daemons, tmp_path) -> None:
     state = tmp_path / "shared-state"
     first = daemons([*LOOPBACK, "--peer-port", "0"], state_dir=state)

@@ -135,7 +135,9 @@ class DataPlane:
         self._compute = compute or ComputeExecutor(f"meshd-compute-{node_id}")
         self._plans: dict[str, InstalledPlan] = {}
         self._closed = False
-        self.transport = Transport(node_id, channel_factory, self, link_timeout_s=link_timeout_s)
+        self.transport = Transport(
+            node_id, channel_factory, self, link_timeout_s=link_timeout_s, report=report
+        )
         self.origin = Origin(
             node_id,
             self.transport,

@@ -90,6 +90,7 @@ class _OutboundLink:
         on_broken: Callable[[_OutboundLink, str], None],
         lane_context: ssl.SSLContext | None = None,
         lanes_refused: dict[tuple[str, int], float] | None = None,
+        report: Callable[[str], None] | None = None,
     ) -> None:
         self.peer = peer
         self.address = address
@@ -101,6 +102,7 @@ class _OutboundLink:
         self._outbox: asyncio.Queue[dp.Frame] = asyncio.Queue()
         self._lane_context = lane_context
         self._lanes_refused = lanes_refused if lanes_refused is not None else {}
+        self._report = report
         self.lane: Lane | None = None  # where frames go once open; else the gRPC stream
         self._lane_lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -198,6 +200,12 @@ class _OutboundLink:
                 lanes.RETRY_AFTER_S,
                 error,
             )
+            if self._report is not None:
+                self._report(
+                    f"no lane to {self.peer} ({error}): its frames go over the peer port, "
+                    f"slower; let TCP port {port} through to it (a fixed --lane-port there "
+                    "makes that one rule)"
+                )
             return
         self.lane = lane
         while not self._outbox.empty():  # frames queued while the link opened, in order
@@ -279,7 +287,10 @@ class Transport:
         handler: LinkHandler,
         *,
         link_timeout_s: float = 5.0,
+        report: Callable[[str], None] | None = None,
     ) -> None:
+        """``report``: where what a user should know about the links is told, in words (the
+        event log): a lane that could not open."""
         self.node_id = node_id
         self._channel_factory = channel_factory
         self._handler = handler
@@ -293,6 +304,7 @@ class Transport:
         self._answer_on_lane: set[str] = set()  # peers whose newest link to us is a lane
         self._lanes_refused: dict[tuple[str, int], float] = {}  # (address, port) -> retry at
         self._lane_context: ssl.SSLContext | None = None  # dials peers' lanes
+        self._report = report
         self.frames_received = 0
         self.frames_sent = 0
 
@@ -399,6 +411,7 @@ class Transport:
                 on_broken=self._on_outbound_broken,
                 lane_context=self._lane_context,
                 lanes_refused=self._lanes_refused,
+                report=self._report,
             )
             self._outbound[node_id] = link
         return link
