@@ -127,6 +127,7 @@ def test_frames_go_over_the_lane_in_order_and_intact_and_answers_come_back_on_it
             assert link.lane is not None and not link.lane.closed
             assert b.transport._lanes is not None and set(b.transport._lanes.lanes) == {"a"}
 
+            assert "a" in b.transport._answer_on_lane  # a's frames came on its lane
             assert b.transport.reply("a", frame(7))  # b has no address for a
             await a.recorder.wait_for(lambda: a.recorder.frames)
             assert a.recorder.frames[0][0] == "b" and steps(a.recorder) == [7]
@@ -213,6 +214,9 @@ def test_a_broken_lane_breaks_the_link_on_both_sides_and_the_next_send_opens_a_n
             assert a.recorder.lost[0][0] == "b" and "lane" in a.recorder.lost[0][1]
             assert b.recorder.lost[0][0] == "a" and "lane" in b.recorder.lost[0][1]
             assert "b" not in a.transport._outbound
+            # What a's lane took before it broke is lost: b's answers to a do not take
+            # another path that would let a later one overtake them.
+            assert not b.transport.reply("a", frame(9))
 
             assert a.transport.send("b", b.address, frame(1))  # a new link, a new lane
             await b.recorder.wait_for(lambda: len(b.recorder.frames) == 2)
@@ -382,3 +386,94 @@ def test_the_listener_bounds_handshakes_in_time_and_per_source_address(
             await listener.close()
 
     loop.run(run(), timeout=60)
+
+
+OUT_OF_DESCRIPTORS = """
+import asyncio, logging, os, resource, subprocess, sys
+from pathlib import Path
+from meshd.inference import lanes
+from meshd.mesh import security
+
+warnings = []
+class Count(logging.Handler):
+    def emit(self, record):
+        warnings.append(record)
+logging.getLogger("meshd.dataplane").addHandler(Count())
+own = security.load_or_create_node_credentials(
+    Path(sys.argv[1]), security.create_mesh_secret("lanes"), "b"
+)
+
+async def main():
+    server_context, _ = lanes.tls_contexts(own)
+    listener = lanes.LaneListener(server_context, print, print, print)
+    port = await listener.start("127.0.0.1")
+    knocking = subprocess.Popen([sys.executable, "-c", (
+        "import socket, time\\n"
+        f"s = [socket.create_connection(('127.0.0.1', {port})) for _ in range(6)]\\n"
+        "time.sleep(3)"
+    )])
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 2, hard))
+    turns = 0
+    async def count_turns():
+        nonlocal turns
+        while True:
+            await asyncio.sleep(0)
+            turns += 1
+    counter = asyncio.create_task(count_turns())
+    await asyncio.sleep(1.0)
+    counter.cancel()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    knocking.kill()
+    knocking.wait()
+    await listener.close()
+    print(len(warnings), turns)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="counts descriptors in /proc")
+def test_a_listener_out_of_descriptors_rests_instead_of_spinning(tmp_path: Path) -> None:
+    """accept() failing with EMFILE leaves the listening socket readable: the listener rests
+    ACCEPT_PAUSE_S (as asyncio's own servers do) instead of failing again on every turn of
+    the loop (a reviewer's run of the old code: 80,000 warnings in a second)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", OUT_OF_DESCRIPTORS, str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    warnings, turns = map(int, result.stdout.split()[-2:])
+    assert 1 <= warnings <= 2, (warnings, result.stderr[-1000:])
+    assert turns > 1000  # the loop went on meanwhile
+
+
+def test_a_listener_takes_the_peer_hosts_forms_of_ipv6(loop: LoopThread, tmp_path: Path) -> None:
+    """The peer host as gRPC writes it ("[::1]") or bare ("::1"), and a member dials it."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    secret = security.create_mesh_secret("lanes")
+    own = security.load_or_create_node_credentials(tmp_path / "b", secret, "b")
+    member = security.load_or_create_node_credentials(tmp_path / "a", secret, "a")
+
+    async def run() -> None:
+        server_context, _ = lanes.tls_contexts(own)
+        _, client = lanes.tls_contexts(member)
+        for host in ("[::1]", "::1"):
+            listener = lanes.LaneListener(server_context, _ignore, _ignore, _ignore)
+            try:
+                port = await listener.start(host)
+            except OSError as error:
+                pytest.skip(f"no IPv6 loopback here: {error}")
+            try:
+                lane = await lanes.dial(f"[::1]:{port}", port, client, "b", _ignore, _ignore, 5)
+                lane.close()
+            finally:
+                await listener.close()
+
+    loop.run(run(), timeout=30)

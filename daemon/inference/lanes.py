@@ -57,6 +57,8 @@ OPEN_TIMEOUT_S = 2.0
 RETRY_AFTER_S = 60.0
 READ_CHUNK_BYTES = 256 << 10
 MAX_PENDING_PER_SOURCE = 8
+MAX_PENDING = 64  # handshakes under way from all sources together
+ACCEPT_PAUSE_S = 1.0  # out of descriptors: the listener rests this long, as asyncio's does
 # A silently dead peer (a cable pulled) is noticed like the peer port's keepalives do.
 KEEPALIVE_IDLE_S = 10
 KEEPALIVE_INTERVAL_S = 2
@@ -101,17 +103,20 @@ def certified_node_id(certificate: dict[str, Any] | None) -> str | None:
 
 def _keep_alive(sock: socket.socket) -> None:
     """TCP keepalives and no Nagle delay on the lane's socket (where the system has them)."""
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for name, value in (
-            ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
-            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
-            ("TCP_KEEPCNT", KEEPALIVE_PROBES),
-        ):
-            option = getattr(socket, name, None)
-            if option is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+    options = [
+        (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+    ]
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    ):
+        if hasattr(socket, name):
+            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    for level, option, value in options:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(level, option, value)
 
 
 class Lane:
@@ -130,9 +135,11 @@ class Lane:
         peer: str,
         on_frame: Callable[[str, dp.Frame], None],
         on_lost: Callable[[Lane, str], None],
+        on_first_data: Callable[[Lane], None] | None = None,
     ) -> None:
         self.peer = peer
         self._sock = sock
+        self._on_first_data = on_first_data
         self._fd = sock.fileno()
         self._on_frame = on_frame
         self._on_lost = on_lost
@@ -194,7 +201,10 @@ class Lane:
     def _received(self, data: memoryview) -> None:
         """Hand every whole frame in what was pending and ``data`` to ``on_frame``; keep the
         start of an incomplete one."""
-        self.used = True
+        if not self.used:
+            self.used = True
+            if self._on_first_data is not None:
+                self._on_first_data(self)
         if self._pending:
             self._pending += data
             consumed = self._frames_in(self._pending)
@@ -250,10 +260,12 @@ class Lane:
             self._flush()
 
     def _fail(self, reason: str) -> None:
+        """Close and report the loss on the loop's next turn: never from inside a send, so
+        whoever sent sees False and no other side effect."""
         if self.closed:
             return
         self.close()
-        self._on_lost(self, reason)
+        self._loop.call_soon(self._on_lost, self, reason)
 
 
 async def _until_ready(sock: socket.socket, *, write: bool) -> None:
@@ -297,11 +309,12 @@ async def _handshake(sock: ssl.SSLSocket) -> str:
 
 class LaneListener:
     """The accepting side: one TLS listener per node, its lanes by peer node id;
-    ``on_open(peer)`` once a peer's lane is open, ``on_lost(peer, reason)`` when it ends.
+    ``on_open(peer)`` once the first bytes arrived on a peer's lane (from then on the peer
+    sends its frames there), ``on_lost(peer, reason)`` when a lane that carried any ends.
 
-    A connection becomes a lane once its handshake passed (within HANDSHAKE_TIMEOUT_S); at
-    most MAX_PENDING_PER_SOURCE connections from one address may be in their handshake at
-    once, a further one is closed at once.
+    A connection becomes a lane once its handshake passed (within the handshake timeout); at
+    most MAX_PENDING_PER_SOURCE connections from one address, and MAX_PENDING from all, may
+    be in their handshake at once: a further one is closed at once.
     """
 
     def __init__(
@@ -327,8 +340,14 @@ class LaneListener:
     async def start(self, host: str, port: int = 0) -> int:
         """Listen on ``host`` (the peer port's host) at ``port`` (0: a free one); returns the
         port. OSError when it cannot (the port is taken)."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listening = socket.create_server((host, port), family=family)
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if ":" in host:  # "::" listens on IPv4 too where the system can, as gRPC's [::] does
+            dual = host == "::" and socket.has_dualstack_ipv6()
+            listening = socket.create_server(
+                (host, port), family=socket.AF_INET6, dualstack_ipv6=dual
+            )
+        else:
+            listening = socket.create_server((host, port))
         listening.setblocking(False)
         self._socket = listening
         self.port = listening.getsockname()[1]
@@ -342,17 +361,34 @@ class LaneListener:
                 sock, address = self._socket.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as error:  # out of descriptors: leave the rest for later
-                log.warning("the lane listener could not accept a connection: %s", error)
+            except OSError as error:  # out of descriptors: rest, or this runs every turn
+                log.warning(
+                    "the lane listener could not accept a connection (%s): it rests %g s",
+                    error,
+                    ACCEPT_PAUSE_S,
+                )
+                self._rest()
                 return
             source = str(address[0])
-            if self._pending[source] >= MAX_PENDING_PER_SOURCE:
+            pending = self._pending
+            if pending[source] >= MAX_PENDING_PER_SOURCE or pending.total() >= MAX_PENDING:
                 sock.close()
                 continue
             self._pending[source] += 1
             task = asyncio.create_task(self._admit(sock, source), name=f"lane-from-{source}")
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
+
+    def _rest(self) -> None:
+        """Stop accepting for ACCEPT_PAUSE_S (the socket stays readable meanwhile)."""
+        assert self._socket is not None
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._socket.fileno())
+        loop.call_later(ACCEPT_PAUSE_S, self._resume, self._socket)
+
+    def _resume(self, listening: socket.socket) -> None:
+        if self._socket is listening:  # not closed meanwhile
+            asyncio.get_running_loop().add_reader(listening.fileno(), self._accept)
 
     async def _admit(self, sock: socket.socket, source: str) -> None:
         """One accepted connection: handshake in time, then a lane; else closed quietly
@@ -375,12 +411,15 @@ class LaneListener:
             self._pending[source] -= 1
             if self._pending[source] <= 0:
                 del self._pending[source]
-        lane = Lane(wrapped, peer, self._on_frame, self._lost)
+        lane = Lane(wrapped, peer, self._on_frame, self._lost, self._first_data)
         previous = self.lanes.get(peer)
         self.lanes[peer] = lane
         if previous is not None:
             previous.close()  # the peer reopened its link: the old lane is done
-        self._on_open(peer)
+
+    def _first_data(self, lane: Lane) -> None:
+        if self.lanes.get(lane.peer) is lane:
+            self._on_open(lane.peer)
 
     def _lost(self, lane: Lane, reason: str) -> None:
         if self.lanes.get(lane.peer) is not lane:

@@ -146,6 +146,7 @@ class _OutboundLink:
     async def _run(self) -> None:
         channel = None
         try:
+            deadline = time.monotonic() + self._hello_timeout_s
             channel = self._channel_factory(self.address)
             call = dp_grpc.DataPlaneStub(channel).Link()
             await call.write(dp.Frame(hello=dp.Hello(node_id=self._own_id)))
@@ -153,7 +154,7 @@ class _OutboundLink:
                 reply = await call.read()
             self._check_hello(reply)
             if reply.hello.lane_port and self._lane_context is not None:
-                await self._open_lane(reply.hello.lane_port)
+                await self._open_lane(reply.hello.lane_port, deadline)
             self._opened.set_result(None)
             await self._pump(call)
         except asyncio.CancelledError:
@@ -176,13 +177,18 @@ class _OutboundLink:
                 "plan's address book is stale"
             )
 
-    async def _open_lane(self, port: int) -> None:
-        """Move the link's frames to a lane at ``port``; where none opens, they stay on the
-        gRPC stream (the link works either way, the lane only makes each frame cheaper)."""
+    async def _open_lane(self, port: int, deadline: float) -> None:
+        """Move the link's frames to a lane at ``port``; where none opens (by ``deadline``,
+        when the link must be open, and within lanes.OPEN_TIMEOUT_S), they stay on the gRPC
+        stream (the link works either way, the lane only makes each frame cheaper)."""
         assert self._lane_context is not None
-        if self._lanes_refused.get((self.address, port), 0.0) > time.monotonic():
+        now = time.monotonic()
+        if self._lanes_refused.get((self.address, port), 0.0) > now:
             return  # it failed a moment ago: no new wait on every link opened
+        timeout_s = min(deadline - now, lanes.OPEN_TIMEOUT_S)
         try:
+            if timeout_s <= 0:
+                raise LaneClosed("no time was left after the link's Hello")
             lane = await lanes.dial(
                 self.address,
                 port,
@@ -190,8 +196,11 @@ class _OutboundLink:
                 self.peer,
                 self._on_frame,
                 self._on_lane_lost,
-                min(self._hello_timeout_s, lanes.OPEN_TIMEOUT_S),
+                timeout_s,
             )
+        except asyncio.CancelledError:  # the link's opening was given up: not again at once
+            self._lanes_refused[(self.address, port)] = time.monotonic() + lanes.RETRY_AFTER_S
+            raise
         except LaneClosed as error:
             self._lanes_refused[(self.address, port)] = time.monotonic() + lanes.RETRY_AFTER_S
             log.warning(
@@ -363,14 +372,24 @@ class Transport:
         """Best effort to a node we may have no address for: local, its stream, or ours."""
         if node_id == self.node_id:
             return self.send(node_id, "", frame)
-        lane = self._lanes.lanes.get(node_id) if self._lanes is not None else None
-        inbound = self._inbound.get(node_id)
-        # On the connection the peer opened last: its link's lane, once it has one.
-        newest_first = (lane, inbound) if node_id in self._answer_on_lane else (inbound, lane)
-        for connection in newest_first:
-            if connection is not None and connection.send(frame):
+        if node_id in self._answer_on_lane:
+            # The peer's frames come on its lane: answers go there, and only there (frames
+            # the lane took before it broke are lost, so a later one must not overtake them
+            # on another path; the lane's loss ends the requests it carried).
+            lane = self._lanes.lanes.get(node_id) if self._lanes is not None else None
+            if lane is not None and lane.send(frame):
                 self.frames_sent += 1
                 return True
+            log.warning(
+                "the lane of node %s broke: a frame of request %s is dropped",
+                node_id,
+                frame.request_id,
+            )
+            return False
+        inbound = self._inbound.get(node_id)
+        if inbound is not None and inbound.send(frame):
+            self.frames_sent += 1
+            return True
         outbound = self._outbound.get(node_id)
         if outbound is not None and outbound.send(frame):
             self.frames_sent += 1
@@ -435,10 +454,10 @@ class Transport:
         self.bind_loop()
         peer = await self._accept_hello(context)
         link = _InboundLink(peer, context)
+        self._inbound[peer] = link  # answers to the peer go here, until its lane carries data
+        self._answer_on_lane.discard(peer)
         lane_port = self._lanes.port if self._lanes is not None else 0
         await context.write(dp.Frame(hello=dp.Hello(node_id=self.node_id, lane_port=lane_port)))
-        self._inbound[peer] = link
-        self._answer_on_lane.discard(peer)
         writer = asyncio.create_task(link.write_forever())
         reason = "the peer closed the stream"
         try:
