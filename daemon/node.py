@@ -123,6 +123,7 @@ class Node:
             handshake_timeout_s=config.peer_handshake_timeout_s,
         )
         self.peer_port = 0
+        self.lane_port = 0  # set once at start (0: no lanes); read by status on trio
         self.http_url = ""
         self._channel_credentials = security.channel_credentials(self.credentials)
         self._remeasure_lock = trio.Lock()
@@ -195,7 +196,7 @@ class Node:
         self.peer_port = port
         if self.config.lanes:
             try:
-                await self.plane.transport.open_lanes(
+                self.lane_port = await self.plane.transport.open_lanes(
                     self.config.peer_host,
                     self.credentials,
                     port=self.config.lane_port,

@@ -28,7 +28,10 @@ def test_second_daemon_on_a_taken_peer_port_fails_to_start(daemons) -> None:
     log = second.log_tail()
     assert f"cannot listen for peers on 127.0.0.1:{port}: the port is in use" in log, log
     assert "Traceback" not in log, log
-    assert first.status().peer_address.endswith(f":{port}")  # the first one is untouched
+    status = first.status()
+    assert status.peer_address.endswith(f":{port}")  # the first one is untouched
+    lane_port = int(status.lane_address.rpartition(":")[2])  # its lanes listen elsewhere
+    assert status.lane_address.startswith("127.0.0.1:") and lane_port not in (0, port)
 
 
 def test_a_taken_lane_port_stops_the_daemon_with_the_fix(daemons) -> None:
