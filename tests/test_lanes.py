@@ -9,10 +9,11 @@ frames is tested in test_dataplane, which runs over lanes too).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,7 @@ class Node:
     server: grpc.aio.Server
     address: str
     credentials: security.NodeCredentials
+    secret: security.MeshSecret
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +84,29 @@ async def start_node(
     server, port = await start_server(servicer, credentials)
     if lanes_on:
         await transport.open_lanes("127.0.0.1", credentials)
-    return Node(node_id, transport, recorder, server, f"127.0.0.1:{port}", credentials)
+    return Node(node_id, transport, recorder, server, f"127.0.0.1:{port}", credentials, secret)
 
 
 async def stop(*nodes: Node) -> None:
     for node in nodes:
         await node.transport.close()
         await node.server.stop(0)
+
+
+@contextlib.asynccontextmanager
+async def running(
+    state: Path, *node_ids: str, without_lanes: tuple[str, ...] = ()
+) -> AsyncIterator[list[Node]]:
+    """Nodes of one new mesh, each with its transport and server; all stopped after."""
+    secret = security.create_mesh_secret("lanes")
+    nodes: list[Node] = []
+    try:
+        for node_id in node_ids:
+            lanes_on = node_id not in without_lanes
+            nodes.append(await start_node(state, secret, node_id, lanes_on=lanes_on))
+        yield nodes
+    finally:
+        await stop(*nodes)
 
 
 def frame(index: int, size: int = 16) -> dp.Frame:
@@ -107,12 +125,9 @@ def test_frames_go_over_the_lane_in_order_and_intact_and_answers_come_back_on_it
     """Frames sent before the link opened and after, small and large (a 3 MiB prefill
     chunk), arrive in send order; a node with no address for the sender answers on the lane
     the sender opened."""
-    secret = security.create_mesh_secret("lanes")
 
     async def run() -> None:
-        a = await start_node(tmp_path, secret, "a")
-        b = await start_node(tmp_path, secret, "b")
-        try:
+        async with running(tmp_path, "a", "b") as (a, b):
             sizes = [16] * 50 + [3 << 20] + [2304] * 100
             for index, size in enumerate(sizes):
                 assert a.transport.send("b", b.address, frame(index, size))
@@ -132,8 +147,6 @@ def test_frames_go_over_the_lane_in_order_and_intact_and_answers_come_back_on_it
             await a.recorder.wait_for(lambda: a.recorder.frames)
             assert a.recorder.frames[0][0] == "b" and steps(a.recorder) == [7]
             assert not a.recorder.lost and not b.recorder.lost
-        finally:
-            await stop(a, b)
 
     loop.run(run(), timeout=60)
 
@@ -141,12 +154,8 @@ def test_frames_go_over_the_lane_in_order_and_intact_and_answers_come_back_on_it
 def test_a_peer_that_offers_no_lane_gets_the_frames_over_the_grpc_stream(
     loop: LoopThread, tmp_path: Path
 ) -> None:
-    secret = security.create_mesh_secret("lanes")
-
     async def run() -> None:
-        a = await start_node(tmp_path, secret, "a")
-        b = await start_node(tmp_path, secret, "b", lanes_on=False)
-        try:
+        async with running(tmp_path, "a", "b", without_lanes=("b",)) as (a, b):
             for index in range(20):
                 assert a.transport.send("b", b.address, frame(index))
             await b.recorder.wait_for(lambda: len(b.recorder.frames) == 20)
@@ -155,8 +164,6 @@ def test_a_peer_that_offers_no_lane_gets_the_frames_over_the_grpc_stream(
             assert b.transport.reply("a", frame(3))  # answered on the stream
             await a.recorder.wait_for(lambda: a.recorder.frames)
             assert steps(a.recorder) == [3]
-        finally:
-            await stop(a, b)
 
     loop.run(run(), timeout=60)
 
@@ -166,12 +173,9 @@ def test_a_lane_that_cannot_open_leaves_the_frames_on_the_stream(
 ) -> None:
     """A lane port nobody listens on (as behind a firewall): the link says so once and
     carries on over its gRPC stream."""
-    secret = security.create_mesh_secret("lanes")
 
     async def run() -> None:
-        a = await start_node(tmp_path, secret, "a")
-        b = await start_node(tmp_path, secret, "b")
-        try:
+        async with running(tmp_path, "a", "b") as (a, b):
             assert b.transport._lanes is not None
             await b.transport._lanes.close()  # the port is still offered, nobody accepts
             for index in range(10):
@@ -186,8 +190,6 @@ def test_a_lane_that_cannot_open_leaves_the_frames_on_the_stream(
             assert len(a.recorder.notes) == 1, a.recorder.notes
             assert "no lane to b" in a.recorder.notes[0]
             assert f"let TCP port {port} through" in a.recorder.notes[0]
-        finally:
-            await stop(a, b)
 
     with caplog.at_level(logging.WARNING, logger="meshd.dataplane"):
         loop.run(run(), timeout=60)
@@ -198,12 +200,8 @@ def test_a_lane_that_cannot_open_leaves_the_frames_on_the_stream(
 def test_a_broken_lane_breaks_the_link_on_both_sides_and_the_next_send_opens_a_new_one(
     loop: LoopThread, tmp_path: Path
 ) -> None:
-    secret = security.create_mesh_secret("lanes")
-
     async def run() -> None:
-        a = await start_node(tmp_path, secret, "a")
-        b = await start_node(tmp_path, secret, "b")
-        try:
+        async with running(tmp_path, "a", "b") as (a, b):
             assert a.transport.send("b", b.address, frame(0))
             await b.recorder.wait_for(lambda: b.recorder.frames)
             assert b.transport._lanes is not None
@@ -222,8 +220,6 @@ def test_a_broken_lane_breaks_the_link_on_both_sides_and_the_next_send_opens_a_n
             await b.recorder.wait_for(lambda: len(b.recorder.frames) == 2)
             assert steps(b.recorder) == [0, 1]
             assert a.transport._outbound["b"].lane is not None
-        finally:
-            await stop(a, b)
 
     loop.run(run(), timeout=60)
 
@@ -233,12 +229,10 @@ def test_a_lane_its_dialler_dropped_unused_is_not_taken_for_a_lost_peer(
 ) -> None:
     """A dialler that gave up waiting for a lane (and kept its gRPC stream) closes it
     before any frame went over it: the listener forgets it without ending anything."""
-    secret = security.create_mesh_secret("lanes")
 
     async def run() -> None:
-        b = await start_node(tmp_path, secret, "b")
-        member = security.load_or_create_node_credentials(tmp_path / "a", secret, "a")
-        try:
+        async with running(tmp_path, "b") as (b,):
+            member = security.load_or_create_node_credentials(tmp_path / "a", b.secret, "a")
             assert b.transport._lanes is not None
             _, client = lanes.tls_contexts(member)
             lane = await lanes.dial(
@@ -252,8 +246,6 @@ def test_a_lane_its_dialler_dropped_unused_is_not_taken_for_a_lost_peer(
                 while "a" in b.transport._lanes.lanes:
                     await asyncio.sleep(0.01)
             assert not b.recorder.lost
-        finally:
-            await stop(b)
 
     loop.run(run(), timeout=60)
 
@@ -263,15 +255,13 @@ def test_a_lane_takes_only_members_and_only_the_node_its_dialler_expects(
 ) -> None:
     """A certificate of another mesh fails the handshake and delivers nothing; a member's
     certificate that names another node than the plan says is refused by the dialler."""
-    secret = security.create_mesh_secret("lanes")
     stranger = security.load_or_create_node_credentials(
         tmp_path / "stranger", security.create_mesh_secret("other"), "a"
     )
 
     async def run() -> None:
-        b = await start_node(tmp_path, secret, "b")
-        member = security.load_or_create_node_credentials(tmp_path / "a", secret, "a")
-        try:
+        async with running(tmp_path, "b") as (b,):
+            member = security.load_or_create_node_credentials(tmp_path / "a", b.secret, "a")
             assert b.transport._lanes is not None
             port = b.transport._lanes.port
             _, outsider = lanes.tls_contexts(stranger)
@@ -282,8 +272,6 @@ def test_a_lane_takes_only_members_and_only_the_node_its_dialler_expects(
                 await lanes.dial(b.address, port, client, "c", _ignore, _ignore, 5.0)
             await asyncio.sleep(0.2)
             assert not b.recorder.frames
-        finally:
-            await stop(b)
 
     loop.run(run(), timeout=60)
 
@@ -300,12 +288,10 @@ def test_a_bad_frame_closes_the_lane_with_the_reason(
 ) -> None:
     """Bytes that are not a frame, or a length over the message limit (which must not make
     the receiver wait for, or allocate, 2 GiB): the receiver drops the lane and says why."""
-    secret = security.create_mesh_secret("lanes")
 
     async def run() -> None:
-        b = await start_node(tmp_path, secret, "b")
-        member = security.load_or_create_node_credentials(tmp_path / "a", secret, "a")
-        try:
+        async with running(tmp_path, "b") as (b,):
+            member = security.load_or_create_node_credentials(tmp_path / "a", b.secret, "a")
             assert b.transport._lanes is not None
             _, client = lanes.tls_contexts(member)
             lost: list[str] = []
@@ -319,8 +305,6 @@ def test_a_bad_frame_closes_the_lane_with_the_reason(
             async with asyncio.timeout(WAIT_S):
                 while not lost:
                     await asyncio.sleep(0.01)
-        finally:
-            await stop(b)
 
     loop.run(run(), timeout=60)
 
