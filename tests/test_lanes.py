@@ -234,7 +234,7 @@ def test_a_lane_its_dialler_dropped_unused_is_not_taken_for_a_lost_peer(
         async with running(tmp_path, "b") as (b,):
             member = security.load_or_create_node_credentials(tmp_path / "a", b.secret, "a")
             assert b.transport._lanes is not None
-            _, client = lanes.tls_contexts(member)
+            _, client = security.ssl_contexts(member)
             lane = await lanes.dial(
                 b.address, b.transport._lanes.port, client, "b", _ignore, _ignore, 5.0
             )
@@ -264,10 +264,10 @@ def test_a_lane_takes_only_members_and_only_the_node_its_dialler_expects(
             member = security.load_or_create_node_credentials(tmp_path / "a", b.secret, "a")
             assert b.transport._lanes is not None
             port = b.transport._lanes.port
-            _, outsider = lanes.tls_contexts(stranger)
+            _, outsider = security.ssl_contexts(stranger)
             with pytest.raises(lanes.LaneClosed):
                 await lanes.dial(b.address, port, outsider, "b", _ignore, _ignore, 5.0)
-            _, client = lanes.tls_contexts(member)
+            _, client = security.ssl_contexts(member)
             with pytest.raises(lanes.LaneClosed, match="names node b, not c"):
                 await lanes.dial(b.address, port, client, "c", _ignore, _ignore, 5.0)
             await asyncio.sleep(0.2)
@@ -293,7 +293,7 @@ def test_a_bad_frame_closes_the_lane_with_the_reason(
         async with running(tmp_path, "b") as (b,):
             member = security.load_or_create_node_credentials(tmp_path / "a", b.secret, "a")
             assert b.transport._lanes is not None
-            _, client = lanes.tls_contexts(member)
+            _, client = security.ssl_contexts(member)
             lost: list[str] = []
             lane = await lanes.dial(
                 b.address, b.transport._lanes.port, client, "b", _ignore, _record(lost), 5.0
@@ -309,11 +309,11 @@ def test_a_bad_frame_closes_the_lane_with_the_reason(
     loop.run(run(), timeout=60)
 
 
-def test_tls_contexts_insist_on_tls_1_3_and_a_certificate_both_ways(tmp_path: Path) -> None:
+def test_lane_tls_insists_on_tls_1_3_and_a_certificate_both_ways(tmp_path: Path) -> None:
     credentials = security.load_or_create_node_credentials(
         tmp_path / "a", security.create_mesh_secret("lanes"), "a"
     )
-    for context in lanes.tls_contexts(credentials):
+    for context in security.ssl_contexts(credentials):
         assert context.minimum_version is ssl.TLSVersion.TLSv1_3
         assert context.verify_mode is ssl.CERT_REQUIRED
     assert lanes.split_address("[::1]:7000") == "::1"
@@ -342,7 +342,7 @@ def test_the_listener_bounds_handshakes_in_time_and_per_source_address(
     own = security.load_or_create_node_credentials(tmp_path / "b", secret, "b")
 
     async def run() -> None:
-        server_context, _ = lanes.tls_contexts(own)
+        server_context, _ = security.ssl_contexts(own)
         listener = lanes.LaneListener(
             server_context, _ignore, _ignore, _ignore, handshake_timeout_s=0.5
         )
@@ -360,7 +360,7 @@ def test_the_listener_bounds_handshakes_in_time_and_per_source_address(
             async with asyncio.timeout(WAIT_S):  # the others: when their time is up
                 for sock in idle[:-1]:
                     assert await loop_.sock_recv(sock, 1) == b""
-            _, client = lanes.tls_contexts(member)
+            _, client = security.ssl_contexts(member)
             lane = await lanes.dial(f"127.0.0.1:{port}", port, client, "b", _ignore, _ignore, 5)
             assert not lane.closed
             lane.close()
@@ -388,7 +388,7 @@ own = security.load_or_create_node_credentials(
 )
 
 async def main():
-    server_context, _ = lanes.tls_contexts(own)
+    server_context, _ = security.ssl_contexts(own)
     listener = lanes.LaneListener(server_context, print, print, print)
     port = await listener.start("127.0.0.1")
     knocking = subprocess.Popen([sys.executable, "-c", (
@@ -446,8 +446,8 @@ def test_a_listener_takes_the_peer_hosts_forms_of_ipv6(loop: LoopThread, tmp_pat
     member = security.load_or_create_node_credentials(tmp_path / "a", secret, "a")
 
     async def run() -> None:
-        server_context, _ = lanes.tls_contexts(own)
-        _, client = lanes.tls_contexts(member)
+        server_context, _ = security.ssl_contexts(own)
+        _, client = security.ssl_contexts(member)
         for host in ("[::1]", "::1"):
             listener = lanes.LaneListener(server_context, _ignore, _ignore, _ignore)
             try:

@@ -14,9 +14,10 @@ in C.
 
 What stays the same: every frame is the same ``dataplane.Frame`` (``proto/dataplane.proto``),
 each preceded by its length (4 bytes, big-endian) on the wire. Both ends present a
-certificate of the mesh CA (TLS 1.3, the same node credentials as the peer port) and each
-takes the other's node id from its certificate, so a lane carries frames only between
-members, and only from the node it names. The link's gRPC stream still opens first (Hello
+certificate of the mesh CA (TLS 1.3, the same node credentials as the peer port:
+:func:`meshd.mesh.security.ssl_contexts`) and each takes the other's node id from its
+certificate, so a lane carries frames only between members, and only from the node it
+names. The link's gRPC stream still opens first (Hello
 both ways, and the listener's port in the answer, ``Hello.lane_port``) and stays open: the
 link breaks when either breaks, and where no lane opens (a peer that offers none, a port a
 firewall blocks) the frames go over the stream as before.
@@ -31,15 +32,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import ssl
 import struct
-import tempfile
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -67,38 +64,6 @@ KEEPALIVE_PROBES = 2
 
 class LaneClosed(ConnectionError):
     """A lane could not open or broke; the message names the peer and why."""
-
-
-def tls_contexts(credentials: security.NodeCredentials) -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    """The (server, client) TLS contexts of lanes: TLS 1.3, this node's certificate, and only
-    the mesh CA trusted; both sides must present a certificate. The node id is checked from
-    the certificate after the handshake (:func:`certified_node_id`), not as a host name."""
-    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    client.check_hostname = False
-    ca = credentials.ca_certificate_pem.decode("ascii")
-    with tempfile.TemporaryDirectory(prefix="meshd-lane-") as folder:
-        # ssl loads a key pair only from files: a private folder, gone after loading.
-        key, cert = Path(folder) / "node.key", Path(folder) / "node.crt"
-        descriptor = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "wb") as out:
-            out.write(credentials.private_key_pem)
-        cert.write_bytes(credentials.certificate_pem)
-        for context in (server, client):
-            context.minimum_version = ssl.TLSVersion.TLSv1_3
-            context.verify_mode = ssl.CERT_REQUIRED
-            context.load_verify_locations(cadata=ca)
-            context.load_cert_chain(cert, key)
-    return server, client
-
-
-def certified_node_id(certificate: dict[str, Any] | None) -> str | None:
-    """The node id (common name) of a verified certificate (``SSLSocket.getpeercert()``)."""
-    for entry in (certificate or {}).get("subject", ()):
-        for key, value in entry:
-            if key == "commonName":
-                return str(value)
-    return None
 
 
 def _keep_alive(sock: socket.socket) -> None:
@@ -145,6 +110,7 @@ class Lane:
         self._on_lost = on_lost
         self._loop = asyncio.get_running_loop()
         self._chunk = bytearray(READ_CHUNK_BYTES)
+        self._chunk_view = memoryview(self._chunk)
         self._pending = bytearray()  # the start of a frame whose rest has not arrived
         self._backlog = bytearray()  # bytes the socket did not take yet, in order
         self._writing = False  # a writer callback is registered
@@ -180,7 +146,6 @@ class Lane:
     # ------------------------------------------------------------ the loop's callbacks
 
     def _readable(self) -> None:
-        view = memoryview(self._chunk)
         while not self.closed:
             try:
                 count = self._sock.recv_into(self._chunk)
@@ -194,17 +159,17 @@ class Lane:
             if count == 0:
                 self._fail("the peer closed the lane")
                 return
-            self._received(view[:count])
+            self._received(self._chunk_view[:count])
         if self._backlog and not self._writing and not self.closed:
             self._flush()  # a write that waited for TLS to read
 
     def _received(self, data: memoryview) -> None:
         """Hand every whole frame in what was pending and ``data`` to ``on_frame``; keep the
         start of an incomplete one."""
-        if not self.used:
-            self.used = True
-            if self._on_first_data is not None:
-                self._on_first_data(self)
+        self.used = True
+        if self._on_first_data is not None:  # once
+            first_data, self._on_first_data = self._on_first_data, None
+            first_data(self)
         if self._pending:
             self._pending += data
             consumed = self._frames_in(self._pending)
@@ -301,7 +266,7 @@ async def _handshake(sock: ssl.SSLSocket) -> str:
             await _until_ready(sock, write=False)
         except ssl.SSLWantWriteError:
             await _until_ready(sock, write=True)
-    certified = certified_node_id(sock.getpeercert())
+    certified = security.ssl_peer_node_id(sock)
     if certified is None:
         raise LaneClosed("the peer presented no node certificate")
     return certified

@@ -198,11 +198,11 @@ class _OutboundLink:
                 self._on_lane_lost,
                 timeout_s,
             )
-        except asyncio.CancelledError:  # the link's opening was given up: not again at once
+        except (LaneClosed, asyncio.CancelledError) as error:
+            # Failed, or the link's opening was given up: not tried again at once.
             self._lanes_refused[(self.address, port)] = time.monotonic() + lanes.RETRY_AFTER_S
-            raise
-        except LaneClosed as error:
-            self._lanes_refused[(self.address, port)] = time.monotonic() + lanes.RETRY_AFTER_S
+            if isinstance(error, asyncio.CancelledError):
+                raise
             log.warning(
                 "no lane to %s (%s), its frames go over the gRPC stream (slower) for %g s: %s",
                 self.peer,
@@ -329,7 +329,7 @@ class Transport:
         """Offer peers a lane (:mod:`meshd.inference.lanes`) on ``host``:``port`` and dial
         theirs; returns the listener's port. OSError when it cannot listen there."""
         self.bind_loop()
-        server_context, self._lane_context = lanes.tls_contexts(credentials)
+        server_context, self._lane_context = security.ssl_contexts(credentials)
         self._lanes = LaneListener(
             server_context,
             self.dispatch,

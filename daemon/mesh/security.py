@@ -9,9 +9,11 @@ member needs to talk to other members is derived from it, with no certificate au
 * a per-node **certificate** for a random per-node key, with CN = node id and SAN "meshd";
 * a public **fingerprint** that mDNS may announce so daemons skip meshes they cannot join.
 
-Every peer gRPC channel is mutual TLS under that CA: a daemon without the secret cannot join,
-call a peer RPC or read traffic. The mesh name is a label carried with the secret; the keys and
-the fingerprint depend only on the secret bytes, so renaming a mesh does not split it.
+Every peer gRPC channel, and every data-plane lane (a plain TLS socket, see
+`meshd.inference.lanes`), is mutual TLS under that CA: a daemon without the secret cannot
+join, call a peer RPC, send a frame or read traffic. The mesh name is a label carried with the
+secret; the keys and the fingerprint depend only on the secret bytes, so renaming a mesh does
+not split it.
 
 Where a refusal is logged: the TLS handshake fails inside gRPC core, below anything grpc.aio
 exposes (no interceptor or handler runs, no event reaches Python). The caller gets UNAVAILABLE
@@ -36,6 +38,7 @@ import ipaddress
 import os
 import re
 import secrets
+import ssl
 import stat
 import tempfile
 from dataclasses import dataclass
@@ -532,6 +535,38 @@ def peer_node_id(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> st
     """
     common_names = context.auth_context().get("x509_common_name") or []
     return common_names[0].decode("utf-8", errors="replace") if common_names else None
+
+
+# --- Plain TLS sockets (the data plane's lanes) ---------------------------------------------
+
+
+def ssl_contexts(creds: NodeCredentials) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """The (server, client) contexts of a plain TLS socket between members: TLS 1.3, this
+    node's certificate, only the mesh CA trusted, a certificate required both ways. The node
+    id is checked from the certificate after the handshake (:func:`ssl_peer_node_id`), not
+    as a host name."""
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False
+    ca = creds.ca_certificate_pem.decode("ascii")
+    with tempfile.TemporaryDirectory(prefix="meshd-tls-") as folder:
+        # ssl loads a key pair only from files: a private folder, gone after loading.
+        key, cert = Path(folder) / NODE_KEY_FILE_NAME, Path(folder) / NODE_CERT_FILE_NAME
+        _write_private_file(key, creds.private_key_pem)
+        cert.write_bytes(creds.certificate_pem)
+        for context in (server, client):
+            context.minimum_version = ssl.TLSVersion.TLSv1_3
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(cadata=ca)
+            context.load_cert_chain(cert, key)
+    return server, client
+
+
+def ssl_peer_node_id(sock: ssl.SSLSocket) -> str | None:
+    """The node id (certificate CN) of the other end of a TLS socket whose handshake passed
+    under :func:`ssl_contexts` (so the CA vouches for it), or None without a certificate."""
+    der = sock.getpeercert(binary_form=True)
+    return _common_name(x509.load_der_x509_certificate(der)) if der else None
 
 
 def describe_refusal(error: grpc.RpcError) -> str | None:
