@@ -28,9 +28,12 @@ unpinned line: 2 loopback daemons that share every core (what ``meshd demo`` doe
 unpinned mlx-lm process. Per row, medians over ``--runs`` greedy requests of
 ``--max-tokens``: decode tok/s (first streamed token to last), time to first token, and the
 overhead per hop, ``(ms/token with k nodes - ms/token with 1 node) / k`` (k stages make a ring
-of k hops per token; the compute per token is the same model either way):
+of k hops per token; the compute per token is the same model either way). With
+``--no-lanes-too`` the multi-node rows run again with ``--no-lanes`` (frames over the peer
+port's gRPC streams instead of lanes), so both are measured in one run:
 
     sudo .venv/bin/python benchmarks/bench_batching.py --scaling [--runs 5] [--max-tokens 64]
+        [--no-lanes-too]
 """
 
 from __future__ import annotations
@@ -425,9 +428,9 @@ def scaling_table(runs: int, max_tokens: int, streams_too: bool = False) -> int:
         rows.append(("mlx-lm, 1 process on core 0", one_core, None, 0))
         variants = [("", [])] + ([(", --no-lanes", ["--no-lanes"])] if streams_too else [])
         for cpus in layouts:
+            shared = " (2 share core 0)" if len(cpus) > cores else ""
             for suffix, extra in variants if len(cpus) > 1 else variants[:1]:
                 result = netns_mesh_single(root, model, cpus, runs, max_tokens, extra)
-                shared = " (2 share core 0)" if len(cpus) > cores else ""
                 label = f"{len(cpus)} node(s), cores {','.join(cpus)}{shared}{suffix}"
                 rows.append((label, result, one_core, len(cpus)))
         every_core = reference_single(model, "", runs, max_tokens)
