@@ -61,7 +61,6 @@ class Node:
     recorder: Recorder
     server: grpc.aio.Server
     address: str
-    credentials: security.NodeCredentials
     secret: security.MeshSecret
 
 
@@ -84,13 +83,7 @@ async def start_node(
     server, port = await start_server(servicer, credentials)
     if lanes_on:
         await transport.open_lanes("127.0.0.1", credentials)
-    return Node(node_id, transport, recorder, server, f"127.0.0.1:{port}", credentials, secret)
-
-
-async def stop(*nodes: Node) -> None:
-    for node in nodes:
-        await node.transport.close()
-        await node.server.stop(0)
+    return Node(node_id, transport, recorder, server, f"127.0.0.1:{port}", secret)
 
 
 @contextlib.asynccontextmanager
@@ -106,7 +99,17 @@ async def running(
             nodes.append(await start_node(state, secret, node_id, lanes_on=lanes_on))
         yield nodes
     finally:
-        await stop(*nodes)
+        for node in nodes:
+            await node.transport.close()
+            await node.server.stop(0)
+
+
+def contexts(
+    state: Path, secret: security.MeshSecret, node_id: str
+) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """The (server, client) TLS contexts of ``node_id`` of the mesh of ``secret``."""
+    credentials = security.load_or_create_node_credentials(state / node_id, secret, node_id)
+    return security.ssl_contexts(credentials)
 
 
 def frame(index: int, size: int = 16) -> dp.Frame:
@@ -232,9 +235,8 @@ def test_a_lane_its_dialler_dropped_unused_is_not_taken_for_a_lost_peer(
 
     async def run() -> None:
         async with running(tmp_path, "b") as (b,):
-            member = security.load_or_create_node_credentials(tmp_path / "a", b.secret, "a")
+            _, client = contexts(tmp_path, b.secret, "a")
             assert b.transport._lanes is not None
-            _, client = security.ssl_contexts(member)
             lane = await lanes.dial(
                 b.address, b.transport._lanes.port, client, "b", _ignore, _ignore, 5.0
             )
@@ -255,19 +257,15 @@ def test_a_lane_takes_only_members_and_only_the_node_its_dialler_expects(
 ) -> None:
     """A certificate of another mesh fails the handshake and delivers nothing; a member's
     certificate that names another node than the plan says is refused by the dialler."""
-    stranger = security.load_or_create_node_credentials(
-        tmp_path / "stranger", security.create_mesh_secret("other"), "a"
-    )
 
     async def run() -> None:
         async with running(tmp_path, "b") as (b,):
-            member = security.load_or_create_node_credentials(tmp_path / "a", b.secret, "a")
             assert b.transport._lanes is not None
             port = b.transport._lanes.port
-            _, outsider = security.ssl_contexts(stranger)
+            _, outsider = contexts(tmp_path / "other", security.create_mesh_secret("other"), "a")
             with pytest.raises(lanes.LaneClosed):
                 await lanes.dial(b.address, port, outsider, "b", _ignore, _ignore, 5.0)
-            _, client = security.ssl_contexts(member)
+            _, client = contexts(tmp_path, b.secret, "a")
             with pytest.raises(lanes.LaneClosed, match="names node b, not c"):
                 await lanes.dial(b.address, port, client, "c", _ignore, _ignore, 5.0)
             await asyncio.sleep(0.2)
@@ -291,9 +289,8 @@ def test_a_bad_frame_closes_the_lane_with_the_reason(
 
     async def run() -> None:
         async with running(tmp_path, "b") as (b,):
-            member = security.load_or_create_node_credentials(tmp_path / "a", b.secret, "a")
+            _, client = contexts(tmp_path, b.secret, "a")
             assert b.transport._lanes is not None
-            _, client = security.ssl_contexts(member)
             lost: list[str] = []
             lane = await lanes.dial(
                 b.address, b.transport._lanes.port, client, "b", _ignore, _record(lost), 5.0
@@ -310,10 +307,7 @@ def test_a_bad_frame_closes_the_lane_with_the_reason(
 
 
 def test_lane_tls_insists_on_tls_1_3_and_a_certificate_both_ways(tmp_path: Path) -> None:
-    credentials = security.load_or_create_node_credentials(
-        tmp_path / "a", security.create_mesh_secret("lanes"), "a"
-    )
-    for context in security.ssl_contexts(credentials):
+    for context in contexts(tmp_path, security.create_mesh_secret("lanes"), "a"):
         assert context.minimum_version is ssl.TLSVersion.TLSv1_3
         assert context.verify_mode is ssl.CERT_REQUIRED
     assert lanes.split_address("[::1]:7000") == "::1"
@@ -338,11 +332,9 @@ def test_the_listener_bounds_handshakes_in_time_and_per_source_address(
     MAX_PENDING_PER_SOURCE from one address a new one is closed at once, and each is closed
     when its handshake time is up; then a member's lane opens as usual."""
     secret = security.create_mesh_secret("lanes")
-    member = security.load_or_create_node_credentials(tmp_path / "a", secret, "a")
-    own = security.load_or_create_node_credentials(tmp_path / "b", secret, "b")
 
     async def run() -> None:
-        server_context, _ = security.ssl_contexts(own)
+        server_context, _ = contexts(tmp_path, secret, "b")
         listener = lanes.LaneListener(
             server_context, _ignore, _ignore, _ignore, handshake_timeout_s=0.5
         )
@@ -360,7 +352,7 @@ def test_the_listener_bounds_handshakes_in_time_and_per_source_address(
             async with asyncio.timeout(WAIT_S):  # the others: when their time is up
                 for sock in idle[:-1]:
                     assert await loop_.sock_recv(sock, 1) == b""
-            _, client = security.ssl_contexts(member)
+            _, client = contexts(tmp_path, secret, "a")
             lane = await lanes.dial(f"127.0.0.1:{port}", port, client, "b", _ignore, _ignore, 5)
             assert not lane.closed
             lane.close()
@@ -442,12 +434,10 @@ def test_a_listener_takes_the_peer_hosts_forms_of_ipv6(loop: LoopThread, tmp_pat
     if not socket.has_ipv6:
         pytest.skip("no IPv6 here")
     secret = security.create_mesh_secret("lanes")
-    own = security.load_or_create_node_credentials(tmp_path / "b", secret, "b")
-    member = security.load_or_create_node_credentials(tmp_path / "a", secret, "a")
 
     async def run() -> None:
-        server_context, _ = security.ssl_contexts(own)
-        _, client = security.ssl_contexts(member)
+        server_context, _ = contexts(tmp_path, secret, "b")
+        _, client = contexts(tmp_path, secret, "a")
         for host in ("[::1]", "::1"):
             listener = lanes.LaneListener(server_context, _ignore, _ignore, _ignore)
             try:
