@@ -173,11 +173,11 @@ def test_nodes_with_and_without_lanes_generate_exactly_together(
             assert [event.token_id for event in events] == ref_tokens
             for event, ref in zip(events, ref_logits, strict=True):
                 assert np.array_equal(event.logits, ref)
-        lanes_of = {n: mesh.nodes[n].plane.transport for n in ("a", "b", "o")}
-        assert lanes_of["o"]._outbound["a"].lane is not None
-        assert lanes_of["o"]._outbound["b"].lane is None
-        assert lanes_of["a"]._outbound["b"].lane is None
-        assert lanes_of["b"]._outbound["a"].lane is None  # nor does it dial lanes
+        transports = {n: mesh.nodes[n].plane.transport for n in ("a", "b", "o")}
+        assert transports["o"]._outbound["a"].lane is not None
+        assert transports["o"]._outbound["b"].lane is None
+        assert transports["a"]._outbound["b"].lane is None
+        assert transports["b"]._outbound["a"].lane is None  # nor does it dial lanes
     finally:
         mesh.close()
 
