@@ -19,8 +19,9 @@ enable_fast_blas()  # before mlx.core: float32 matmuls on OpenBLAS
 
 import asyncio
 import contextlib
+import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from meshd.inference.generation_events import FinalEvent
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.shard import load_stage
 from meshd.inference.stage_model import RequestCaches, StageRecipe
+from meshd.models.store import ModelEntry, ModelStore
 from tests.support.dataplane_mesh import LoopThread, Mesh, collect, mlx_lm_reference
 from tests.support.random_model import TINY_CONFIGS, make_architecture_dir, make_random_model_dir
 
@@ -104,9 +106,31 @@ def run_concurrently(
     return results
 
 
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> ModelEntry:
+    """The embedded default model's store entry, imported once for the module."""
+    return ModelStore(tmp_path_factory.mktemp("store")).ensure_default()
+
+
+@pytest.fixture(scope="module")
+def alone(
+    smollm2: ModelEntry,
+) -> Callable[[list[int], SamplingParams], tuple[list[int], list[Any]]]:
+    """What one mlx-lm process generates for a prompt alone, and its logits: worked out once
+    per prompt for the module (both batch layouts are compared with the same runs)."""
+    path = smollm2.path
+    model, _ = load_model(path)
+
+    @functools.cache
+    def reference(prompt: tuple[int, ...], params: SamplingParams) -> Any:
+        return mlx_lm_reference(path, prompt, params, eos_ids=eos_ids(path), model=model)
+
+    return lambda prompt, params: reference(tuple(prompt), params)
+
+
 @pytest.mark.parametrize("min_rows", [8, 4], ids=["one-batch", "two-micro-batches"])
 def test_eight_smollm2_requests_decode_together_as_each_would_alone(
-    mesh: Mesh, tmp_path_factory: pytest.TempPathFactory, monkeypatch, min_rows: int
+    mesh: Mesh, smollm2: ModelEntry, alone, monkeypatch, min_rows: int
 ) -> None:
     """8 concurrent greedy requests of different lengths on 2 stages: each one's text is the
     text one mlx-lm process generates for it alone, its logits within LOGIT_BOUND; and they
@@ -114,11 +138,9 @@ def test_eight_smollm2_requests_decode_together_as_each_would_alone(
     cut), and cut by the first stage into two micro-batches (at most 4 rows a pass) when the
     fewest rows a micro-batch may have is 4."""
     import partitioner.cost
-    from meshd.models.store import ModelStore
 
     monkeypatch.setattr(partitioner.cost, "MIN_MICRO_BATCH_ROWS", min_rows)
 
-    entry = ModelStore(tmp_path_factory.mktemp("store")).ensure_default()
     questions = [
         "What is the capital of France?",
         "Name a primary colour.",
@@ -129,8 +151,8 @@ def test_eight_smollm2_requests_decode_together_as_each_would_alone(
         "Translate 'hello' into Spanish.",
         "What is the boiling point of water in Celsius?",
     ]
-    layout = [("n1", (0, 15)), ("n2", (15, entry.num_layers))]
-    with installed(mesh, entry.path, layout) as plan_id:
+    layout = [("n1", (0, 15)), ("n2", (15, smollm2.num_layers))]
+    with installed(mesh, smollm2.path, layout) as plan_id:
         plane = mesh.nodes["n1"].plane
         prompts = [
             plane.encode_chat(plan_id, [{"role": "user", "content": question}])
@@ -144,12 +166,9 @@ def test_eight_smollm2_requests_decode_together_as_each_would_alone(
     if min_rows == 4:  # two micro-batches: no pass of more than 4 rows on either stage
         assert rows["n1"] <= 4 * passes["n1"] and rows["n2"] <= 4 * passes["n2"], (rows, passes)
     worst = 0.0
-    model, _ = load_model(entry.path)
     for prompt, (events, outcome) in zip(prompts, results, strict=True):
         assert isinstance(outcome, FinalEvent), outcome
-        tokens, logits = mlx_lm_reference(
-            entry.path, prompt, params[0], eos_ids=eos_ids(entry.path), model=model
-        )
+        tokens, logits = alone(prompt, params[0])
         assert [event.token_id for event in events] == tokens
         for event, reference in zip(events, logits, strict=True):
             worst = max(worst, float(np.abs(event.logits - reference).max()))
