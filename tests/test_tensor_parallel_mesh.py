@@ -290,8 +290,11 @@ def test_tp2_dense_then_moe_then_kill_9_of_a_member(
 
 
 def test_hybrid_2x2_over_trusted_namespaces(daemons, netns_mesh, mesh_token, tiny_llama) -> None:
-    """Two pipeline stages, each a TP=2 group, over four namespaced daemons: the budgets
-    (110 MB each) leave no node able to hold a whole stage, so the forced hybrid is 2x2."""
+    """Pipeline stages of TP=2 groups over four namespaced daemons, forced by `hybrid` (the
+    110 MB budgets keep any node from holding the whole model): every node serves, each group
+    runs as its plan stage, and the text is one mlx-lm process's. The layout is usually 2x2;
+    the planner may price [1, 2, 1] cheaper from links measured on a loaded host (seen once,
+    under other tests' load), which is as valid a hybrid plan, so either is accepted."""
     mesh = netns_mesh(4, subnet=random.randrange(1, 250))
     nodes = start_daemons(
         daemons,
@@ -304,8 +307,12 @@ def test_hybrid_2x2_over_trusted_namespaces(daemons, netns_mesh, mesh_token, tin
     )
     status = wait_serving(nodes, "hybrid", 4)
     stages = plan_of(status)["stages"]
-    assert [len(stage["nodes"]) for stage in stages] == [2, 2], stages
-    assert [g.stage for g in status.tensor_parallel_groups] == [0, 1]
+    widths = [len(stage["nodes"]) for stage in stages]
+    assert widths in ([2, 2], [1, 2, 1]), stages
+    grouped = [index for index, width in enumerate(widths) if width == 2]
+    groups = status.tensor_parallel_groups
+    assert [g.stage for g in groups] == grouped
+    assert [set(g.members) for g in groups] == [set(stages[i]["nodes"]) for i in grouped]
     ids, rows, done = generate_with_logits(nodes[0])
     assert done is not None and done.completion_tokens == MAX_TOKENS
     assert_matches_mlx_lm(tiny_llama, ids, rows)
