@@ -1,0 +1,270 @@
+"""What a hop costs at the least on this machine, without a daemon: the floor under meshd's.
+
+Issue 11 asks for a hop (one stage's result reaching the next stage's compute) under 0.5 ms.
+Real daemons in network namespaces measure 0.86-0.99 ms over lanes
+(``bench_batching.py --scaling``). This benchmark strips the daemon away to show how much of
+that any design pays here: two processes, each in its own network namespace (tests/netns.py:
+a bridge in its own namespace, nothing touches the machine's interfaces) and each pinned to
+one core, pass one greedy SmolLM2-135M decode back and forth over the product's own lanes
+(:mod:`meshd.inference.lanes`: mutual TLS 1.3 with mesh certificates, length-prefixed
+``dataplane.Frame`` messages). A computes layers 0-15 and sends the hidden states; B computes
+layers 15-30, the norm and the head, and sends the greedy token back. No stage core, no
+fencing, no gRPC, no other thread of a daemon: per token, the two hops are the round time
+minus the two computes.
+
+Modes, each a design the data plane could have:
+
+* ``thread``: the lane's loop hands each step to one compute thread and gets the result back
+  (what the daemon does: ``StageRuntime`` on the asyncio loop, MLX on the compute thread).
+* ``inline``: the step runs on the loop that owns the lane, so no thread is crossed (the
+  "data-plane thread" redesign, at its cheapest).
+* ``idle``: no compute at all, the same frames ping-ponged: what the same code costs when
+  the core's caches were not just flushed by tens of milliseconds of matrix work.
+
+Each mode prints the median per hop and where it goes: compute done -> send, serialize,
+``SSLSocket.send`` (on a veth pair the sender's kernel also runs the receiver's TCP path),
+send -> the receiver's callback (wire, wake-up, decrypt, parse), and callback -> compute.
+
+    sudo .venv/bin/python benchmarks/bench_hop_floor.py [--tokens 64] [--runs 2]
+        [--modes thread inline idle]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PORT = 7401
+MARK_NAMES = ("computed", "serialized", "sent", "received", "computing")
+Marks = dict[str, list[float]]  # what one side noted: name -> times (time.perf_counter)
+
+
+def stage_process(role: str, my_ip: str, peer_ip: str, mode: str, tokens: int, root: Path) -> None:
+    """One side, in its namespace: A dials B's lane and starts each token; B answers."""
+    from meshd.runtime.blas import enable_fast_blas
+
+    enable_fast_blas()  # before mlx.core, as the daemon does
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    from meshd.inference import lanes
+    from meshd.mesh import security
+    from meshd.models.store import ModelStore
+    from meshd.wire import dataplane_pb2 as dp
+
+    secret = security.load_secret(root / "mesh")
+    credentials = security.load_or_create_node_credentials(root / role, secret, role)
+    server_context, client_context = security.ssl_contexts(credentials)
+    model, _ = load_model(ModelStore(root / "store").ensure_default().path)
+    mx.eval(model.parameters())
+    inner = model.model
+    start, end = (0, 15) if role == "a" else (15, len(inner.layers))
+    layers = inner.layers[start:end]
+    cache = make_prompt_cache(model)[start:end]
+    marks: list[tuple[str, float]] = []
+
+    def compute(payload: int | bytes) -> int | bytes:
+        """A: a token id in, hidden states out; B: hidden states in, the greedy token out."""
+        marks.append(("computing", time.perf_counter()))
+        if mode == "idle":
+            result: int | bytes = (
+                0 if role == "b" else bytes(4 * inner.embed_tokens.weight.shape[1])
+            )
+        else:
+            if isinstance(payload, int):
+                hidden = inner.embed_tokens(mx.array([[payload]]))
+            else:
+                hidden = mx.array(np.frombuffer(payload, dtype=np.float32).reshape(1, 1, -1))
+            mask = create_attention_mask(hidden, cache[0])
+            for layer, layer_cache in zip(layers, cache, strict=True):
+                hidden = layer(hidden, mask, layer_cache)
+            if role == "a":
+                mx.eval(hidden)
+                result = bytes(memoryview(hidden))
+            else:
+                logits = inner.embed_tokens.as_linear(inner.norm(hidden))
+                result = int(mx.argmax(logits[0, -1]).item())
+        marks.append(("computed", time.perf_counter()))
+        return result
+
+    def frame_for(result: int | bytes) -> dp.Frame:
+        frame = dp.Frame(plan_id="plan", request_id="request")
+        if isinstance(result, bytes):
+            frame.activation.step = 1
+            frame.activation.dtype = "float32"
+            frame.activation.shape.extend([1, 1, len(result) // 4])
+            frame.activation.data = result
+        else:
+            frame.token.token_id = result if role == "b" else 0
+            frame.token.index = 1
+        return frame
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        finished: asyncio.Future[None] = loop.create_future()
+        lane_box: list[lanes.Lane] = []
+        done_tokens = [0]
+
+        def send(result: int | bytes) -> None:
+            lane = lane_box[0]
+            payload = frame_for(result).SerializeToString()
+            data = lanes.HEADER.pack(len(payload)) + payload
+            marks.append(("serialized", time.perf_counter()))
+            # The lane's socket itself, so that serializing and sending are timed apart (a
+            # frame of 2.3 KB is one TLS record the socket takes at once).
+            lane._sock.sendall(data)
+            marks.append(("sent", time.perf_counter()))
+
+        def step(payload: int | bytes) -> None:
+            if mode == "thread":
+                job = pool.submit(compute, payload)
+                job.add_done_callback(lambda done: loop.call_soon_threadsafe(send, done.result()))
+            else:  # inline, idle: on this loop, on its next turn (never re-entrantly)
+                loop.call_soon(lambda: send(compute(payload)))
+
+        def on_frame(peer: str, frame: dp.Frame) -> None:
+            marks.append(("received", time.perf_counter()))
+            if frame.HasField("end"):
+                finished.set_result(None)
+            elif frame.HasField("hello"):
+                step(1)  # B is ready: A starts
+            elif role == "b":
+                step(frame.activation.data)
+            else:
+                done_tokens[0] += 1
+                if done_tokens[0] >= tokens:
+                    lane_box[0].send(dp.Frame(end=dp.End()))
+                    loop.call_later(0.2, finished.set_result, None)
+                else:
+                    step(frame.token.token_id)
+
+        def lost(*_: object) -> None:
+            if not finished.done():
+                finished.set_result(None)
+
+        if role == "b":
+            listener = lanes.LaneListener(server_context, on_frame, lambda peer: None, lost)
+            await listener.start(my_ip, PORT)
+            while "a" not in listener.lanes:
+                await asyncio.sleep(0.01)
+            lane_box.append(listener.lanes["a"])
+            lane_box[0].send(dp.Frame(hello=dp.Hello(node_id="b")))
+        else:
+            for _ in range(100):
+                try:
+                    lane = await lanes.dial(
+                        f"{peer_ip}:0", PORT, client_context, "b", on_frame, lost, 5.0
+                    )
+                except lanes.LaneClosed:
+                    await asyncio.sleep(0.1)
+                    continue
+                lane_box.append(lane)
+                break
+        await asyncio.wait_for(finished, 600)
+        pool.shutdown()
+
+    asyncio.run(run())
+    with open(root / f"marks-{role}-{mode}.txt", "w") as out:
+        out.writelines(f"{name} {at:.7f}\n" for name, at in marks)
+
+
+def read_marks(path: Path) -> Marks:
+    marks: dict[str, list[float]] = {name: [] for name in MARK_NAMES}
+    for line in path.read_text().splitlines():
+        name, at = line.split()
+        marks[name].append(float(at))
+    return marks
+
+
+def hops(
+    sender: dict[str, list[float]], receiver: dict[str, list[float]]
+) -> dict[str, list[float]]:
+    """Each hop's parts in ms: the sender's compute done -> serialized -> sent, then the
+    receiver's callback for that frame and its compute start (one clock: same kernel)."""
+    parts: dict[str, list[float]] = {}
+    for index, sent in enumerate(sender["sent"][2:], start=2):  # the first two warm up
+        received = next((at for at in receiver["received"] if at > sent), None)
+        computing = next((at for at in receiver["computing"] if received and at > received), None)
+        if received is None or computing is None:
+            break
+        computed, serialized = sender["computed"][index], sender["serialized"][index]
+        for name, value in (
+            ("compute done -> send", serialized - computed),
+            ("SSLSocket.send", sent - serialized),
+            ("send -> receiver's callback", received - sent),
+            ("callback -> compute", computing - received),
+            ("hop", computing - computed),
+        ):
+            parts.setdefault(name, []).append(value * 1e3)
+    return parts
+
+
+def measure(mode: str, tokens: int, root: Path, spawn: Callable[..., subprocess.Popen]) -> dict:
+    b = spawn("b", mode, "1")
+    a = spawn("a", mode, "0")
+    for process in (a, b):
+        if process.wait(600) != 0:
+            raise RuntimeError(f"the {mode} run failed: {process.stderr.read()[-2000:]}")
+    first = read_marks(root / f"marks-a-{mode}.txt")
+    second = read_marks(root / f"marks-b-{mode}.txt")
+    parts = hops(first, second)
+    for name, values in hops(second, first).items():
+        parts.setdefault(name, []).extend(values)
+    return {name: statistics.median(values) for name, values in parts.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--modes", nargs="+", default=["thread", "inline", "idle"])
+    args = parser.parse_args()
+    from meshd.mesh import security
+    from meshd.models.store import ModelStore
+    from tests.netns import Mesh, cleanup_stale, require_root_and_netns
+
+    require_root_and_netns()
+    cleanup_stale()
+    with tempfile.TemporaryDirectory(prefix="meshd-hop-floor-") as temp, Mesh(2) as mesh:
+        root = Path(temp)
+        (root / "mesh").mkdir()
+        security.save_secret(root / "mesh", security.create_mesh_secret("hop-floor"))
+        ModelStore(root / "store").ensure_default()
+        nodes = {"a": mesh.nodes[0], "b": mesh.nodes[1]}
+        peers = {"a": nodes["b"].ip, "b": nodes["a"].ip}
+
+        def spawn(role: str, mode: str, cpu: str) -> subprocess.Popen:
+            command = ["taskset", "-c", cpu, sys.executable, __file__, "--stage", role]
+            command += [nodes[role].ip, peers[role], mode, str(args.tokens), str(root)]
+            return nodes[role].popen(command, stderr=subprocess.PIPE, text=True)
+
+        print(f"load average {os.getloadavg()[0]:.2f}; medians over {args.tokens} tokens")
+        for run in range(args.runs):
+            for mode in args.modes:
+                parts = measure(mode, args.tokens, root, spawn)
+                detail = ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if k != "hop")
+                print(f"run {run + 1} {mode:6s} hop {parts['hop']:.3f} ms ({detail})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--stage":
+        role, my_ip, peer_ip, mode, tokens, root = sys.argv[2:8]
+        stage_process(role, my_ip, peer_ip, mode, int(tokens), Path(root))
+        sys.exit(0)
+    sys.exit(main())
