@@ -21,8 +21,10 @@ temporary directory removed at the end, and they are killed by PID.
 run`` daemons, 1, 2 and 3 of them, each in its own network namespace (a bridge inside its own
 namespace, tests/netns.py: nothing touches the machine's real interfaces) and each pinned with
 taskset to its own core to stand in for a separate machine, against one mlx-lm process
-(``stream_generate``) pinned to ONE such core: the fair "one machine vs a mesh of such
-machines" baseline. This machine has 2 cores, so with 3 nodes two of them share a core
+(``stream_generate``) pinned to ONE such core (core 0): the fair "one machine vs a mesh of
+such machines" baseline. The cores of a shared machine differ by a few percent, so mlx-lm is
+timed on each core too, and a "same cores" column compares each mesh with one process timed
+on the cores its stages ran on (averaged over the stages). This machine has 2 cores, so with 3 nodes two of them share a core
 (with one request only one stage computes at a time, so they rarely compete). Then the
 unpinned line: 2 loopback daemons that share every core (what ``meshd demo`` does) vs one
 unpinned mlx-lm process. Per row, medians over ``--runs`` greedy requests of
@@ -421,30 +423,37 @@ def scaling_table(runs: int, max_tokens: int, streams_too: bool = False) -> int:
     cores = os.cpu_count() or 1
     layouts = [["0"], ["0", "1"], ["0", "1", "0"]] if cores >= 2 else [["0"], ["0"], ["0"]]
     root = Path(tempfile.mkdtemp(prefix="bench-scaling-"))
-    rows: list[tuple[str, Single, Single | None, int]] = []
+    # (label, result, the baseline "vs mlx-lm" divides by, nodes, the same cores' baseline)
+    rows: list[tuple[str, Single, Single | None, int, float | None]] = []
     try:
         model = ModelStore(root / "store").ensure_default().path
-        one_core = reference_single(model, "0", runs, max_tokens)
-        rows.append(("mlx-lm, 1 process on core 0", one_core, None, 0))
+        per_core = {cpu: reference_single(model, cpu, runs, max_tokens) for cpu in layouts[1]}
+        one_core = per_core["0"]
+        for cpu, reference in per_core.items():
+            rows.append((f"mlx-lm, 1 process on core {cpu}", reference, None, 0, None))
         variants = [("", [])] + ([(", --no-lanes", ["--no-lanes"])] if streams_too else [])
         for cpus in layouts:
             shared = " (2 share core 0)" if len(cpus) > cores else ""
+            # A token crosses each stage's share of the layers on that stage's core: one
+            # process split that way would take the mean of its time on those cores.
+            same_cores = sum(per_core[cpu].s_per_token for cpu in cpus) / len(cpus)
             for suffix, extra in variants if len(cpus) > 1 else variants[:1]:
                 result = netns_mesh_single(root, model, cpus, runs, max_tokens, extra)
                 label = f"{len(cpus)} node(s), cores {','.join(cpus)}{shared}{suffix}"
-                rows.append((label, result, one_core, len(cpus)))
+                rows.append((label, result, one_core, len(cpus), same_cores))
         every_core = reference_single(model, "", runs, max_tokens)
-        rows.append(("mlx-lm, 1 process, every core", every_core, None, 0))
+        rows.append(("mlx-lm, 1 process, every core", every_core, None, 0, None))
         unpinned = loopback_mesh_single(root, model, 2, runs, max_tokens)
-        rows.append(("2 nodes unpinned (meshd demo)", unpinned, every_core, -2))
+        rows.append(("2 nodes unpinned (meshd demo)", unpinned, every_core, -2, None))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\none request, {max_tokens} greedy tokens, medians of {runs} runs; {cores} cores")
-    print(f"{'runner':<40} {'tok/s':>7} {'vs mlx-lm':>9} {'TTFT ms':>8} {'hop ms':>7} "
-          f"{'other ms':>8} {'hop ms':>7} {'load':>5}")  # fmt: skip
-    one_node = rows[1][1]
-    for label, row, base, nodes in rows:
+    print(f"{'runner':<40} {'tok/s':>7} {'vs mlx-lm':>9} {'same cores':>10} {'TTFT ms':>8} "
+          f"{'hop ms':>7} {'other ms':>8} {'hop ms':>7} {'load':>5}")  # fmt: skip
+    one_node = next(row for _, row, _, nodes, _ in rows if nodes == 1)
+    for label, row, base, nodes, same_cores in rows:
         versus = f"{base.s_per_token / row.s_per_token:9.2f}" if base else f"{1.0:9.2f}"
+        fair = f"{same_cores / row.s_per_token:10.2f}" if same_cores else ""
         hop = measured = other = ""
         if row.transport_s_per_token is not None:
             other = f"{row.transport_s_per_token * 1e3:8.2f}"
@@ -453,8 +462,12 @@ def scaling_table(runs: int, max_tokens: int, streams_too: bool = False) -> int:
             if row.transport_s_per_token is not None and one_node.transport_s_per_token is not None:
                 extra = row.transport_s_per_token - one_node.transport_s_per_token
                 measured = f"{extra / nodes * 1e3:7.2f}"
-        print(f"{label:<40} {1 / row.s_per_token:7.2f} {versus} {row.ttft_s * 1e3:8.0f} "
+        ttft = row.ttft_s * 1e3
+        print(f"{label:<40} {1 / row.s_per_token:7.2f} {versus} {fair:>10} {ttft:8.0f} "
               f"{hop:>7} {other:>8} {measured:>7} {row.load:5.2f}")  # fmt: skip
+    print("vs mlx-lm: against one mlx-lm process on core 0 (pinned rows) or on every core")
+    print("same cores: against one mlx-lm process timed on each core the stages ran on, averaged")
+    print("over the stages (the cores of this machine differ by a few percent)")
     print("hop ms (first): (s/token with k pinned nodes - s/token with 1 node) / k hops per token")
     print("other ms: the daemons' own measure of decode time per token not spent computing")
     print("hop ms (second): (other ms with k pinned nodes - other ms with 1 node) / k; it does not")
