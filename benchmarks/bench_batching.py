@@ -24,8 +24,9 @@ taskset to its own core to stand in for a separate machine, against one mlx-lm p
 (``stream_generate``) pinned to ONE such core (core 0): the fair "one machine vs a mesh of
 such machines" baseline. The cores of a shared machine differ by a few percent, so mlx-lm is
 timed on each core too, and a "same cores" column compares each mesh with one process timed
-on the cores its stages ran on (averaged over the stages). This machine has 2 cores, so with 3 nodes two of them share a core
-(with one request only one stage computes at a time, so they rarely compete). Then the
+on the cores its stages ran on (averaged over the stages). This machine has 2 cores, so
+with 3 nodes two of them share a core (with one request only one stage computes at a time,
+so they rarely compete). Then the
 unpinned line: 2 loopback daemons that share every core (what ``meshd demo`` does) vs one
 unpinned mlx-lm process. Per row, medians over ``--runs`` greedy requests of
 ``--max-tokens``: decode tok/s (first streamed token to last), time to first token, and the
