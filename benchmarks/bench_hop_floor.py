@@ -9,8 +9,8 @@ one core, pass one greedy SmolLM2-135M decode back and forth over the product's 
 (:mod:`meshd.inference.lanes`: mutual TLS 1.3 with mesh certificates, length-prefixed
 ``dataplane.Frame`` messages). A computes layers 0-15 and sends the hidden states; B computes
 layers 15-30, the norm and the head, and sends the greedy token back. No stage core, no
-fencing, no gRPC, no other thread of a daemon: per token, the two hops are the round time
-minus the two computes.
+fencing, no gRPC, no other thread of a daemon. A hop is timed from the sender's compute done
+to the receiver's next compute start; both processes read one clock (one kernel).
 
 Modes, each a design the data plane could have:
 
@@ -76,14 +76,13 @@ def stage_process(role: str, my_ip: str, peer_ip: str, mode: str, tokens: int, r
     layers = inner.layers[start:end]
     cache = make_prompt_cache(model)[start:end]
     marks: list[tuple[str, float]] = []
+    idle_hidden = bytes(4 * inner.embed_tokens.weight.shape[1])  # what A sends in idle mode
 
     def compute(payload: int | bytes) -> int | bytes:
         """A: a token id in, hidden states out; B: hidden states in, the greedy token out."""
         marks.append(("computing", time.perf_counter()))
         if mode == "idle":
-            result: int | bytes = (
-                0 if role == "b" else bytes(4 * inner.embed_tokens.weight.shape[1])
-            )
+            result: int | bytes = 0 if role == "b" else idle_hidden
         else:
             if isinstance(payload, int):
                 hidden = inner.embed_tokens(mx.array([[payload]]))
@@ -109,7 +108,7 @@ def stage_process(role: str, my_ip: str, peer_ip: str, mode: str, tokens: int, r
             frame.activation.shape.extend([1, 1, len(result) // 4])
             frame.activation.data = result
         else:
-            frame.token.token_id = result if role == "b" else 0
+            frame.token.token_id = result  # only B sends tokens
             frame.token.index = 1
         return frame
 
@@ -184,16 +183,14 @@ def stage_process(role: str, my_ip: str, peer_ip: str, mode: str, tokens: int, r
 
 
 def read_marks(path: Path) -> Marks:
-    marks: dict[str, list[float]] = {name: [] for name in MARK_NAMES}
+    marks: Marks = {name: [] for name in MARK_NAMES}
     for line in path.read_text().splitlines():
         name, at = line.split()
         marks[name].append(float(at))
     return marks
 
 
-def hops(
-    sender: dict[str, list[float]], receiver: dict[str, list[float]]
-) -> dict[str, list[float]]:
+def hops(sender: Marks, receiver: Marks) -> dict[str, list[float]]:
     """Each hop's parts in ms: the sender's compute done -> serialized -> sent, then the
     receiver's callback for that frame and its compute start (one clock: same kernel)."""
     parts: dict[str, list[float]] = {}
@@ -214,7 +211,10 @@ def hops(
     return parts
 
 
-def measure(mode: str, tokens: int, root: Path, spawn: Callable[..., subprocess.Popen]) -> dict:
+def measure(
+    mode: str, tokens: int, root: Path, spawn: Callable[..., subprocess.Popen]
+) -> dict[str, float]:
+    """One run of ``mode``: the median of each part of a hop, both directions together."""
     b = spawn("b", mode, "1")
     a = spawn("a", mode, "0")
     for process in (a, b):
