@@ -9,6 +9,7 @@ socket is removed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -250,11 +251,14 @@ class Node:
         context_length: int | None = None,
         concurrency: int | None = None,
         parallelism: str | None = None,
+        startup_default: bool = False,
     ) -> pb.ModelSelection:
         """Read the model's description (no weights) and propose it to the mesh.
 
         `model` is a model directory, a .gguf file (imported into the store first), or a
         name in this node's store; the embedded default is imported on first use.
+        `startup_default`: the configured model, offered at start; it never replaces a model
+        loaded on purpose (see `meshd.agreement.service.winning_selection`).
         """
         from meshd.models.info import read_model_spec
 
@@ -270,10 +274,23 @@ class Node:
             concurrency=concurrency or self.config.concurrency,
             parallelism=parallelism or self.config.parallelism,
         )
-        selection = model_selection(spec, options, self.identity.node_id, str(model_dir))
+        selection = model_selection(
+            spec,
+            options,
+            self.identity.node_id,
+            str(model_dir),
+            startup_default=startup_default,
+            after=None if startup_default else self.agreement.selection,
+        )
+        current = self.membership.model
+        if startup_default and current is not None and not current.startup_default:
+            # Peers told this node about a loaded model while it read its own: keep that.
+            self.events.add("configured model %s: the mesh runs %s", spec.name, current.name)
+            return selection
         self.membership.set_model(selection)
         self.events.add(
-            "selected model %s (%d layers, %s of weights)",
+            "%s model %s (%d layers, %s of weights)",
+            "offering configured" if startup_default else "selected",
             spec.name,
             spec.num_layers,
             format_bytes(spec.total_weight_bytes),
@@ -282,23 +299,27 @@ class Node:
 
     async def _select_configured_model(self, model: str) -> None:
         try:
-            await self.select_model(model)
+            await self.select_model(model, startup_default=True)
         except Exception as exc:
             self.events.add("cannot use model %r: %s", model, exc, level=logging.ERROR)
 
     async def _locate_model(self, name: str, digest: str) -> Path | None:
-        """asyncio side: this node's full copy of model (name, digest), asked on trio."""
-        return await self.bridge.call_in_trio(self._local_model_source, name, digest)
+        """asyncio side: this node's full copy of model (name, digest), to send parts of to
+        peers. The selection is read on trio, which owns it; the disk in a worker thread."""
+        selection = await self.bridge.call_in_trio(self._selection_named, name, digest)
+        if selection is None:
+            return None
+        try:
+            return await asyncio.to_thread(self.model_dir_for_selection, selection)
+        except Exception:
+            return None
 
-    def _local_model_source(self, name: str, digest: str) -> Path | None:
-        """This node's full copy of the selected model, to send parts of to peers."""
+    def _selection_named(self, name: str, digest: str) -> pb.ModelSelection | None:
+        """The mesh's selected model if it is (name, digest): only its parts are sent."""
         selection = self.agreement.selection
         if selection is None or (selection.name, selection.digest) != (name, digest):
             return None
-        try:
-            return self.model_dir_for_selection(selection)
-        except Exception:
-            return None
+        return selection
 
     def model_dir_for_selection(self, selection: pb.ModelSelection) -> Path:
         """This node's full copy of the selected model: the directory it selected itself

@@ -23,6 +23,8 @@ Dense models leave these at their defaults (active = total, no experts, "full" l
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
@@ -171,6 +173,12 @@ class ModelSpec:
             value = getattr(self, field.name)
             out[field.name] = list(value) if isinstance(value, tuple) else value
         return out
+
+    def digest(self) -> str:
+        """A short hash of this description: nodes that compute the same digest from their own
+        copies of a model mean the same model (the mesh names a selected model by it)."""
+        text = json.dumps(self.to_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:

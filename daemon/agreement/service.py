@@ -13,9 +13,13 @@ component is its runtime, and what the data plane sees of it is `meshd.agreement
   *settling* (`settling_nodes`); the core keeps its current proposal meanwhile, for at most
   `settle_bound_s`, so a starting mesh commits one plan made from measured links instead of
   committing one and replacing it when the last measurement lands.
-* **Model selection** is a last-writer-wins register gossiped in every `NodeState`:
-  the selection with the largest `(set_at, set_by)` wins, so any node may change the model
-  and every node converges on the same one without a master.
+* **Model selection** is a last-writer-wins register gossiped in every `NodeState`
+  (`winning_selection`): any node may change the model with `meshd load` and every node
+  converges on the same one without a master. Every node re-publishes the winning selection
+  as its own, so the model outlives the node that loaded it (a laptop that loaded a model
+  and went to sleep does not switch the mesh back). A node's configured model is only a
+  startup default: any loaded model beats it, and among defaults the oldest wins, so a node
+  that joins or restarts never switches the model of a running mesh.
 * **compute_plan** restricts the mesh graph to the members, runs `partitioner.plan_model`
   with the incumbent's stages (the running layout is kept unless another is predicted more
   than `partitioner.SWITCH_GAIN` faster) and caches the full plan by plan id, which is a hash
@@ -132,23 +136,40 @@ def model_selection(
     options: partitioner.PlanOptions,
     node_id: str,
     path: str = "",
+    *,
+    startup_default: bool = False,
+    after: pb.ModelSelection | None = None,
 ) -> pb.ModelSelection:
-    """A selection record for `spec`; the digest names the model description exactly."""
-    spec_json = json.dumps(spec.to_dict(), sort_keys=True)
+    """A selection record for `spec`; the digest names the model description exactly.
+
+    `startup_default`: the node's configured model, offered when it starts; it loses to any
+    model loaded on purpose (see `winning_selection`). `after`: the selection the mesh runs
+    now; the new one is stamped later than it even where this node's clock is behind the
+    clock that stamped it, so a `meshd load` always takes effect."""
     return pb.ModelSelection(
         name=spec.name,
-        digest=hashlib.sha256(spec_json.encode()).hexdigest()[:16],
-        spec_json=spec_json,
+        digest=spec.digest(),
+        spec_json=json.dumps(spec.to_dict(), sort_keys=True),
         options_json=json.dumps(options.to_dict(), sort_keys=True),
-        set_at=time.time(),
+        set_at=max(time.time(), after.set_at + 0.001 if after is not None else 0.0),
         set_by=node_id,
         path=path,
+        startup_default=startup_default,
     )
 
 
-def newest_selection(selections: list[pb.ModelSelection]) -> pb.ModelSelection | None:
-    chosen = [s for s in selections if s.name]
-    return max(chosen, key=lambda s: (s.set_at, s.set_by)) if chosen else None
+def winning_selection(selections: list[pb.ModelSelection]) -> pb.ModelSelection | None:
+    """The model the mesh runs, from the selections its live nodes publish.
+
+    The newest selection made on purpose wins (largest `(set_at, set_by)`); without one, the
+    oldest startup default does, so starting a node never changes what a running mesh serves.
+    Every node computes this from the same gossiped states, so all agree without a master.
+    """
+    chosen = [s for s in selections if s.name and not s.startup_default]
+    if chosen:
+        return max(chosen, key=lambda s: (s.set_at, s.set_by))
+    defaults = [s for s in selections if s.name]
+    return min(defaults, key=lambda s: (s.set_at, s.set_by)) if defaults else None
 
 
 # ---------------------------------------------------------------- wire conversion
@@ -308,7 +329,8 @@ class PlanAgreement:
             if digest:
                 digests[node_id] = digest
                 self._states[(node_id, digest)] = state
-        self._selection = newest_selection([s.model for s in states.values()])
+        self._selection = winning_selection([s.model for s in states.values()])
+        self._adopt(own, self._selection)
         model = settings = None
         if self._selection is not None:
             model = ag.ModelRef(self._selection.name, self._selection.digest)
@@ -318,6 +340,19 @@ class PlanAgreement:
         )
         self._apply(outputs)
         self._forget_unreferenced(digests)
+
+    def _adopt(self, own: pb.NodeState, winner: pb.ModelSelection | None) -> None:
+        """Publish a loaded model another node selected as this node's own selection too.
+
+        The register then lives in every node's state, not only in the state of the node
+        that ran `meshd load`: when that node leaves, the mesh keeps the model. Startup
+        defaults are not adopted (each node offers its own until a model is loaded); the
+        record is copied as it is, so every node still names the same `(set_at, set_by)`.
+        """
+        if winner is None or winner.startup_default or own.model == winner:
+            return
+        self._events.add("model %s was loaded on %s: the mesh runs it", winner.name, winner.set_by)
+        self._membership.set_model(winner)
 
     def _forget_unreferenced(self, digests: dict[str, str]) -> None:
         """Drop cached states and plans nothing refers to any more.

@@ -252,7 +252,7 @@ class MeshBackend:
                 )
                 break
         if key not in self._model_files:  # nothing loaded yet: this node's copy, if it has one
-            path = await self._in_trio(lambda: _model_dir_or_none(self._node, selection))
+            path = await asyncio.to_thread(_model_dir_or_none, self._node, selection)
             files = await asyncio.to_thread(_read_model_files, path)
             if files[0]:
                 self._model_files[key] = files

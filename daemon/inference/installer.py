@@ -26,6 +26,7 @@ withdrawn meanwhile.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -298,8 +299,8 @@ class PlanInstaller:
         """This node's copy of the model, or its part fetched from a peer that has one."""
         from meshd.models.store import UnknownModel
 
-        try:
-            return self._resolve_model_dir(selection)
+        try:  # a thread: it may read the model's description from disk
+            return await trio.to_thread.run_sync(self._resolve_model_dir, selection)
         except (UnknownModel, FileNotFoundError):
             pass
         part = self._part_for(selection, plan)
@@ -434,11 +435,41 @@ async def _count(plane: DataPlane, plan_id: str) -> int:
 
 
 def model_dir_for(selection: pb.ModelSelection, own_model: str | None, store_root: Path) -> Path:
-    """Where this node keeps the selected model: its own --model directory, or its store."""
-    from meshd.models.store import ModelStore
+    """Where this node keeps the selected model: its own --model directory, its store, or the
+    directory the selecting node loaded it from, where this node sees that very model there
+    (daemons sharing a disk: several on one host, or a network mount).
+
+    Raises `UnknownModel` when this node has no full copy (it then fetches its part)."""
+    from meshd.models.store import ModelStore, UnknownModel
 
     if own_model:
         path = Path(own_model).expanduser()
         if path.is_dir() and path.name == selection.name:
             return path
-    return ModelStore(store_root).model_dir(selection.name)
+    try:
+        return ModelStore(store_root).model_dir(selection.name)
+    except UnknownModel:
+        if selection.path and _holds_exactly(Path(selection.path), selection.digest):
+            return Path(selection.path)
+        raise
+
+
+def _holds_exactly(path: Path, digest: str) -> bool:
+    """Whether `path` is a model directory whose description hashes to `digest`."""
+    try:
+        stamp = (path / "config.json").stat().st_mtime_ns
+    except OSError:
+        return False
+    return _spec_digest(path, stamp) == digest
+
+
+@functools.lru_cache(maxsize=16)
+def _spec_digest(path: Path, config_mtime_ns: int) -> str:
+    """The digest of the model in `path` (cached per config.json write: the selected model's
+    directory is checked at every plan install and every part a peer asks for)."""
+    from meshd.models.info import read_model_spec
+
+    try:
+        return read_model_spec(path).digest()
+    except Exception:  # not a model directory this node can read: it holds no copy there
+        return ""

@@ -118,7 +118,7 @@ class NodeState(_message.Message):
     def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., version: _Optional[int] = ..., instance_id: _Optional[str] = ..., alive_peers: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelSelection, _Mapping]] = ..., leaving: _Optional[bool] = ..., tensor_parallel_port: _Optional[int] = ..., loaded_plans: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelSelection(_message.Message):
-    __slots__ = ("name", "digest", "spec_json", "options_json", "set_at", "set_by", "path")
+    __slots__ = ("name", "digest", "spec_json", "options_json", "set_at", "set_by", "path", "startup_default")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class ModelSelection(_message.Message):
     SET_AT_FIELD_NUMBER: _ClassVar[int]
     SET_BY_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     name: str
     digest: str
     spec_json: str
@@ -133,7 +134,8 @@ class ModelSelection(_message.Message):
     set_at: float
     set_by: str
     path: str
-    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., spec_json: _Optional[str] = ..., options_json: _Optional[str] = ..., set_at: _Optional[float] = ..., set_by: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    startup_default: bool
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., spec_json: _Optional[str] = ..., options_json: _Optional[str] = ..., set_at: _Optional[float] = ..., set_by: _Optional[str] = ..., path: _Optional[str] = ..., startup_default: _Optional[bool] = ...) -> None: ...
 
 class ModelRef(_message.Message):
     __slots__ = ("name", "digest")

@@ -1,0 +1,135 @@
+"""The mesh's model: a loaded model outlives the node that loaded it, and a node that starts
+never switches a running mesh back to its own configured model.
+
+The register's rule (`winning_selection`) is pure and checked first; then three daemons in
+network namespaces: `meshd load` on one, a restart of another (its `--model` is the old
+model), and `kill -9` of the loader. The survivors go on serving the loaded model, reading
+it from the directory the loader named (they share this machine's disk, as daemons on one
+host or on a network mount do).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from meshd.agreement.service import winning_selection
+from meshd.api import client
+from meshd.api.launcher import DaemonProcess
+from meshd.wire import pb
+
+PLAN_TIMEOUT_S = 60.0
+MAX_TOKENS = 6
+
+
+def selection(name: str, set_at: float, set_by: str, *, default: bool = False):
+    return pb.ModelSelection(
+        name=name, digest=name, set_at=set_at, set_by=set_by, startup_default=default
+    )
+
+
+def test_a_loaded_model_beats_every_startup_default_and_the_newest_load_wins() -> None:
+    loaded = selection("moe", 100.0, "a")
+    newer_default = selection("llama", 200.0, "c", default=True)
+    assert winning_selection([newer_default, loaded]) == loaded
+    newer_load = selection("qwen", 150.0, "b")
+    assert winning_selection([loaded, newer_default, newer_load]) == newer_load
+    tie = selection("phi", 150.0, "c")  # same instant: the larger node id, on every node
+    assert winning_selection([newer_load, tie]) == tie
+    assert winning_selection([]) is None and winning_selection([pb.ModelSelection()]) is None
+
+
+def test_without_a_loaded_model_the_oldest_default_wins() -> None:
+    """A node that starts (or restarts) later does not replace the model a mesh runs."""
+    first = selection("llama", 100.0, "b", default=True)
+    joined = selection("phi", 300.0, "a", default=True)
+    assert winning_selection([joined, first]) == first
+    assert winning_selection([joined]) == joined  # alone, its own default
+
+
+def test_a_load_wins_even_where_this_nodes_clock_is_behind(two_models) -> None:
+    """`meshd load` on a node whose clock is an hour behind the node that loaded the running
+    model still replaces it: the new record is stamped after the one the mesh runs."""
+    import partitioner
+    from meshd.agreement.service import model_selection
+    from meshd.models.info import read_model_spec
+
+    _, loaded = two_models
+    running = selection("llama", time.time() + 3600, "z")
+    spec = read_model_spec(loaded)
+    mine = model_selection(spec, partitioner.PlanOptions(), "a", after=running)
+    assert mine.set_at > running.set_at and mine.digest == spec.digest()
+    assert winning_selection([running, mine]) == mine
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The configured model and the one `meshd load` switches to (another name, other sizes)."""
+    from tests.support.random_model import make_random_model_dir
+
+    root = tmp_path_factory.mktemp("selection")
+    shape = {"heads": 4, "kv_heads": 2, "vocab": 320, "max_shard_bytes": 200_000}
+    configured = make_random_model_dir(root / "llama", "llama", layers=4, hidden=64, **shape)
+    loaded = make_random_model_dir(
+        root / "llama-loaded", "llama", layers=6, hidden=96, seed=3, **shape
+    )
+    return configured, loaded
+
+
+def serves(model: str, members: int):
+    """Predicate: the node runs a committed plan of `model` over `members` nodes."""
+
+    def check(status: pb.MeshStatus) -> bool:
+        view = status.agreement
+        plan = json.loads(view.plan_json) if view.plan_json else {}
+        return view.model == model and len(view.members) == members and bool(plan.get("stages"))
+
+    return check
+
+
+def generated_model(node: DaemonProcess) -> str:
+    """Generate a few greedy tokens from `node`; the model the final event names."""
+    request = pb.GenerateRequest(prompt="hello", sampling=pb.Sampling(max_tokens=MAX_TOKENS))
+    done = None
+    for event in client.stream_generation(node.api, request, timeout_s=60):
+        done = event.done if event.HasField("done") else done
+    assert done is not None and done.completion_tokens == MAX_TOKENS, done
+    return done.model
+
+
+def test_a_loaded_model_survives_a_restart_and_the_loss_of_its_loader(
+    daemons, netns_mesh, mesh_token, two_models
+) -> None:
+    configured, loaded = two_models
+    mesh = netns_mesh(3)
+    args = ["--interface", "eth0", "--join", mesh_token, "--model", str(configured)]
+    args += ["--parallelism", "pipeline", "--context-length", "256"]
+    nodes = [
+        daemons([*args, "--name", f"host{i}"], netns=node.ns) for i, node in enumerate(mesh.nodes)
+    ]
+    for node in nodes:
+        node.wait_for(serves(configured.name, 3), PLAN_TIMEOUT_S, "a plan of the configured model")
+
+    loader, restarted, witness = nodes
+    client.load_model(loader.api, pb.LoadModelRequest(model=str(loaded)))
+    for node in nodes:
+        node.wait_for(serves(loaded.name, 3), PLAN_TIMEOUT_S, "a plan of the loaded model")
+
+    # A restart offers the node's --model again, as a startup default: the mesh keeps its model.
+    restarted.terminate()
+    witness.wait_for(serves(loaded.name, 2), PLAN_TIMEOUT_S, "a plan without the restarted node")
+    restarted.start()
+    for node in nodes:
+        node.wait_for(serves(loaded.name, 3), PLAN_TIMEOUT_S, "the loaded model after a restart")
+    assert generated_model(witness) == loaded.name
+
+    # The loader dies: the others still publish its selection and hold the model's files.
+    loader.kill()
+    survivors = [restarted, witness]
+    for node in survivors:
+        node.wait_for(serves(loaded.name, 2), PLAN_TIMEOUT_S, "the loaded model without its loader")
+    assert generated_model(witness) == loaded.name
+    assert generated_model(restarted) == loaded.name
