@@ -36,7 +36,7 @@ DEFAULT_PEER_PORT = 52300
 DEFAULT_MESH_NAME = "home"
 ENV_PREFIX = "MESHD_"
 DEFAULT_HTTP = "127.0.0.1:52380"
-DEFAULT_TENSOR_PARALLEL_PORT = 53400  # = meshd.inference.tensor_parallel.spec.DEFAULT_BASE_PORT
+DEFAULT_TENSOR_PARALLEL_PORT = 28400  # = meshd.inference.tensor_parallel.spec.DEFAULT_BASE_PORT
 TENSOR_PARALLEL_PORT_MAX = 65535 - 1024
 MAX_DRAFT_TOKENS = 16  # drafts per speculative step: beyond, a step costs more than guesses save
 
@@ -386,7 +386,8 @@ class Config:
     tensor_parallel_port: int = setting(
         DEFAULT_TENSOR_PARALLEL_PORT,
         "first of the 1024 ports this node's tensor-parallel runners listen on for the "
-        "groups it leads",
+        "groups it leads; keep them below the system's ephemeral ports (Linux 32768, macOS "
+        "49152), which outgoing connections may hold when a runner starts",
         read=_runner_port,
         metavar="PORT",
     )

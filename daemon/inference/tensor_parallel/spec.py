@@ -49,7 +49,10 @@ from meshd.models.tensor_parallel_support import (
 )
 
 BACKENDS = ("ring", "jaccl", "nccl")
-DEFAULT_BASE_PORT = 53400
+# Below every system's ephemeral ports (Linux 32768-60999, macOS and Windows 49152-65535) and
+# Kubernetes' NodePorts (30000-32767): a runner binds its port minutes or months after the
+# daemon started, and a port that an outgoing connection happens to hold then cannot be bound.
+DEFAULT_BASE_PORT = 28400
 PORT_STRIDE = 16  # ports per slot: one per rank, the last one for the control channel
 PORT_SLOTS = 64
 MAX_GROUP_SIZE = PORT_STRIDE - 1
