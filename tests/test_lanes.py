@@ -171,6 +171,29 @@ def test_a_peer_that_offers_no_lane_gets_the_frames_over_the_grpc_stream(
     loop.run(run(), timeout=60)
 
 
+def test_a_peer_port_that_never_finishes_its_handshake_breaks_the_link_in_time(
+    loop: LoopThread, tmp_path: Path
+) -> None:
+    """A peer port that accepts the connection and never answers the TLS handshake (as one
+    whose gate shut the connection and keeps shutting the reconnects): the frames queued on
+    the link must not wait there forever; the link breaks within its open deadline and the
+    handler hears that the peer is lost, so the requests on it end or move."""
+
+    async def run() -> None:
+        with socket.socket() as silent:
+            silent.bind(("127.0.0.1", 0))
+            silent.listen(8)
+            address = f"127.0.0.1:{silent.getsockname()[1]}"
+            async with running(tmp_path, "a") as (a,):
+                a.transport.link_timeout_s = 1.0
+                assert a.transport.send("x", address, frame(0))
+                await a.recorder.wait_for(lambda: a.recorder.lost)
+                ((peer, reason),) = a.recorder.lost
+                assert peer == "x" and "no answer in time" in reason, reason
+
+    loop.run(run(), timeout=30)
+
+
 def test_a_lane_that_cannot_open_leaves_the_frames_on_the_stream(
     loop: LoopThread, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -149,8 +149,11 @@ class _OutboundLink:
             deadline = time.monotonic() + self._hello_timeout_s
             channel = self._channel_factory(self.address)
             call = dp_grpc.DataPlaneStub(channel).Link()
-            await call.write(dp.Frame(hello=dp.Hello(node_id=self._own_id)))
+            # One deadline for the whole Hello: the write waits while the channel connects,
+            # and a peer port that keeps refusing the connection must end the link, not
+            # leave the frames queued on it waiting forever.
             async with asyncio.timeout(self._hello_timeout_s):
+                await call.write(dp.Frame(hello=dp.Hello(node_id=self._own_id)))
                 reply = await call.read()
             self._check_hello(reply)
             if reply.hello.lane_port and self._lane_context is not None:
