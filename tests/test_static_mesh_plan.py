@@ -8,7 +8,9 @@ changes, so after the first plan no other may be committed (the issue's bound: a
 settling layout), and requests keep being answered all along. (Before plan ids were layouts
 and probes sender-timed, such a mesh committed a new plan id with the same layout every few
 seconds, each one reloading every stage; benchmarks/bench_resume.py measures the issue's 5 s
-probes over minutes.)
+probes over minutes. Before members were exempt from the peer port's bound on connections
+still in their handshake, these probes filled it within seconds and the gate shut a member's
+data-plane link, whose request then waited until its client gave up.)
 """
 
 from __future__ import annotations
@@ -68,3 +70,8 @@ def test_a_static_loaded_mesh_commits_no_new_plan(
     # is re-published only when its measurement moved materially).
     republished = sum(len(seen) - 1 for seen in measured.values())
     assert republished >= 3, f"links re-published while watched: {measured}"
+    # The probes' connect-and-close rounds (5 a round per peer here) never make a member a
+    # stranger at the peer port's gate: its connections are not refused.
+    refused = [line for node in nodes for line in node.log_tail(2000).splitlines()]
+    refused = [line for line in refused if "connection(s) from" in line]
+    assert not refused, refused

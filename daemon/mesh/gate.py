@@ -17,6 +17,12 @@ What this does:
   per source address, the connections that may still be unauthenticated (accepted within the
   handshake timeout and not yet seen as an authenticated connection); one beyond
   ``max_pending_per_source`` is shut down at once.
+* **Members are not bounded**: an address that holds an authenticated connection (as of the
+  last check) is a member's. Its link probes connect and close without a handshake, several
+  a round and for each peer, and counted as pending they filled the bound within seconds at
+  fast probe intervals, after which the gate shut the member's real connections too (a
+  data-plane link that then never opened). Its connections still must pass the handshake in
+  time; strangers, the ones the bound is for, are counted as before.
 * **In words, once per address**: :meth:`ConnectionGate.check` (every second, on the trio
   side) asks gRPC's channelz registry which connections completed the handshake; an address
   whose connections all timed out or failed, and which holds no authenticated connection, is
@@ -127,6 +133,7 @@ class ConnectionGate:
         self._clock = clock
         self._lock = threading.Lock()  # gRPC's accept threads and the checking task
         self._sources: dict[str, _Source] = {}
+        self._members: frozenset[str] = frozenset()  # addresses holding an authenticated one
         self.listener_seen = False
         self.accepted = 0
         self.shut = 0
@@ -178,6 +185,8 @@ class ConnectionGate:
             now = self._clock()
             with self._lock:
                 self.accepted += 1
+                if host in self._members:
+                    return  # a member: not bounded (module docstring)
                 source = self._sources.setdefault(host, _Source())
                 self._expire(source, now)
                 if len(source.pending) >= self.max_pending_per_source:
@@ -206,6 +215,7 @@ class ConnectionGate:
         now = self._clock()
         reports = []
         with self._lock:
+            self._members = frozenset(members)
             for host, source in list(self._sources.items()):
                 source.pending = deque(
                     item for item in source.pending if (host, item[0]) not in authenticated
