@@ -5,7 +5,9 @@ applies each change, one at a time and in order, on the trio thread: a committed
 installed on the data plane (this node fetches its part of the model from a peer if it has
 no copy, then loads only its own layers on the compute thread), a withdrawn one is
 uninstalled (its running requests end with the agreement's reason), and a draining one is
-released as soon as no request runs on it here.
+released as soon as no request runs on it here. An install that failed is tried again while
+its plan stays the active one (`_apply_in_order`): a part no live peer could send yet, a
+runner's port held for a moment, must not leave a committed plan unserved until a re-plan.
 
 What it shares with the asyncio thread, and how (nothing else crosses):
 
@@ -26,8 +28,8 @@ withdrawn meanwhile.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +53,8 @@ log = logging.getLogger("meshd.inference")
 
 DRAIN_CHECK_S = 0.5
 LOADED_PLANS_PUBLISHED = 4  # the newest plans this node says it has loaded
+INSTALL_RETRY_FIRST_S = 2.0  # a plan that failed to load here is tried again after this,
+INSTALL_RETRY_MAX_S = 60.0  # then at doubling intervals up to this, while it stays active
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,7 @@ class InstallProgress:
         return self._failures.get(plan_id)
 
     async def mark_loaded(self, plan_id: str) -> None:
+        self._failures.pop(plan_id, None)  # a retry loaded it
         self.loaded(plan_id).set()
 
     async def mark_failed(self, plan_id: str, reason: str) -> None:
@@ -148,9 +153,38 @@ class PlanInstaller:
                 nursery.start_soon(self._follow_liveness)
                 self._refresh_snapshot()
                 task_status.started()
-                async for change in changes:
-                    self._refresh_snapshot()
-                    await self._apply(change)
+                await self._apply_in_order(changes)
+
+    async def _apply_in_order(self, changes: trio.MemoryReceiveChannel[PlanChange]) -> None:
+        """Apply the agreement's changes in order, and try a failed install again.
+
+        A committed plan that could not load here (no peer could send a part yet, a runner's
+        port held for a moment, a member's runner gone while the group formed) would
+        otherwise stay unserved until the mesh happens to re-plan, since the plan is still
+        the right one. So it is tried again after `INSTALL_RETRY_FIRST_S`, then at doubling
+        intervals up to `INSTALL_RETRY_MAX_S`, for as long as it is the active plan.
+        """
+        failed: PlanChange | None = None
+        wait_s = INSTALL_RETRY_FIRST_S
+        while True:
+            change = None
+            with trio.move_on_after(wait_s if failed is not None else math.inf):
+                try:
+                    change = await changes.receive()
+                except trio.EndOfChannel:
+                    return
+            if change is not None:
+                self._refresh_snapshot()
+                loaded = await self._apply(change)
+                if change.kind == "committed":
+                    failed, wait_s = (None if loaded else change), INSTALL_RETRY_FIRST_S
+            elif failed is not None and self._agreement.served().active == failed.plan_id:
+                self._events.add("trying plan %s here again", failed.plan_id[:12])
+                if await self._install(failed):
+                    failed = None
+                wait_s = min(wait_s * 2, INSTALL_RETRY_MAX_S)
+            if failed is not None and self._agreement.served().active != failed.plan_id:
+                failed = None  # superseded or withdrawn: nothing to retry
 
     async def _follow_fencing(self, updates: trio.MemoryReceiveChannel[PlanChange]) -> None:
         """Fencing follows every change at once, also while an install is still loading
@@ -182,14 +216,16 @@ class PlanInstaller:
                         )
                 alive = now
 
-    async def _apply(self, change: PlanChange) -> None:
+    async def _apply(self, change: PlanChange) -> bool:
+        """Apply one change; False when a committed plan could not be loaded here."""
         if change.kind == "committed" and change.plan is not None:
-            await self._install(change)
-        elif change.kind == "withdrawn":
+            return await self._install(change)
+        if change.kind == "withdrawn":
             await self._bridge.run(self._plane.uninstall, change.plan_id, change.reason)
             await self._bridge.run(self.progress.forget, change.plan_id)
             self._plan_parts.pop(change.plan_id, None)
             self._publish_loaded(change.plan_id, loaded=False)
+        return True
 
     def _publish_loaded(self, plan_id: str, *, loaded: bool) -> None:
         """Tell the peers (gossiped NodeState) which plans this node has loaded: a leaving
@@ -199,12 +235,14 @@ class PlanInstaller:
             plans.append(plan_id)
         self._membership.set_loaded_plans(tuple(plans[-LOADED_PLANS_PUBLISHED:]))
 
-    async def _install(self, change: PlanChange) -> None:
+    async def _install(self, change: PlanChange) -> bool:
+        """Load this node's part of a committed plan; False (and why, in the events and for
+        the requests that reach it) when it could not."""
         plan = change.plan
         assert plan is not None
         selection = self._agreement.selection
         if selection is None:
-            return
+            return True  # no model to load: the next selection brings its own plan
         node = self._membership.identity.node_id
         stage = plan.stage_of(node)
         where = "no layers (origin only)"
@@ -233,13 +271,14 @@ class PlanInstaller:
             await self._bridge.run(self.progress.mark_failed, plan.plan_id, reason)
             await self._bridge.run(_record_load_failure, self._plane, plan.plan_id, str(exc))
             self._events.add("%s", reason, level=logging.ERROR)
-            return
+            return False
         await self._bridge.run(self.progress.mark_loaded, plan.plan_id)
         self._publish_loaded(plan.plan_id, loaded=True)
         self.moving = ""
         self.last_install = f"plan {plan.plan_id[:12]}: {where} of {selection.name}"
         self._events.add("plan %s ready here: %s of %s", plan.plan_id[:12], where, selection.name)
         await self._prune_parts()
+        return True
 
     async def _free_before_load(self, plan: Any, assignment: Assignment, where: str) -> None:
         """Free the stages of the plans still installed here (draining) before this node
@@ -328,10 +367,19 @@ class PlanInstaller:
                 time.monotonic() - started,
             )
             return dest
+        alive = {record.node_id for record in holders}
+        hint = ""
+        if selection.set_by not in alive and selection.set_by != self._membership.identity.node_id:
+            hint = (
+                f"; it was loaded on {selection.set_by}, which is gone: this node tries again "
+                "while the plan stands, so it loads once a node with the model is back, or "
+                "run `meshd load` with a model these nodes have"
+            )
         raise RuntimeError(
             f"model {selection.name} is not on this node and no peer could send its part ("
             + ("; ".join(failures) or "no peer is connected")
             + ")"
+            + hint
         )
 
     async def _prune_parts(self) -> None:
@@ -435,41 +483,11 @@ async def _count(plane: DataPlane, plan_id: str) -> int:
 
 
 def model_dir_for(selection: pb.ModelSelection, own_model: str | None, store_root: Path) -> Path:
-    """Where this node keeps the selected model: its own --model directory, its store, or the
-    directory the selecting node loaded it from, where this node sees that very model there
-    (daemons sharing a disk: several on one host, or a network mount).
-
-    Raises `UnknownModel` when this node has no full copy (it then fetches its part)."""
-    from meshd.models.store import ModelStore, UnknownModel
+    """Where this node keeps the selected model: its own --model directory, or its store."""
+    from meshd.models.store import ModelStore
 
     if own_model:
         path = Path(own_model).expanduser()
         if path.is_dir() and path.name == selection.name:
             return path
-    try:
-        return ModelStore(store_root).model_dir(selection.name)
-    except UnknownModel:
-        if selection.path and _holds_exactly(Path(selection.path), selection.digest):
-            return Path(selection.path)
-        raise
-
-
-def _holds_exactly(path: Path, digest: str) -> bool:
-    """Whether `path` is a model directory whose description hashes to `digest`."""
-    try:
-        stamp = (path / "config.json").stat().st_mtime_ns
-    except OSError:
-        return False
-    return _spec_digest(path, stamp) == digest
-
-
-@functools.lru_cache(maxsize=16)
-def _spec_digest(path: Path, config_mtime_ns: int) -> str:
-    """The digest of the model in `path` (cached per config.json write: the selected model's
-    directory is checked at every plan install and every part a peer asks for)."""
-    from meshd.models.info import read_model_spec
-
-    try:
-        return read_model_spec(path).digest()
-    except Exception:  # not a model directory this node can read: it holds no copy there
-        return ""
+    return ModelStore(store_root).model_dir(selection.name)

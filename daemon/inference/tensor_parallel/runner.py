@@ -139,11 +139,12 @@ def _report_lost(ipc: socket.socket, message: str) -> None:
 
 
 class Watchdog:
-    """Ends the process when the daemon dies, or a step overruns or loses a connection.
+    """Ends the process when the daemon dies, or a step overruns or loses a connection, or a
+    member closes its connection while the group forms.
 
     Before it ends the process it tells the daemon why (a ``lost`` frame): it does so only
-    while a step runs, when the main thread is inside the step's evaluation and does not write
-    to the daemon itself.
+    while a step runs or the group forms, when the main thread is blocked in the step's
+    evaluation or in the backend's start-up and does not write to the daemon itself.
     """
 
     def __init__(self, parent_pid: int, step_timeout_s: float, ipc: socket.socket) -> None:
@@ -151,6 +152,8 @@ class Watchdog:
         self._step_timeout_s = step_timeout_s
         self._ipc = ipc
         self._step_started: float | None = None
+        self._forming = False  # inside startup(): watch the connections, no time bound
+        self._report_lock = threading.Lock()  # who writes to the daemon: main thread or this
         self._watched: list[tuple[socket.socket, str]] = []
         self._thread = threading.Thread(target=self._loop, name="tp-watchdog", daemon=True)
 
@@ -170,25 +173,42 @@ class Watchdog:
         finally:
             self._step_started = None
 
+    @contextlib.contextmanager
+    def startup(self):
+        """While the group forms (the backend connects, the stage loads, the barrier): a
+        member that closes its control connection ends this rank at once, so that a rank
+        whose peer failed to start (a port it could not bind) fails too instead of waiting in
+        the backend's connection attempts, and both daemons try the plan again together. No
+        time bound: loading a large stage takes minutes; the start-up deadline bounds it."""
+        with self._report_lock:
+            self._forming = True
+        try:
+            yield
+        finally:
+            with self._report_lock:
+                self._forming = False
+
     def _loop(self) -> None:
         while True:
             time.sleep(WATCHDOG_INTERVAL_S)
             if os.getppid() != self._parent_pid:
                 self._die(EXIT_PARENT_GONE, "the daemon that owns this runner is gone")
             started = self._step_started
-            if started is None:
+            if started is None and not self._forming:
                 continue  # between steps the main thread watches the connections itself
-            if time.monotonic() - started > self._step_timeout_s:
+            if started is not None and time.monotonic() - started > self._step_timeout_s:
                 self._die(
                     EXIT_STEP_TIMEOUT,
                     f"a step ran longer than {self._step_timeout_s:g} s (a peer hangs?)",
                 )
+            when = "during a step" if started is not None else "while the group formed"
             for sock, who in self._watched:
                 if _closed(sock):
-                    self._die(EXIT_GROUP_LOST, f"{who} closed its connection during a step")
+                    self._die(EXIT_GROUP_LOST, f"{who} closed its connection {when}")
 
     def _die(self, code: int, reason: str) -> None:
-        if self._step_started is not None:
+        self._report_lock.acquire()  # held until the exit: the main thread writes no more
+        if self._step_started is not None or self._forming:
             _report_lost(self._ipc, reason)
         with contextlib.suppress(Exception):
             sys.stderr.write(f"meshd-tp runner {os.getpid()}: {reason}; exiting\n")
@@ -243,26 +263,12 @@ class Runner:
         deadline = time.monotonic() + startup_timeout_s
         started = time.monotonic()
         try:
+            _check_port_free(self.spec, self.rank)
             self._connect_control(deadline)
             named = list(zip(self.peers, self._peer_names(), strict=True))
             self.watchdog.watch([(self.ipc, "the daemon"), *named])
-            if self.spec.size > 1:
-                self.group = mx.distributed.init(backend=self.spec.backend, strict=True)
-                if (self.group.size(), self.group.rank()) != (self.spec.size, self.rank):
-                    raise GroupLost(
-                        f"the {self.spec.backend} backend formed rank {self.group.rank()} of "
-                        f"{self.group.size()}, the spec says rank {self.rank} of {self.spec.size}"
-                    )
-            mx.reset_peak_memory()
-            self.stage = load_rank_stage(self.spec, self.rank, self.group)
-            self.caches = RequestCaches(self.stage)
-            self._barrier(deadline)
-            if self.group is not None:
-                with self.watchdog.step():
-                    total = mx.distributed.all_sum(mx.ones(1), group=self.group)
-                    mx.eval(total)
-                if int(total.item()) != self.spec.size:
-                    raise GroupLost(f"the check all-reduce gave {total.item()}, not the size")
+            with self.watchdog.startup():
+                self._form_group(deadline)
         except Exception as error:
             log.error("start-up failed: %s", error)
             _report_failure(self.ipc, f"rank {self.rank}: {type(error).__name__}: {error}")
@@ -287,6 +293,26 @@ class Runner:
             log.error("group lost: %s", error)
             _report_lost(self.ipc, str(error))
             return EXIT_GROUP_LOST
+
+    def _form_group(self, deadline: float) -> None:
+        """The backend's group, this rank's stage, and a check that every rank is there."""
+        if self.spec.size > 1:
+            self.group = mx.distributed.init(backend=self.spec.backend, strict=True)
+            if (self.group.size(), self.group.rank()) != (self.spec.size, self.rank):
+                raise GroupLost(
+                    f"the {self.spec.backend} backend formed rank {self.group.rank()} of "
+                    f"{self.group.size()}, the spec says rank {self.rank} of {self.spec.size}"
+                )
+        mx.reset_peak_memory()
+        self.stage = load_rank_stage(self.spec, self.rank, self.group)
+        self.caches = RequestCaches(self.stage)
+        self._barrier(deadline)
+        if self.group is not None:
+            with self.watchdog.step():
+                total = mx.distributed.all_sum(mx.ones(1), group=self.group)
+                mx.eval(total)
+            if int(total.item()) != self.spec.size:
+                raise GroupLost(f"the check all-reduce gave {total.item()}, not the size")
 
     def _connect_control(self, deadline: float) -> None:
         if self.spec.size == 1:
@@ -546,6 +572,33 @@ def _authenticate(conn: socket.socket, spec: TensorParallelSpec, deadline: float
     send_frame(conn, {"type": "welcome"})
     conn.settimeout(None)
     return rank
+
+
+def _check_port_free(spec: TensorParallelSpec, rank: int) -> None:
+    """Fail now, alone, when this rank's ring port cannot be bound.
+
+    The ring binds it only once every rank has joined, and a rank that fails there leaves
+    the others in the backend's connection attempts, which hold the GIL for about 30 s. A
+    rank that fails before it joins costs the others nothing: they keep waiting for it
+    within the start-up deadline, and its daemon tries the plan again a moment later. Bound
+    as MLX's ring binds it (SO_REUSEADDR, SO_REUSEPORT), so only a port the ring could not
+    bind either fails here (a listener, or an outgoing connection that holds it)."""
+    if spec.backend != "ring" or spec.size < 2:
+        return
+    member = spec.members[rank]
+    family = socket.AF_INET6 if ":" in member.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if hasattr(socket, "SO_REUSEPORT"):
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            probe.bind((member.host, member.port))
+        except OSError as error:
+            raise GroupLost(
+                f"this rank's ring port {member.address} is in use ({error.strerror}): another "
+                "program or an outgoing connection holds it; the daemon tries the plan again "
+                "(tensor_parallel_port moves the range)"
+            ) from error
 
 
 def _join_leader(spec: TensorParallelSpec, rank: int, deadline: float) -> socket.socket:
