@@ -2,10 +2,10 @@
 never switches a running mesh back to its own configured model.
 
 The register's rule (`winning_selection`) is pure and checked first; then three daemons in
-network namespaces: `meshd load` on one, a restart of another (its `--model` is the old
-model), and `kill -9` of the loader. The survivors go on serving the loaded model, reading
-it from the directory the loader named (they share this machine's disk, as daemons on one
-host or on a network mount do).
+network namespaces: `meshd load` of a directory on one (the others fetch their parts from
+it), a restart of another (its `--model` is the old model), `kill -9` of the loader and its
+return. The mesh runs the loaded model throughout: the survivors keep the selection (and say
+why no node can send the parts a new plan needs) and serve it again once the loader is back.
 """
 
 from __future__ import annotations
@@ -90,14 +90,39 @@ def serves(model: str, members: int):
     return check
 
 
-def generated_model(node: DaemonProcess) -> str:
-    """Generate a few greedy tokens from `node`; the model the final event names."""
+def generated_model(node: DaemonProcess, within_s: float = 30.0) -> str:
+    """Generate a few greedy tokens from `node`; the model the final event names.
+
+    A plan just committed may still be loading, or be tried again on a node whose first load
+    failed (a peer that had not yet adopted the selection could not send a part): such a
+    request ends at once saying so, and is asked again, within `within_s`."""
     request = pb.GenerateRequest(prompt="hello", sampling=pb.Sampling(max_tokens=MAX_TOKENS))
-    done = None
-    for event in client.stream_generation(node.api, request, timeout_s=60):
-        done = event.done if event.HasField("done") else done
-    assert done is not None and done.completion_tokens == MAX_TOKENS, done
-    return done.model
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            events = list(client.stream_generation(node.api, request, timeout_s=60))
+        except client.GenerationFailed as error:
+            if "cannot serve plan" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+            continue
+        done = events[-1].done
+        assert done.completion_tokens == MAX_TOKENS, events[-1]
+        return done.model
+
+
+def wait_until_loaded_or_explained(nodes: list[DaemonProcess]) -> None:
+    """Each node loaded its part of the active plan, or one says why no node can send it."""
+    deadline = time.monotonic() + PLAN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        statuses = [node.status() for node in nodes]
+        if any("which is gone" in line for s in statuses for line in s.events):
+            return
+        ready = [f"plan {s.agreement.active_plan_id[:12]} ready here" for s in statuses]
+        if all(any(r in line for line in s.events) for r, s in zip(ready, statuses, strict=True)):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"neither loaded nor explained: {[s.events[-4:] for s in statuses]}")
 
 
 def test_a_loaded_model_survives_a_restart_and_the_loss_of_its_loader(
@@ -113,6 +138,7 @@ def test_a_loaded_model_survives_a_restart_and_the_loss_of_its_loader(
     for node in nodes:
         node.wait_for(serves(configured.name, 3), PLAN_TIMEOUT_S, "a plan of the configured model")
 
+    # The loaded model is in the loader's directory only: the others fetch their parts.
     loader, restarted, witness = nodes
     client.load_model(loader.api, pb.LoadModelRequest(model=str(loaded)))
     for node in nodes:
@@ -126,10 +152,16 @@ def test_a_loaded_model_survives_a_restart_and_the_loss_of_its_loader(
         node.wait_for(serves(loaded.name, 3), PLAN_TIMEOUT_S, "the loaded model after a restart")
     assert generated_model(witness) == loaded.name
 
-    # The loader dies: the others still publish its selection and hold the model's files.
+    # The loader dies with the only full copy: the others keep its selection (they do not fall
+    # back to their --model), and say why a plan that needs other parts cannot load.
     loader.kill()
     survivors = [restarted, witness]
     for node in survivors:
-        node.wait_for(serves(loaded.name, 2), PLAN_TIMEOUT_S, "the loaded model without its loader")
+        node.wait_for(serves(loaded.name, 2), PLAN_TIMEOUT_S, "the loaded model kept")
+    wait_until_loaded_or_explained(survivors)
+
+    # The loader comes back with its copy: the mesh serves the loaded model on all three again.
+    loader.start()
+    for node in nodes:
+        node.wait_for(serves(loaded.name, 3), PLAN_TIMEOUT_S, "the loaded model, loader back")
     assert generated_model(witness) == loaded.name
-    assert generated_model(restarted) == loaded.name

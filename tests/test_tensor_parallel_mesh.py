@@ -37,6 +37,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from meshd.api import client, render
 from meshd.api.launcher import DaemonProcess
+from meshd.models.store import ModelStore
 from meshd.wire import pb
 
 RELATIVE_BOUND = 1e-4
@@ -202,7 +203,7 @@ def node_index(nodes: Sequence[DaemonProcess], node_id: str) -> int:
 
 
 def test_tp2_dense_then_moe_then_kill_9_of_a_member(
-    daemons, netns_mesh, mesh_token, dense_model, architecture_dir
+    daemons, netns_mesh, mesh_token, dense_model, architecture_dir, model_store
 ) -> None:
     """Three daemons, TP=2 forced over a trusted subnet: a group of two and an origin.
 
@@ -238,7 +239,10 @@ def test_tp2_dense_then_moe_then_kill_9_of_a_member(
     assert_matches_mlx_lm(dense_model, ids, rows)
 
     moe = architecture_dir("qwen3_moe")
-    client.load_model(nodes[origin].api, pb.LoadModelRequest(model=str(moe)))
+    # In the store the daemons share, as a user's models are: whichever member dies (the node
+    # that ran the load included), the survivors hold the model to plan it again.
+    ModelStore(model_store).import_mlx_dir(moe)
+    client.load_model(nodes[origin].api, pb.LoadModelRequest(model=moe.name))
     status = wait_serving(nodes, "tensor", 3, model=moe.name)
     (stage,) = plan_of(status)["stages"]
     (group,) = status.tensor_parallel_groups  # three alike nodes: any two may form it now
