@@ -10,7 +10,9 @@ the ports, and without any re-plan the daemons try the same plan again and serve
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import signal
 import socket
 import time
 from pathlib import Path
@@ -102,6 +104,35 @@ def test_a_group_that_could_not_bind_its_port_forms_once_the_port_is_free(
     (retried,) = [status for status in statuses if status.node_id == failed.node_id]
     assert any(f"trying plan {plan_id[:12]} here again" in line for line in retried.events)
 
+    request = pb.GenerateRequest(prompt="hello", sampling=pb.Sampling(max_tokens=MAX_TOKENS))
+    events = list(client.stream_generation(nodes[0].api, request, timeout_s=60))
+    assert events[-1].done.completion_tokens == MAX_TOKENS, events[-1]
+
+
+def test_a_runner_killed_once_ready_is_replaced_and_the_plan_serves_again(
+    daemons, small_llama, mesh_token: str
+) -> None:
+    """`kill -9` of rank 1's runner (as the kernel's OOM killer would): both nodes stay in
+    the mesh, so nothing re-plans; each loads the plan again, the group forms anew with new
+    runners, and requests are served again on the same plan."""
+    args = [*LOOPBACK, "--join", mesh_token, "--model", str(small_llama)]
+    args += ["--parallelism", "tensor", "--tensor-parallel-trusted-network", "127.0.0.0/8"]
+    args += ["--context-length", "256"]
+    nodes = [daemons([*args, "--name", f"reform-{i}"]) for i in range(2)]
+    before = [node.wait_for(serving_group, 90, "a served tensor-parallel plan") for node in nodes]
+    plan_id = before[0].agreement.active_plan_id
+    old_pids = {r.pid for s in before for r in s.tensor_parallel_runners}
+    (victim,) = [r.pid for s in before for r in s.tensor_parallel_runners if r.rank == 1]
+    os.kill(victim, signal.SIGKILL)
+
+    def reformed(status: pb.MeshStatus) -> bool:
+        pids = {r.pid for r in status.tensor_parallel_runners}
+        return serving_group(status) and not pids & old_pids
+
+    for node in nodes:
+        status = node.wait_for(reformed, 60, "new runners serving the same plan")
+        assert status.agreement.active_plan_id == plan_id  # no re-plan: the group re-formed
+        assert any("loading the plan here again" in line for line in status.events)
     request = pb.GenerateRequest(prompt="hello", sampling=pb.Sampling(max_tokens=MAX_TOKENS))
     events = list(client.stream_generation(nodes[0].api, request, timeout_s=60))
     assert events[-1].done.completion_tokens == MAX_TOKENS, events[-1]

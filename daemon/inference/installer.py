@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +54,9 @@ DRAIN_CHECK_S = 0.5
 LOADED_PLANS_PUBLISHED = 4  # the newest plans this node says it has loaded
 INSTALL_RETRY_FIRST_S = 2.0  # a plan that failed to load here is tried again after this,
 INSTALL_RETRY_MAX_S = 60.0  # then at doubling intervals up to this, while it stays active
+RUNNER_CHECK_S = (
+    2.0  # how often a tensor-parallel runner that ended after it was ready is looked for
+)
 
 
 @dataclass(frozen=True)
@@ -162,13 +164,16 @@ class PlanInstaller:
         port held for a moment, a member's runner gone while the group formed) would
         otherwise stay unserved until the mesh happens to re-plan, since the plan is still
         the right one. So it is tried again after `INSTALL_RETRY_FIRST_S`, then at doubling
-        intervals up to `INSTALL_RETRY_MAX_S`, for as long as it is the active plan.
+        intervals up to `INSTALL_RETRY_MAX_S`, for as long as it is the active plan. Likewise
+        a tensor-parallel runner of the active plan that ended once ready, with its group's
+        members all alive, is looked for every `RUNNER_CHECK_S` and its plan loaded again.
         """
         failed: PlanChange | None = None
+        committed: PlanChange | None = None  # the newest committed change: what a reload reuses
         wait_s = INSTALL_RETRY_FIRST_S
         while True:
             change = None
-            with trio.move_on_after(wait_s if failed is not None else math.inf):
+            with trio.move_on_after(wait_s if failed is not None else RUNNER_CHECK_S):
                 try:
                     change = await changes.receive()
                 except trio.EndOfChannel:
@@ -177,14 +182,49 @@ class PlanInstaller:
                 self._refresh_snapshot()
                 loaded = await self._apply(change)
                 if change.kind == "committed":
+                    committed = change
                     failed, wait_s = (None if loaded else change), INSTALL_RETRY_FIRST_S
-            elif failed is not None and self._agreement.served().active == failed.plan_id:
+            elif failed is None:
+                lost = self._runner_lost()
+                if lost is not None and committed is not None and committed.plan_id == lost[0]:
+                    reloaded = await self._reload(committed, lost[1])
+                    failed, wait_s = (None if reloaded else committed), INSTALL_RETRY_FIRST_S
+            elif self._agreement.served().active == failed.plan_id:
                 self._events.add("trying plan %s here again", failed.plan_id[:12])
                 if await self._install(failed):
                     failed = None
                 wait_s = min(wait_s * 2, INSTALL_RETRY_MAX_S)
             if failed is not None and self._agreement.served().active != failed.plan_id:
                 failed = None  # superseded or withdrawn: nothing to retry
+
+    def _runner_lost(self) -> tuple[str, str] | None:
+        """(plan id, why) when a tensor-parallel runner of the active plan here ended after it
+        was ready (killed, out of memory, a peer's runner gone) while every member of its
+        group is alive: nothing re-plans then, so the group must be formed again here."""
+        active = self._agreement.served().active
+        alive = {record.node_id for record in self._membership.alive_peers()}
+        alive.add(self._membership.identity.node_id)
+        for runner in self._plane.runner_status:  # replaced whole by the data plane
+            members = {member["node_id"] for member in runner.get("members", ())}
+            ended = runner.get("plan_id") == active and runner.get("state") == "failed"
+            if ended and members <= alive:
+                return active, str(runner.get("error") or "its runner ended")
+        return None
+
+    async def _reload(self, change: PlanChange, why: str) -> bool:
+        """Uninstall the active plan here and install it again (its group forms anew: every
+        member does the same, since each one's runner ended with the group)."""
+        plan_id = change.plan_id
+        self._events.add(
+            "tensor-parallel runner of plan %s ended (%s): loading the plan here again",
+            plan_id[:12],
+            why,
+            level=logging.WARNING,
+        )
+        await self._bridge.run(self._plane.uninstall, plan_id, f"its runner ended: {why}")
+        await self._bridge.run(self.progress.forget, plan_id)
+        self._publish_loaded(plan_id, loaded=False)
+        return await self._install(change)
 
     async def _follow_fencing(self, updates: trio.MemoryReceiveChannel[PlanChange]) -> None:
         """Fencing follows every change at once, also while an install is still loading
