@@ -98,10 +98,13 @@ def test_three_hosts_answer_paris(mesh_of_three) -> None:
     assert "Paris" in text, text
     assert done.finish_reason in ("eos", "stop") and done.completion_tokens > 0
     assert done.plan_id == status.agreement.active_plan_id
-    # The part of each token's time not spent computing (three hops here): more than nothing,
-    # less than the whole.
+    # The part of each token's time not spent computing (three hops here): less than the whole,
+    # and not below zero by more than a hop. The last stage sends each token to the first stage
+    # and to the origin at once, so the next step may start a moment before the origin stamps
+    # the token's arrival; on a busy host that overlap exceeded the cheap loopback hops once
+    # (-0.085 ms a token in a clean-clone CI run).
     assert done.completion_tokens > 1
-    assert 0 < done.transport_s_per_token < 1 / done.decode_tokens_per_s, done
+    assert -1e-3 < done.transport_s_per_token < 1 / done.decode_tokens_per_s, done
 
 
 def test_same_seed_same_text_on_any_node(mesh_of_three) -> None:
