@@ -54,9 +54,8 @@ DRAIN_CHECK_S = 0.5
 LOADED_PLANS_PUBLISHED = 4  # the newest plans this node says it has loaded
 INSTALL_RETRY_FIRST_S = 2.0  # a plan that failed to load here is tried again after this,
 INSTALL_RETRY_MAX_S = 60.0  # then at doubling intervals up to this, while it stays active
-RUNNER_CHECK_S = (
-    2.0  # how often a tensor-parallel runner that ended after it was ready is looked for
-)
+# How often to look for a tensor-parallel runner of the active plan that ended once ready.
+RUNNER_CHECK_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -378,7 +377,7 @@ class PlanInstaller:
         """This node's copy of the model, or its part fetched from a peer that has one."""
         from meshd.models.store import UnknownModel
 
-        try:  # a thread: it may read the model's description from disk
+        try:  # a thread: it reads the store's entry from disk
             return await trio.to_thread.run_sync(self._resolve_model_dir, selection)
         except (UnknownModel, FileNotFoundError):
             pass

@@ -176,10 +176,11 @@ class Watchdog:
     @contextlib.contextmanager
     def startup(self):
         """While the group forms (the backend connects, the stage loads, the barrier): a
-        member that closes its control connection ends this rank at once, so that a rank
-        whose peer failed to start (a port it could not bind) fails too instead of waiting in
-        the backend's connection attempts, and both daemons try the plan again together. No
-        time bound: loading a large stage takes minutes; the start-up deadline bounds it."""
+        member that closes its control connection ends this rank, so that a peer that failed
+        while loading its stage fails this rank too and both daemons try the plan again. Not
+        inside ``mx.distributed.init``: the ring's connection attempts hold the GIL (about
+        30 s), which is why ranks check their port before they join (``_check_port_free``).
+        No time bound: loading a large stage takes minutes; the start-up deadline bounds it."""
         with self._report_lock:
             self._forming = True
         try:
