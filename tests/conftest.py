@@ -15,6 +15,7 @@ import pytest
 
 from meshd.api.launcher import DaemonProcess
 from meshd.mesh import security
+from meshd.models.store import ModelEntry, ModelStore
 
 pytest_plugins = ["tests.netns"]  # the netns_mesh fixture
 
@@ -29,6 +30,14 @@ def profile_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     state = tmp_path_factory.mktemp("profile-template")
     load_or_measure_profile(state, memory_budget_override=None)
     return state / PROFILE_FILE
+
+
+@pytest.fixture(scope="session")
+def default_model_entry(model_store: Path) -> ModelEntry:
+    """The embedded default model (SmolLM2-135M), imported once per session into the daemons'
+    shared store: the GGUF import takes 5-10 s, too long to repeat in every module that needs
+    the real model (test_model_store tests the import itself, in stores of its own)."""
+    return ModelStore(model_store).ensure_default()
 
 
 DaemonFactory = Callable[..., DaemonProcess]

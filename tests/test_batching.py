@@ -35,7 +35,7 @@ from meshd.inference.generation_events import FinalEvent
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.shard import load_stage
 from meshd.inference.stage_model import RequestCaches, StageRecipe
-from meshd.models.store import ModelEntry, ModelStore
+from meshd.models.store import ModelEntry
 from tests.support.dataplane_mesh import LoopThread, Mesh, collect, mlx_lm_reference
 from tests.support.random_model import TINY_CONFIGS, make_architecture_dir, make_random_model_dir
 
@@ -107,9 +107,9 @@ def run_concurrently(
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> ModelEntry:
-    """The embedded default model's store entry, imported once for the module."""
-    return ModelStore(tmp_path_factory.mktemp("store")).ensure_default()
+def smollm2(default_model_entry: ModelEntry) -> ModelEntry:
+    """The embedded default model's store entry (imported once per session)."""
+    return default_model_entry
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from meshd.api.launcher import DaemonProcess
-from meshd.models.store import ModelStore
 from meshd.wire import pb
 
 CHROMIUM = "/usr/bin/chromium"
@@ -84,9 +83,9 @@ def shoot(driver, directory: Path, name: str, width: int) -> Path:
 
 
 def test_dashboard_shows_the_mesh_live_and_chats(
-    browser, tmp_path: Path, tmp_path_factory, profile_template: Path, mesh_token: str
+    browser, tmp_path: Path, default_model_entry, profile_template: Path, mesh_token: str
 ) -> None:
-    model = ModelStore(tmp_path_factory.mktemp("store")).ensure_default().path
+    model = default_model_entry.path
     daemons = []
     for i in range(3):
         state = tmp_path / f"n{i}"

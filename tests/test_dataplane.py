@@ -40,6 +40,7 @@ from meshd.inference.generation_events import FinalEvent, TokenEvent
 from meshd.inference.sampling import SamplingParams
 from meshd.mesh import security
 from meshd.mesh.channels import peer_channel_factory
+from meshd.models.store import ModelEntry
 from tests.support.dataplane_mesh import LoopThread, Mesh, collect, mlx_lm_reference
 from tests.support.random_model import make_random_model_dir
 
@@ -511,12 +512,8 @@ async def _open_caches(plane: DataPlane) -> int:
 # --- A real model -----------------------------------------------------------------------------
 
 
-def test_smollm2_in_three_stages_answers_paris(
-    mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    from meshd.models.store import ModelStore
-
-    entry = ModelStore(tmp_path_factory.mktemp("store")).ensure_default()
+def test_smollm2_in_three_stages_answers_paris(mesh: Mesh, default_model_entry: ModelEntry) -> None:
+    entry = default_model_entry
     layout = [("n1", (0, 10)), ("n2", (10, 20)), ("n3", (20, entry.num_layers))]
     with installed(mesh, mesh.assignment_for(entry.path, layout)) as plan_id:
         plane = mesh.nodes["n1"].plane

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from meshd.api.launcher import DaemonProcess
-from meshd.models.store import ModelStore
+from meshd.models.store import ModelEntry
 from meshd.wire import pb
 
 QUESTION = "What is the capital of France?"
@@ -42,8 +42,8 @@ def committed_over(n: int):
 
 
 @pytest.fixture(scope="module")
-def default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ModelStore(tmp_path_factory.mktemp("store")).ensure_default().path
+def default_model(default_model_entry: ModelEntry) -> Path:
+    return default_model_entry.path
 
 
 @pytest.fixture(scope="module")

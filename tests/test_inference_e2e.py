@@ -14,15 +14,15 @@ import pytest
 
 from meshd.api import client
 from meshd.api.launcher import DaemonProcess
-from meshd.models.store import ModelStore
+from meshd.models.store import ModelEntry
 from meshd.wire import pb
 
 QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ModelStore(tmp_path_factory.mktemp("store")).ensure_default().path
+def default_model(default_model_entry: ModelEntry) -> Path:
+    return default_model_entry.path
 
 
 def committed_over(n: int):

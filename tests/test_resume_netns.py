@@ -24,7 +24,7 @@ import pytest
 
 from meshd.api import client, render
 from meshd.api.launcher import DaemonProcess
-from meshd.models.store import ModelStore
+from meshd.models.store import ModelEntry
 from meshd.wire import pb
 
 STORY = "Write a long story about a lighthouse keeper and a storm."
@@ -69,13 +69,15 @@ class ThreeHosts:
 
 
 @pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreeHosts]:
+def hosts(
+    tmp_path_factory: pytest.TempPathFactory, default_model_entry: ModelEntry
+) -> Iterator[ThreeHosts]:
     from meshd.mesh import security
     from tests.netns import Mesh, cleanup_stale, require_root_and_netns
 
     require_root_and_netns()
     cleanup_stale()
-    model = ModelStore(tmp_path_factory.mktemp("store")).ensure_default().path
+    model = default_model_entry.path
     token = security.encode_join_token(security.create_mesh_secret("resume"))
     root = tmp_path_factory.mktemp("resume")
     args = ["--interface", "eth0", "--join", token, "--model", str(model)]

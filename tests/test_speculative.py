@@ -36,6 +36,7 @@ from meshd.inference.stage_events import (
     Verified,
     Work,
 )
+from meshd.models.store import ModelEntry
 from tests.support.dataplane_mesh import LoopThread, Mesh, collect
 from tests.test_stage_core import T0, activation, drain, plan_of, start_of
 
@@ -238,15 +239,13 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     ids=["two-stages", "one-stage"],
 )
 def test_smollm2_with_drafts_gives_the_greedy_text_without_them(
-    mesh: Mesh, tmp_path_factory: pytest.TempPathFactory, layout: list
+    mesh: Mesh, default_model_entry: ModelEntry, layout: list
 ) -> None:
     """A prompt that invites copying, greedy: the same tokens with drafts as without, and
     drafts were accepted (counted where they are verified: the last stage)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from meshd.models.store import ModelStore
-
-    model_dir = ModelStore(tmp_path_factory.mktemp("store")).ensure_default().path
+    model_dir = default_model_entry.path
     tokenizer = load_tokenizer(model_dir)
     code = "def add_numbers(a, b):\n    reslt = a + b\n    return reslt\n"
     ask = f"Fix the typo in this code and show the whole corrected function:\n{code}"
