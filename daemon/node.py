@@ -20,6 +20,7 @@ import trio
 
 import partitioner
 from meshd.agreement.messages import AgreementConfig
+from meshd.agreement.remembered import read_remembered
 from meshd.agreement.service import PlanAgreement, model_selection
 from meshd.api.local_service import start_api_server
 from meshd.config import Config, ConfigError
@@ -136,6 +137,8 @@ class Node:
                 join_stability_s=config.join_stability_s,
                 startup_grace_s=config.startup_grace_s,
             ),
+            state_dir=config.state_dir,
+            configured_model=config.model or "",
         )
 
     # ------------------------------------------------------------ channels and servers
@@ -378,6 +381,9 @@ class Node:
                 )
                 self.http_url = http_server.url if http_server else ""
                 note_old_model_store(self.config.state_dir, self.store_root, self.events)
+                remembered = await trio.to_thread.run_sync(read_remembered, self.config.state_dir)
+                if remembered is not None:
+                    self.agreement.remember(remembered)
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.membership.run)
                     nursery.start_soon(self._measure_profile_task)

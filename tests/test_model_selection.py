@@ -4,13 +4,15 @@ never switches a running mesh back to its own configured model.
 The register's rule (`winning_selection`) is pure and checked first; then three daemons in
 network namespaces: `meshd load` of a directory on one (the others fetch their parts from
 it), a restart of another (its `--model` is the old model), `kill -9` of the loader and its
-return. The mesh runs the loaded model throughout: the survivors keep the selection (and say
-why no node can send the parts a new plan needs) and serve it again once the loader is back.
+return, then of every node at once. The mesh runs the loaded model throughout: the survivors
+keep the selection (and say why no node can send the parts a new plan needs), serve it again
+once the loader is back, and after all restart (each kept it in its state directory).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -63,6 +65,55 @@ def test_a_load_wins_even_where_this_nodes_clock_is_behind(two_models) -> None:
     mine = model_selection(spec, partitioner.PlanOptions(), "a", after=running)
     assert mine.set_at > running.set_at and mine.digest == spec.digest()
     assert winning_selection([running, mine]) == mine
+
+
+def test_the_kept_selection_reads_back_exactly_and_a_damaged_file_is_ignored(tmp_path) -> None:
+    from meshd.agreement.remembered import (
+        SELECTION_FILE,
+        RememberedSelection,
+        read_remembered,
+        write_remembered,
+    )
+
+    assert read_remembered(tmp_path) is None  # nothing kept yet
+    loaded = selection("moe", 1764680000.123456789, "a")
+    loaded.spec_json, loaded.path = '{"num_layers": 4}', "/models/moe"
+    write_remembered(tmp_path, RememberedSelection(loaded, "llama"))
+    again = read_remembered(tmp_path)
+    assert again == RememberedSelection(loaded, "llama")  # the stamp too, to the last bit
+    for damaged in ("{not json", '{"selection": {"name": 7}}', '{"selection": {}}'):
+        (tmp_path / SELECTION_FILE).write_text(damaged)
+        assert read_remembered(tmp_path) is None
+    default = selection("llama", 1.0, "a", default=True)  # defaults come from the config
+    write_remembered(tmp_path, RememberedSelection(default, ""))
+    assert read_remembered(tmp_path) is None
+
+
+def test_a_loaded_model_is_kept_across_a_restart_unless_the_configuration_changed(
+    daemons, mesh_token, two_models, tmp_path
+) -> None:
+    """One node: `meshd load`, stop, start with the same configuration: it runs the loaded
+    model again. Started with another configured model, it runs that one (the newer say)."""
+    configured, loaded = two_models
+    loopback = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
+    args = [*loopback, "--join", mesh_token, "--context-length", "256"]
+    state = tmp_path / "node"
+    node = daemons([*args, "--model", str(configured)], state_dir=state)
+    node.wait_for(serves(configured.name, 1), PLAN_TIMEOUT_S, "a plan of the configured model")
+    client.load_model(node.api, pb.LoadModelRequest(model=str(loaded)))
+    node.wait_for(serves(loaded.name, 1), PLAN_TIMEOUT_S, "a plan of the loaded model")
+    assert node.terminate() == 0
+
+    node.start()
+    node.wait_for(serves(loaded.name, 1), PLAN_TIMEOUT_S, "the loaded model after a restart")
+    assert generated_model(node) == loaded.name
+    assert any("offering it again" in line for line in node.status().events)
+    assert node.terminate() == 0
+
+    edited_model = shutil.copytree(configured, tmp_path / "llama-edited")
+    edited = daemons([*args, "--model", str(edited_model)], state_dir=state)
+    edited.wait_for(serves(edited_model.name, 1), PLAN_TIMEOUT_S, "the newly configured model")
+    assert any("configured model changed" in line for line in edited.status().events)
 
 
 @pytest.fixture(scope="module")
@@ -164,4 +215,14 @@ def test_a_loaded_model_survives_a_restart_and_the_loss_of_its_loader(
     loader.start()
     for node in nodes:
         node.wait_for(serves(loaded.name, 3), PLAN_TIMEOUT_S, "the loaded model, loader back")
+    assert generated_model(witness) == loaded.name
+
+    # A power cut: every node stops, then all start again. Each kept the loaded model in its
+    # state directory, so the mesh does not go back to the configured one.
+    for node in nodes:
+        node.kill()
+    for node in nodes:
+        node.start()
+    for node in nodes:
+        node.wait_for(serves(loaded.name, 3), PLAN_TIMEOUT_S, "the loaded model after a cut")
     assert generated_model(witness) == loaded.name

@@ -42,6 +42,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import trio
 
@@ -49,6 +50,11 @@ import partitioner
 from meshd.agreement import messages as ag
 from meshd.agreement.contract import PlanChange, ServedPlans
 from meshd.agreement.protocol import AgreementNode
+from meshd.agreement.remembered import (
+    RememberedSelection,
+    same_selection,
+    write_remembered,
+)
 from meshd.mesh.graph import mesh_graph, planning_bandwidth, planning_latency
 from meshd.mesh.membership import Membership
 from meshd.runtime.bridge import AsyncioThread
@@ -258,7 +264,12 @@ class PlanAgreement:
         bridge: AsyncioThread,
         events: EventLog,
         config: ag.AgreementConfig,
+        *,
+        state_dir: Path | None = None,
+        configured_model: str = "",
     ) -> None:
+        """`state_dir`: where the winning loaded selection is kept across restarts
+        (:mod:`meshd.agreement.remembered`), under `configured_model`; None keeps nothing."""
         self._membership = membership
         self._bridge = bridge
         self._events = events
@@ -275,6 +286,10 @@ class PlanAgreement:
         self.plans: dict[str, partitioner.Plan] = {}
         self._states: dict[tuple[str, str], pb.NodeState] = {}
         self._selection: pb.ModelSelection | None = None
+        self._state_dir = state_dir
+        self._configured_model = configured_model
+        self._kept: pb.ModelSelection | None = None  # what the state directory holds
+        self._keep_wanted = trio.Event()
         self._outbox: dict[str, ag.ProposalMessage] = {}
         self._outbox_ready: dict[str, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
@@ -292,11 +307,60 @@ class PlanAgreement:
                 self._feed_membership()
                 nursery.start_soon(self._follow_membership, membership_changes)
                 nursery.start_soon(self._tick)
+                if self._state_dir is not None:
+                    nursery.start_soon(self._keep_selections, self._state_dir)
                 task_status.started()
 
     async def _follow_membership(self, changes: trio.MemoryReceiveChannel[None]) -> None:
         async for _ in changes:
             self._feed_membership()
+
+    def remember(self, remembered: RememberedSelection) -> bool:
+        """Offer the selection this node kept before it stopped, unless its configured model
+        changed since (the newer decision). True when it is offered."""
+        selection = remembered.selection
+        if remembered.configured_model != self._configured_model:
+            self._events.add(
+                "the configured model changed since %s was loaded: starting from the "
+                "configured model (meshd load %s brings it back)",
+                selection.name,
+                selection.name,
+            )
+            return False
+        self._kept = selection
+        self._membership.set_model(selection)
+        self._events.add(
+            "the mesh ran %s (loaded on %s) when this node stopped: offering it again",
+            selection.name,
+            selection.set_by,
+        )
+        return True
+
+    async def _keep_selections(self, state_dir: Path) -> None:
+        """Write the winning loaded selection to the state directory whenever it changes, off
+        the trio thread (a slow disk must not hold heartbeats up). A failed write is said
+        and tried again at the next change."""
+        while True:
+            await self._keep_wanted.wait()
+            self._keep_wanted = trio.Event()
+            selection = self._selection
+            if selection is None or selection.startup_default:
+                continue
+            if same_selection(selection, self._kept):
+                continue
+            remembered = RememberedSelection(selection, self._configured_model)
+            try:
+                await trio.to_thread.run_sync(write_remembered, state_dir, remembered)
+            except OSError as error:
+                self._events.add(
+                    "cannot keep the loaded model %s for the next start in %s: %s",
+                    selection.name,
+                    state_dir,
+                    error,
+                    level=logging.WARNING,
+                )
+                continue
+            self._kept = selection
 
     async def _tick(self) -> None:
         while True:
@@ -331,6 +395,8 @@ class PlanAgreement:
                 self._states[(node_id, digest)] = state
         self._selection = winning_selection([s.model for s in states.values()])
         self._adopt(own, self._selection)
+        if not same_selection(self._selection, self._kept):
+            self._keep_wanted.set()
         model = settings = None
         if self._selection is not None:
             model = ag.ModelRef(self._selection.name, self._selection.digest)
