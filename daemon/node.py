@@ -138,7 +138,7 @@ class Node:
                 startup_grace_s=config.startup_grace_s,
             ),
             state_dir=config.state_dir,
-            configured_model=config.model or "",
+            mesh=self.fingerprint,
         )
 
     # ------------------------------------------------------------ channels and servers
@@ -288,7 +288,13 @@ class Node:
         current = self.membership.model
         if startup_default and current is not None and not current.startup_default:
             # Peers told this node about a loaded model while it read its own: keep that.
-            self.events.add("configured model %s: the mesh runs %s", spec.name, current.name)
+            self.events.add(
+                "configured model %s: the mesh runs %s, loaded on %s (meshd load %s switches)",
+                spec.name,
+                current.name,
+                current.set_by,
+                spec.name,
+            )
             return selection
         self.membership.set_model(selection)
         self.events.add(

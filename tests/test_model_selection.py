@@ -78,42 +78,56 @@ def test_the_kept_selection_reads_back_exactly_and_a_damaged_file_is_ignored(tmp
     assert read_remembered(tmp_path) is None  # nothing kept yet
     loaded = selection("moe", 1764680000.123456789, "a")
     loaded.spec_json, loaded.path = '{"num_layers": 4}', "/models/moe"
-    write_remembered(tmp_path, RememberedSelection(loaded, "llama"))
+    write_remembered(tmp_path, RememberedSelection(loaded, "mesh-fingerprint"))
     again = read_remembered(tmp_path)
-    assert again == RememberedSelection(loaded, "llama")  # the stamp too, to the last bit
-    for damaged in ("{not json", '{"selection": {"name": 7}}', '{"selection": {}}'):
+    assert again == RememberedSelection(loaded, "mesh-fingerprint")  # the stamp to the last bit
+    for damaged in ("{not json", '{"selection": {"name": 7}}', '{"selection": {}}', "[]"):
         (tmp_path / SELECTION_FILE).write_text(damaged)
         assert read_remembered(tmp_path) is None
+    newer = '{"mesh": "m", "selection": {"name": "moe", "setBy": "a", "addedLater": 1}}'
+    (tmp_path / SELECTION_FILE).write_text(newer)  # written by a newer meshd: still read
+    kept = read_remembered(tmp_path)
+    assert kept is not None and kept.selection.name == "moe" and kept.mesh == "m"
     default = selection("llama", 1.0, "a", default=True)  # defaults come from the config
-    write_remembered(tmp_path, RememberedSelection(default, ""))
+    write_remembered(tmp_path, RememberedSelection(default, "m"))
     assert read_remembered(tmp_path) is None
 
 
-def test_a_loaded_model_is_kept_across_a_restart_unless_the_configuration_changed(
+def test_a_loaded_model_is_kept_across_restarts_until_the_next_load(
     daemons, mesh_token, two_models, tmp_path
 ) -> None:
-    """One node: `meshd load`, stop, start with the same configuration: it runs the loaded
-    model again. Started with another configured model, it runs that one (the newer say)."""
+    """One node: `meshd load`, stop, start with another configured model: it runs the loaded
+    model again (a configured model is a default, also across restarts) and says how to
+    switch; `meshd load` switches. The state directory then joins another mesh: that mesh's
+    node starts from its configured model, not from what the old mesh ran."""
+    from meshd.mesh import security
+
     configured, loaded = two_models
     loopback = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
-    args = [*loopback, "--join", mesh_token, "--context-length", "256"]
+    args = [*loopback, "--context-length", "256"]
     state = tmp_path / "node"
-    node = daemons([*args, "--model", str(configured)], state_dir=state)
+    node = daemons([*args, "--join", mesh_token, "--model", str(configured)], state_dir=state)
     node.wait_for(serves(configured.name, 1), PLAN_TIMEOUT_S, "a plan of the configured model")
     client.load_model(node.api, pb.LoadModelRequest(model=str(loaded)))
     node.wait_for(serves(loaded.name, 1), PLAN_TIMEOUT_S, "a plan of the loaded model")
     assert node.terminate() == 0
 
-    node.start()
+    edited = shutil.copytree(configured, tmp_path / "llama-edited")
+    node = daemons([*args, "--join", mesh_token, "--model", str(edited)], state_dir=state)
     node.wait_for(serves(loaded.name, 1), PLAN_TIMEOUT_S, "the loaded model after a restart")
     assert generated_model(node) == loaded.name
-    assert any("offering it again" in line for line in node.status().events)
+    events = node.status().events
+    assert any("offering it again" in line for line in events), events
+    assert any(f"meshd load {edited.name} switches" in line for line in events), events
+    client.load_model(node.api, pb.LoadModelRequest(model=str(edited)))
+    node.wait_for(serves(edited.name, 1), PLAN_TIMEOUT_S, "the model loaded after the restart")
     assert node.terminate() == 0
 
-    edited_model = shutil.copytree(configured, tmp_path / "llama-edited")
-    edited = daemons([*args, "--model", str(edited_model)], state_dir=state)
-    edited.wait_for(serves(edited_model.name, 1), PLAN_TIMEOUT_S, "the newly configured model")
-    assert any("configured model changed" in line for line in edited.status().events)
+    other_mesh = security.encode_join_token(security.create_mesh_secret("another"))
+    node = daemons([*args, "--join", other_mesh, "--model", str(configured)], state_dir=state)
+    node.wait_for(serves(configured.name, 1), PLAN_TIMEOUT_S, "the configured model, new mesh")
+    events = node.status().events
+    assert any("kept from another mesh" in line for line in events), events
 
 
 @pytest.fixture(scope="module")

@@ -65,6 +65,8 @@ from partitioner.quantize import bucket_index, latency_bucket_index
 
 log = logging.getLogger("meshd.planning")
 
+KEEP_RETRY_S = 30.0  # after a failed write of the kept selection (a full or read-only disk)
+
 TICK_S = 0.1
 PROPOSE_TIMEOUT_S = 1.0
 SETTLE_BASE_S = 2.0
@@ -266,10 +268,11 @@ class PlanAgreement:
         config: ag.AgreementConfig,
         *,
         state_dir: Path | None = None,
-        configured_model: str = "",
+        mesh: str = "",
     ) -> None:
         """`state_dir`: where the winning loaded selection is kept across restarts
-        (:mod:`meshd.agreement.remembered`), under `configured_model`; None keeps nothing."""
+        (:mod:`meshd.agreement.remembered`), for the mesh whose fingerprint is `mesh`; None
+        keeps nothing."""
         self._membership = membership
         self._bridge = bridge
         self._events = events
@@ -287,7 +290,7 @@ class PlanAgreement:
         self._states: dict[tuple[str, str], pb.NodeState] = {}
         self._selection: pb.ModelSelection | None = None
         self._state_dir = state_dir
-        self._configured_model = configured_model
+        self._mesh = mesh
         self._kept: pb.ModelSelection | None = None  # what the state directory holds
         self._keep_wanted = trio.Event()
         self._outbox: dict[str, ag.ProposalMessage] = {}
@@ -316,17 +319,19 @@ class PlanAgreement:
             self._feed_membership()
 
     def remember(self, remembered: RememberedSelection) -> bool:
-        """Offer the selection this node kept before it stopped, unless its configured model
-        changed since (the newer decision). True when it is offered."""
+        """Offer the selection this node kept before it stopped. Not when it was kept in
+        another mesh (this state directory joined a new one), nor over a model loaded since
+        this node started. True when it is offered."""
         selection = remembered.selection
-        if remembered.configured_model != self._configured_model:
+        if remembered.mesh != self._mesh:
             self._events.add(
-                "the configured model changed since %s was loaded: starting from the "
-                "configured model (meshd load %s brings it back)",
-                selection.name,
+                "not offering %s, kept from another mesh (this node joined a new one)",
                 selection.name,
             )
             return False
+        current = self._membership.model
+        if current is not None and not current.startup_default:
+            return False  # a `meshd load` that came in while this node started is newer
         self._kept = selection
         self._membership.set_model(selection)
         self._events.add(
@@ -339,7 +344,8 @@ class PlanAgreement:
     async def _keep_selections(self, state_dir: Path) -> None:
         """Write the winning loaded selection to the state directory whenever it changes, off
         the trio thread (a slow disk must not hold heartbeats up). A failed write is said
-        and tried again at the next change."""
+        once per selection and tried again after KEEP_RETRY_S."""
+        warned: pb.ModelSelection | None = None
         while True:
             await self._keep_wanted.wait()
             self._keep_wanted = trio.Event()
@@ -348,17 +354,21 @@ class PlanAgreement:
                 continue
             if same_selection(selection, self._kept):
                 continue
-            remembered = RememberedSelection(selection, self._configured_model)
+            remembered = RememberedSelection(selection, self._mesh)
             try:
                 await trio.to_thread.run_sync(write_remembered, state_dir, remembered)
             except OSError as error:
-                self._events.add(
-                    "cannot keep the loaded model %s for the next start in %s: %s",
-                    selection.name,
-                    state_dir,
-                    error,
-                    level=logging.WARNING,
-                )
+                if not same_selection(selection, warned):
+                    warned = selection
+                    self._events.add(
+                        "cannot keep the loaded model %s for the next start in %s: %s",
+                        selection.name,
+                        state_dir,
+                        error,
+                        level=logging.WARNING,
+                    )
+                await trio.sleep(KEEP_RETRY_S)
+                self._keep_wanted.set()
                 continue
             self._kept = selection
 

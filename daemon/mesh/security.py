@@ -220,7 +220,7 @@ def _derive(secret: MeshSecret, info: bytes, length: int) -> bytes:
 def save_secret(state_dir: Path, secret: MeshSecret) -> Path:
     """Write `state_dir/mesh.secret` (mode 0600, atomically) and return its path."""
     path = Path(state_dir) / SECRET_FILE_NAME
-    _write_private_file(path, (encode_join_token(secret) + "\n").encode("ascii"))
+    write_private_file(path, (encode_join_token(secret) + "\n").encode("ascii"))
     return path
 
 
@@ -253,7 +253,7 @@ def load_or_create_secret(state_dir: Path, mesh_name: str) -> MeshSecret:
     return secret
 
 
-def _write_private_file(path: Path, data: bytes, mode: int = 0o600) -> None:
+def write_private_file(path: Path, data: bytes, mode: int = 0o600) -> None:
     """Write a file (by default only its owner can read it) so no reader sees a partial file."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     descriptor, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -412,7 +412,7 @@ def load_or_create_node_credentials(
     ):
         certificate = issue_node_certificate(secret, node_id, key.public_key())
         certificate_pem = certificate.public_bytes(serialization.Encoding.PEM)
-        _write_private_file(state_dir / NODE_CERT_FILE_NAME, certificate_pem, mode=0o644)
+        write_private_file(state_dir / NODE_CERT_FILE_NAME, certificate_pem, mode=0o644)
     return NodeCredentials(node_id, key, certificate, ca_certificate)
 
 
@@ -446,7 +446,7 @@ def _load_or_create_node_key(path: Path) -> ec.EllipticCurvePrivateKey:
         data = _read_private_file(path)
     except FileNotFoundError:
         key = ec.generate_private_key(ec.SECP256R1())
-        _write_private_file(path, _private_key_pem(key))
+        write_private_file(path, _private_key_pem(key))
         return key
     try:
         key = serialization.load_pem_private_key(data, password=None)
@@ -552,7 +552,7 @@ def ssl_contexts(creds: NodeCredentials) -> tuple[ssl.SSLContext, ssl.SSLContext
     with tempfile.TemporaryDirectory(prefix="meshd-tls-") as folder:
         # ssl loads a key pair only from files: a private folder, gone after loading.
         key, cert = Path(folder) / NODE_KEY_FILE_NAME, Path(folder) / NODE_CERT_FILE_NAME
-        _write_private_file(key, creds.private_key_pem)
+        write_private_file(key, creds.private_key_pem)
         cert.write_bytes(creds.certificate_pem)
         for context in (server, client):
             context.minimum_version = ssl.TLSVersion.TLSv1_3
