@@ -26,14 +26,15 @@ such machines" baseline. The cores of a shared machine differ by a few percent, 
 timed on each core too, and a "same cores" column compares each mesh with one process timed
 on the cores its stages ran on (averaged over the stages). This machine has 2 cores, so
 with 3 nodes two of them share a core (with one request only one stage computes at a time,
-so they rarely compete). Then the
-unpinned line: 2 loopback daemons that share every core (what ``meshd demo`` does) vs one
-unpinned mlx-lm process. Per row, medians over ``--runs`` greedy requests of
-``--max-tokens``: decode tok/s (first streamed token to last), time to first token, and the
-overhead per hop, ``(ms/token with k nodes - ms/token with 1 node) / k`` (k stages make a ring
-of k hops per token; the compute per token is the same model either way). With
-``--no-lanes-too`` the multi-node rows run again with ``--no-lanes`` (frames over the peer
-port's gRPC streams instead of lanes), so both are measured in one run:
+so they rarely compete). Then the unpinned line: 2 loopback daemons that share every core
+(what ``meshd demo`` does) vs one unpinned mlx-lm process (``--unpinned-rounds N`` runs only
+this line, N rounds, to show its spread on a shared machine). Per row, medians over
+``--runs`` greedy requests of ``--max-tokens``: decode tok/s (first streamed token to last),
+time to first token, and the overhead per hop, ``(ms/token with k nodes - ms/token with 1
+node) / k`` (k stages make a ring of k hops per token; the compute per token is the same
+model either way). With ``--no-lanes-too`` the multi-node rows run again with ``--no-lanes``
+(frames over the peer port's gRPC streams instead of lanes), so both are measured in one
+run:
 
     sudo .venv/bin/python benchmarks/bench_batching.py --scaling [--runs 5] [--max-tokens 64]
         [--no-lanes-too]
@@ -414,6 +415,30 @@ def wait_for_stages(daemons: list[DaemonProcess], stages: int) -> None:
         )
 
 
+def unpinned_rounds(rounds: int, runs: int, max_tokens: int) -> int:
+    """Only the unpinned line, ``rounds`` times: one mlx-lm process on every core, then two
+    loopback daemons that share every core (what ``meshd demo`` does), alternating, so the
+    spread of both on a shared machine shows next to their ratio."""
+    root = Path(tempfile.mkdtemp(prefix="bench-unpinned-"))
+    try:
+        model = ModelStore(root / "store").ensure_default().path
+        print(f"one request, {max_tokens} greedy tokens, medians of {runs} runs per round")
+        for round_number in range(1, rounds + 1):
+            alone = reference_single(model, "", runs, max_tokens)
+            mesh = loopback_mesh_single(root / f"round{round_number}", model, 2, runs, max_tokens)
+            other = mesh.transport_s_per_token or 0.0
+            print(
+                f"round {round_number}: mlx-lm on every core {1 / alone.s_per_token:.2f} tok/s, "
+                f"2 unpinned daemons {1 / mesh.s_per_token:.2f} tok/s = "
+                f"{alone.s_per_token / mesh.s_per_token:.2f}x (other ms {other * 1e3:.2f}, "
+                f"load {mesh.load:.2f})",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
 def scaling_table(runs: int, max_tokens: int, streams_too: bool = False) -> int:
     """The one-request table (see the module docstring); with ``streams_too``, the multi-node
     rows again with `--no-lanes` (frames over the peer port's gRPC streams), same run."""
@@ -488,10 +513,16 @@ def main() -> int:
         help="--scaling also runs the multi-node rows with --no-lanes (gRPC streams only)",
     )  # fmt: skip
     parser.add_argument(
+        "--unpinned-rounds", type=int, default=0, metavar="N",
+        help="only the unpinned line (2 daemons sharing every core vs one mlx-lm), N rounds",
+    )  # fmt: skip
+    parser.add_argument(
         "--strategy", choices=["memory", "speed"], default="memory",
         help="how the daemons split the layers (see start_mesh)",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.unpinned_rounds:
+        return unpinned_rounds(args.unpinned_rounds, args.runs, args.max_tokens)
     if args.scaling:
         return scaling_table(args.runs, args.max_tokens, args.no_lanes_too)
     cores = os.cpu_count() or 1
