@@ -293,7 +293,7 @@ class Node:
                 spec.name,
                 current.name,
                 current.set_by,
-                spec.name,
+                model,  # as configured: a directory outside the store is not a name there
             )
             return selection
         self.membership.set_model(selection)

@@ -118,7 +118,7 @@ def test_a_loaded_model_is_kept_across_restarts_until_the_next_load(
     assert generated_model(node) == loaded.name
     events = node.status().events
     assert any("offering it again" in line for line in events), events
-    assert any(f"meshd load {edited.name} switches" in line for line in events), events
+    assert any(f"meshd load {edited} switches" in line for line in events), events
     client.load_model(node.api, pb.LoadModelRequest(model=str(edited)))
     node.wait_for(serves(edited.name, 1), PLAN_TIMEOUT_S, "the model loaded after the restart")
     assert node.terminate() == 0
