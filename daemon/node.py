@@ -45,6 +45,7 @@ from meshd.node_status import mesh_status
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
 from meshd.runtime.rpc_guard import add_guarded_servicer
+from meshd.runtime.scratch import remove_orphaned_scratch
 from meshd.service.notify import notify_ready
 from meshd.state_lock import hold_state_dir
 from meshd.wire import dataplane_pb2_grpc as dataplane_rpc
@@ -387,6 +388,7 @@ class Node:
                 )
                 self.http_url = http_server.url if http_server else ""
                 note_old_model_store(self.config.state_dir, self.store_root, self.events)
+                await trio.to_thread.run_sync(remove_orphaned_scratch)
                 remembered = await trio.to_thread.run_sync(read_remembered, self.config.state_dir)
                 if remembered is not None:
                     self.agreement.remember(remembered)

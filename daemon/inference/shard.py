@@ -33,7 +33,6 @@ are chunks of one token. :meth:`StageModel.run` is exactly one stage's part of a
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +43,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from meshd.runtime.lazy_imports import import_model_runtime
+from meshd.runtime.scratch import scratch_directory
 
 # Any thread may import this module first: mlx-lm's own import web runs once, under one
 # lock (concurrent first imports fail with "deadlock detected by _ModuleLock").
@@ -262,8 +262,7 @@ def _config_only_view(model_dir: Path) -> Iterator[Path]:
     this view instead, and the stage's tensors through the model's ``sanitize``, keeps the
     files of other stages closed.
     """
-    with tempfile.TemporaryDirectory(prefix="meshd-stage-") as folder:
-        view = Path(folder)
+    with scratch_directory("stage") as view:
         for name in _CONFIG_FILES:
             if (model_dir / name).is_file():
                 (view / name).symlink_to((model_dir / name).resolve())
