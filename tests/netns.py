@@ -32,6 +32,8 @@ from typing import Any, Literal
 
 import pytest
 
+from meshd.runtime.scratch import pid_alive
+
 PREFIX_ROOT = "mdt"
 BRIDGE = "br0"
 NODE_INTERFACE = "eth0"
@@ -71,16 +73,6 @@ def unique_prefix(root: str = PREFIX_ROOT) -> str:
     return f"{root}{os.getpid()}x{next(_counter)}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _kill_processes_in(namespace: str) -> None:
     """Kill what a crashed run left running in one of *our* namespaces (by pid)."""
     output = _run(["ip", "netns", "pids", namespace], check=False).stdout
@@ -105,7 +97,7 @@ def cleanup_stale(prefix_root: str = PREFIX_ROOT) -> list[str]:
     removed = []
     for namespace in list_namespaces():
         match = pattern.match(namespace)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             delete_namespace(namespace)
             removed.append(namespace)
     return removed

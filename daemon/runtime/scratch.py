@@ -38,7 +38,7 @@ def remove_orphaned_scratch(temp_root: Path | None = None) -> int:
         return 0
     for entry in entries:
         pid = _creator(entry.name)
-        if pid is None or _alive(pid) or not entry.is_dir() or entry.is_symlink():
+        if pid is None or pid_alive(pid) or not entry.is_dir() or entry.is_symlink():
             continue
         shutil.rmtree(entry, ignore_errors=True)
         removed += not entry.exists()
@@ -52,7 +52,7 @@ def _creator(name: str) -> int | None:
     return int(pid) if pid.isdigit() and int(pid) > 0 else None
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """True unless no process has this PID (a PID reused by another process counts as alive:
     leaving a directory behind is harmless, removing a live one is not)."""
     try:
