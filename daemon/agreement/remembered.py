@@ -70,10 +70,3 @@ def write_remembered(state_dir: Path, remembered: RememberedSelection) -> None:
     }
     text = json.dumps(record, indent=1, sort_keys=True) + "\n"
     write_private_file(state_dir / SELECTION_FILE, text.encode())
-
-
-def same_selection(a: pb.ModelSelection | None, b: pb.ModelSelection | None) -> bool:
-    """The same choice: one model, stamped at one instant by one node."""
-    if a is None or b is None:
-        return a is b
-    return (a.name, a.digest, a.set_at, a.set_by) == (b.name, b.digest, b.set_at, b.set_by)

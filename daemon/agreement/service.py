@@ -50,11 +50,7 @@ import partitioner
 from meshd.agreement import messages as ag
 from meshd.agreement.contract import PlanChange, ServedPlans
 from meshd.agreement.protocol import AgreementNode
-from meshd.agreement.remembered import (
-    RememberedSelection,
-    same_selection,
-    write_remembered,
-)
+from meshd.agreement.remembered import RememberedSelection, write_remembered
 from meshd.mesh.graph import mesh_graph, planning_bandwidth, planning_latency
 from meshd.mesh.membership import Membership
 from meshd.runtime.bridge import AsyncioThread
@@ -318,20 +314,20 @@ class PlanAgreement:
         async for _ in changes:
             self._feed_membership()
 
-    def remember(self, remembered: RememberedSelection) -> bool:
+    def remember(self, remembered: RememberedSelection) -> None:
         """Offer the selection this node kept before it stopped. Not when it was kept in
         another mesh (this state directory joined a new one), nor over a model loaded since
-        this node started. True when it is offered."""
+        this node started."""
         selection = remembered.selection
         if remembered.mesh != self._mesh:
             self._events.add(
                 "not offering %s, kept from another mesh (this node joined a new one)",
                 selection.name,
             )
-            return False
+            return
         current = self._membership.model
         if current is not None and not current.startup_default:
-            return False  # a `meshd load` that came in while this node started is newer
+            return  # a `meshd load` that came in while this node started is newer
         self._kept = selection
         self._membership.set_model(selection)
         self._events.add(
@@ -339,7 +335,6 @@ class PlanAgreement:
             selection.name,
             selection.set_by,
         )
-        return True
 
     async def _keep_selections(self, state_dir: Path) -> None:
         """Write the winning loaded selection to the state directory whenever it changes, off
@@ -352,13 +347,13 @@ class PlanAgreement:
             selection = self._selection
             if selection is None or selection.startup_default:
                 continue
-            if same_selection(selection, self._kept):
+            if selection == self._kept:
                 continue
             remembered = RememberedSelection(selection, self._mesh)
             try:
                 await trio.to_thread.run_sync(write_remembered, state_dir, remembered)
             except OSError as error:
-                if not same_selection(selection, warned):
+                if selection != warned:
                     warned = selection
                     self._events.add(
                         "cannot keep the loaded model %s for the next start in %s: %s",
@@ -405,7 +400,7 @@ class PlanAgreement:
                 self._states[(node_id, digest)] = state
         self._selection = winning_selection([s.model for s in states.values()])
         self._adopt(own, self._selection)
-        if not same_selection(self._selection, self._kept):
+        if self._selection != self._kept:  # compared as `_adopt` does: the whole record
             self._keep_wanted.set()
         model = settings = None
         if self._selection is not None:
