@@ -288,7 +288,10 @@ class Config:
         metavar="SIZE",
     )
     heartbeat_interval_s: float = setting(
-        0.2, "seconds between liveness beats", read=_seconds(), metavar="SECONDS"
+        0.2,
+        "seconds between liveness beats while nothing changes (a change is sent at once)",
+        read=_seconds(),
+        metavar="SECONDS",
     )
     peer_timeout_s: float = setting(
         1.5,
@@ -392,6 +395,14 @@ class Config:
         metavar="PORT",
     )
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", read=_level, metavar="LEVEL")
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval_s >= self.peer_timeout_s:
+            raise ConfigError(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s:g} s) must be shorter than "
+                f"peer_timeout_s ({self.peer_timeout_s:g} s), or every peer is taken for lost "
+                "between two beats; lower the interval or raise the timeout"
+            )
 
     @property
     def api_address(self) -> str:

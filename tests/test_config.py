@@ -51,6 +51,7 @@ def test_meshd_table_and_explicit_file(tmp_path: Path) -> None:
         ("parallelism = 'both'", "auto or pipeline or tensor or hybrid"),
         ("draft_tokens = 17", "between 0 .off. and 16"),
         ("draft_tokens = -1", "between 0 .off. and 16"),
+        ("heartbeat_interval_s = 2", r"heartbeat_interval_s \(2 s\) must be shorter than peer_"),
     ],
 )
 def test_bad_settings_name_the_problem(tmp_path: Path, text: str, message: str) -> None:

@@ -51,6 +51,38 @@ def test_three_daemons_find_each_other_and_agree_on_the_view(daemons, mesh_token
     assert graph.number_of_nodes() == 3 and graph.number_of_edges() == 6
 
 
+def published_version(daemon, token: str, folder) -> int:
+    """The daemon's own NodeState version, read over its peer port as a member would."""
+    creds = security.load_or_create_node_credentials(
+        folder, security.decode_join_token(token), "observer"
+    )
+    address = daemon.status().peer_address.replace("0.0.0.0", "127.0.0.1")
+    credentials = security.channel_credentials(creds)
+    with grpc.secure_channel(address, credentials, options=security.CHANNEL_OPTIONS) as channel:
+        return rpc.PeerStub(channel).GetState(pb.StateRequest(), timeout=5).version
+
+
+def test_a_change_spreads_at_once_and_an_idle_mesh_stays_quiet(
+    daemons, mesh_token, tmp_path
+) -> None:
+    # Keep-alive beats every 30 s: a node can learn of a peer's new state within the test only
+    # because a change is beaten at once, and the peer fetches it on that news.
+    slow = [*LOOPBACK, "--join", mesh_token, "--heartbeat-interval", "30", "--peer-timeout", "90"]
+    a, b = daemons(slow), daemons(slow)
+    for node in (a, b):
+        node.wait_for(lambda s: fully_meshed(s, 2), 20, "a full 2-node mesh")
+    c = daemons(slow)
+    # a and b see each other's links to c only by fetching each other's changed state.
+    for node in (a, b, c):
+        node.wait_for(lambda s: fully_meshed(s, 3), 15, "a full 3-node mesh, well before 30 s")
+    # Nothing changes now, so no node's version moves (fetching a peer's state is not a change
+    # of one's own: when it was, an idle mesh re-fetched states back and forth without end).
+    versions = [published_version(node, mesh_token, tmp_path / "observer") for node in (a, b, c)]
+    time.sleep(2)
+    later = [published_version(node, mesh_token, tmp_path / "observer") for node in (a, b, c)]
+    assert all(0 <= y - x <= 1 for x, y in zip(versions, later, strict=True)), (versions, later)
+
+
 def test_static_peers_without_mdns(daemons, mesh_token) -> None:
     first = daemons([*LOOPBACK, "--no-mdns", "--join", mesh_token])
     port = peer_port(first.wait_ready())

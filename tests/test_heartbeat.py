@@ -1,4 +1,5 @@
-"""Heartbeats over real gRPC: a hung peer is noticed; our own stall is not blamed on it."""
+"""Heartbeats over real gRPC: a hung peer is noticed; our own stall is not blamed on it; a
+state change is sent at once, not at the next keep-alive beat."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ class EchoPeer(rpc.PeerServicer):
 
     def __init__(self) -> None:
         self.hung = False
+        self.received: list[pb.Beat] = []
 
     async def Heartbeat(self, request_iterator, context):
         async for beat in request_iterator:
+            self.received.append(beat)
             if not self.hung:
                 yield pb.Beat(node_id="peer", seq=beat.seq, sent_at=time.time())
 
@@ -73,5 +76,32 @@ def test_this_process_stalling_longer_than_the_timeout_does_not_drop_the_peer() 
         assert len(beats) > before, "beats keep flowing after the stall"
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(with_peer(body))
+
+
+def test_a_state_change_is_beaten_at_once_and_idle_beats_keep_their_interval() -> None:
+    keep_alive_s = 30.0  # far longer than the test: every beat after the first is a change
+
+    async def body(peer: EchoPeer, stub) -> None:
+        version = 1
+        beats: list[pb.Beat] = []
+        task = asyncio.create_task(
+            beat_stream(stub, "me", lambda: version, keep_alive_s, 2 * keep_alive_s, beats.append)
+        )
+        try:
+            await asyncio.sleep(0.5)
+            assert [b.state_version for b in peer.received] == [1], "one beat, then quiet"
+            for version in (2, 3):
+                changed_at = time.monotonic()
+                while len(peer.received) < version and time.monotonic() - changed_at < 10:
+                    await asyncio.sleep(0.01)
+                assert peer.received[-1].state_version == version, peer.received
+            await asyncio.sleep(0.5)
+            assert [b.state_version for b in peer.received] == [1, 2, 3], "no beat without news"
+            assert len(beats) == 3, "each beat was echoed"
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(with_peer(body))

@@ -6,7 +6,9 @@ Hello, fetches its state and keeps a heartbeat stream open. Liveness is decided
 here, over gRPC, never by mDNS: python-zeroconf keeps a killed peer listed for
 19+ minutes. A broken stream (`kill -9`: tens of ms) or a beat gap longer than
 `peer_timeout_s` (a cut link) marks the peer lost; the session then retries
-with a bounded backoff for as long as the address is wanted.
+with a bounded backoff for as long as the address is wanted. A beat carries the sender's state
+version, and a node beats at once when its own state changes, so peers fetch a new state
+within tens of milliseconds whatever the keep-alive interval.
 
 Every node dials every peer, so each side judges liveness from its own
 outgoing stream. Each link measurement also carries this node's verdict on whether the link
@@ -207,9 +209,18 @@ class Membership:
         )
 
     def _publish(self) -> None:
-        """Bump the version, replace the published state, wake watchers."""
-        self.version += 1
-        self.own_state = self._build_state()
+        """Wake watchers; when this node's own state changed, bump its version and replace it.
+
+        Many calls change only what this node knows of others (a peer's state fetched): its
+        own state stays as it was, and so does its version. Bumping it anyway made every
+        fetch look like news to the peers, who fetched in turn, bumped, and so on: an idle
+        mesh fetching states back and forth at its heartbeat rate.
+        """
+        state = self._build_state()
+        if state != self.own_state:
+            self.version += 1
+            state.version = self.version
+            self.own_state = state
         self.changes.publish(None)
 
     def alive_peers(self) -> list[PeerRecord]:
@@ -438,6 +449,12 @@ class Membership:
         self._publish()
         return record
 
+    def note_peer_version(self, node_id: str, version: int) -> None:
+        """A member's beat on its own stream to us named its state version (trio thread)."""
+        record = self.peers.get(node_id)
+        if record is not None and record.alive:
+            _want_newer_state(record, version)
+
     def _mark_lost(self, record: PeerRecord, reason: str = "") -> None:
         if not record.alive:
             return
@@ -453,9 +470,7 @@ class Membership:
 
         def on_beat(beat: pb.Beat) -> None:
             record.last_beat = time.monotonic()
-            if beat.state_version > record.remote_version:
-                record.remote_version = beat.state_version
-                record.state_wanted.set()
+            _want_newer_state(record, beat.state_version)
 
         def deliver(beat: pb.Beat) -> None:
             self._bridge.call_soon_in_trio(on_beat, beat)
@@ -485,6 +500,13 @@ class Membership:
             )
             record.state = state
             self._publish()
+
+
+def _want_newer_state(record: PeerRecord, version: int) -> None:
+    """Have the peer's state fetched when it names a version newer than the one known."""
+    if version > record.remote_version:
+        record.remote_version = version
+        record.state_wanted.set()
 
 
 def _leaves(error: BaseException) -> list[BaseException]:

@@ -79,8 +79,18 @@ class PeerService(rpc.PeerServicer):
     async def Heartbeat(
         self, request_iterator: AsyncIterator[pb.Beat], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.Beat]:
+        """Echo each beat with this node's state version; pass the caller's version on.
+
+        The caller beats as soon as its state changes, so a new version seen here is the
+        quickest news of it: membership fetches that state now, not at its own next beat.
+        """
         me = self._membership.identity.node_id
+        caller = peer_node_id(context)
+        seen = 0
         async for beat in request_iterator:
+            if caller and beat.state_version > seen:
+                seen = beat.state_version
+                self._bridge.call_soon_in_trio(self._membership.note_peer_version, caller, seen)
             yield pb.Beat(
                 node_id=me,
                 seq=beat.seq,
