@@ -6,6 +6,7 @@ deadline, and an unreachable daemon gives one readable sentence, not a trace.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,10 +47,51 @@ def _unreachable(api_address: str, exc: grpc.RpcError) -> DaemonUnreachable:
 def _unary(api_address: str, method: str, request, timeout_s: float):
     """One call on the Local service; an unreachable daemon becomes DaemonUnreachable."""
     with local_stub(api_address) as stub:
+        return _call(stub, api_address, method, request, timeout_s)
+
+
+def _call(stub: rpc.LocalStub, api_address: str, method: str, request, timeout_s: float):
+    try:
+        return getattr(stub, method)(request, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        raise _unreachable(api_address, exc) from exc
+
+
+class StatusReader:
+    """Reads one daemon's status again and again over one kept channel.
+
+    For pollers (``meshd demo``, the launcher's ``wait_for``, tests): a fresh channel per
+    read costs a connection set-up, measured at ~5.7 ms of CPU per read between client and
+    daemon against ~3 ms over a kept channel. A failed read drops the channel, so the next
+    one dials afresh rather than wait out gRPC's reconnect backoff (a daemon that restarts
+    on the same socket answers the first read after it is up). Thread-safe.
+    """
+
+    def __init__(self, api_address: str) -> None:
+        self.api_address = api_address
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+
+    def status(self, timeout_s: float = 5.0) -> pb.MeshStatus:
+        with self._lock:
+            if self._channel is None:
+                self._channel = grpc.insecure_channel(self.api_address)
+            channel = self._channel
         try:
-            return getattr(stub, method)(request, timeout=timeout_s)
-        except grpc.RpcError as exc:
-            raise _unreachable(api_address, exc) from exc
+            return _call(
+                rpc.LocalStub(channel), self.api_address, "Status", pb.StatusRequest(), timeout_s
+            )
+        except DaemonUnreachable:
+            self.close(channel)
+            raise
+
+    def close(self, channel: grpc.Channel | None = None) -> None:
+        """Close the kept channel (only if it is still `channel`, when one is given)."""
+        with self._lock:
+            if self._channel is None or (channel is not None and channel is not self._channel):
+                return
+            self._channel, dropped = None, self._channel
+        dropped.close()
 
 
 def fetch_status(api_address: str, timeout_s: float = 5.0) -> pb.MeshStatus:

@@ -42,6 +42,7 @@ class DaemonProcess:
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
         self.api = f"unix:{state_dir / 'api.sock'}"
+        self._status = client.StatusReader(self.api)
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "meshd.api.cli", "run", "--state-dir", str(self.state_dir)]
@@ -71,7 +72,7 @@ class DaemonProcess:
         return self.proc.pid
 
     def status(self, timeout_s: float = 3.0) -> pb.MeshStatus:
-        return client.fetch_status(self.api, timeout_s)
+        return self._status.status(timeout_s)
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> pb.MeshStatus:
         """Wait until the daemon answers on its API (and has not exited)."""
@@ -119,6 +120,7 @@ class DaemonProcess:
 
     def kill(self) -> int | None:
         """SIGKILL the daemon's whole process group (ip netns exec + python)."""
+        self._status.close()
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
         with contextlib.suppress(ProcessLookupError):
