@@ -1,9 +1,9 @@
 """What a hop costs at the least on this machine, without a daemon: the floor under meshd's.
 
 Issue 11 asks for a hop (one stage's result reaching the next stage's compute) under 0.5 ms.
-Real daemons in network namespaces measure 0.86-0.99 ms over lanes
-(``bench_batching.py --scaling``). This benchmark strips the daemon away to show how much of
-that any design pays here: two processes, each in its own network namespace (tests/netns.py:
+Real daemons in network namespaces measure 0.86-1.3 ms over lanes
+(``bench_batching.py --scaling``). This benchmark strips the daemon away to show what each
+data-plane design would cost here: two processes, each in its own network namespace (tests/netns.py:
 a bridge in its own namespace, nothing touches the machine's interfaces) and each pinned to
 one core, pass one greedy SmolLM2-135M decode back and forth over the product's own lanes
 (:mod:`meshd.inference.lanes`: mutual TLS 1.3 with mesh certificates, length-prefixed
@@ -20,13 +20,34 @@ Modes, each a design the data plane could have:
   "data-plane thread" redesign, at its cheapest).
 * ``idle``: no compute at all, the same frames ping-ponged: what the same code costs when
   the core's caches were not just flushed by tens of milliseconds of matrix work.
+* ``thread-poll``: ``thread``, but the waiting side's loop never sleeps: it polls its sockets
+  (``epoll_wait`` with no timeout) until the next frame comes, as busy-polling data planes
+  (DPDK, RDMA verbs) do. It costs a core's worth of CPU while the other stage computes.
+* ``raw``: the least any design can pay here: the same compute, then the bytes (a 4-byte
+  length, no TLS, no protobuf, no event loop) on a plain blocking TCP socket; the receiver
+  waits in ``recv``. ``raw-poll``: the receiver spins on a non-blocking ``recv`` instead.
+* ``direct``: what a data-plane thread would cost: ``raw``'s shape (the thread that computes
+  writes the frame and waits in ``recv`` for the next one, no event loop, no hand-over), but
+  with everything the product keeps: mutual TLS 1.3 with the mesh certificates and
+  length-prefixed ``dataplane.Frame`` messages. ``direct-poll``: its receiver spins.
 
-Each mode prints the median per hop and where it goes: compute done -> send, serialize,
+Each mode prints the median per hop and where it goes, per direction (A -> B carries 2.3 KB
+of hidden states, B -> A a token) and over both: compute done -> send, serialize,
 ``SSLSocket.send`` (on a veth pair the sender's kernel also runs the receiver's TCP path),
 send -> the receiver's callback (wire, wake-up, decrypt, parse), and callback -> compute.
 
+The allocator: each mode runs with glibc's default malloc and again with its fastbins off
+(``GLIBC_TUNABLES=glibc.malloc.mxfast=0``; ``--malloc`` picks one). Why: a forward pass frees
+thousands of small blocks into the computing thread's fastbins, and the next request of that
+thread for a large block (OpenSSL's ~17 KB record buffer, which CPython's ``ssl`` allocates
+per write and frees again: ``SSL_MODE_RELEASE_BUFFERS``) first coalesces them all
+(``malloc_consolidate``): 0.6-0.7 ms, seen with ``perf record`` between a send's last
+syscall and its ``write``. It lands on the hop wherever the thread that computed also sends
+(``inline``, ``direct``); the daemon's loop thread sends from its own arena.
+
     sudo .venv/bin/python benchmarks/bench_hop_floor.py [--tokens 64] [--runs 2]
-        [--modes thread inline idle]
+        [--modes thread inline idle thread-poll raw raw-poll direct direct-poll]
+        [--malloc both|default|no-fastbins]
 """
 
 from __future__ import annotations
@@ -34,8 +55,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import itertools
 import os
+import socket
+import ssl
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -46,6 +71,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PORT = 7401
+MODES = ["thread", "inline", "idle", "thread-poll", "raw", "raw-poll", "direct", "direct-poll"]
+ALLOCATORS = ("default", "no-fastbins")
+RAW_HEADER = struct.Struct(">I")  # the raw modes' length prefix, and their token id
 MARK_NAMES = ("computed", "serialized", "sent", "received", "computing")
 Marks = dict[str, list[float]]  # what one side noted: name -> times (time.perf_counter)
 
@@ -130,7 +158,7 @@ def stage_process(role: str, my_ip: str, peer_ip: str, mode: str, tokens: int, r
             marks.append(("sent", time.perf_counter()))
 
         def step(payload: int | bytes) -> None:
-            if mode == "thread":
+            if mode.startswith("thread"):
                 job = pool.submit(compute, payload)
                 job.add_done_callback(lambda done: loop.call_soon_threadsafe(send, done.result()))
             else:  # inline, idle: on this loop, on its next turn (never re-entrantly)
@@ -174,12 +202,119 @@ def stage_process(role: str, my_ip: str, peer_ip: str, mode: str, tokens: int, r
                     continue
                 lane_box.append(lane)
                 break
+        if mode == "thread-poll":
+            poller = asyncio.ensure_future(poll_until(finished))
         await asyncio.wait_for(finished, 600)
+        if mode == "thread-poll":
+            await poller
         pool.shutdown()
 
-    asyncio.run(run())
+    def run_raw(poll: bool, tls: bool) -> None:
+        """The raw and direct modes: A dials B, each token's result goes out as soon as it is
+        computed, by the thread that computed it, and a zero length ends the run."""
+        if role == "b":
+            with socket.create_server((my_ip, PORT)) as listener:
+                sock, _ = listener.accept()
+            if tls:
+                sock = server_context.wrap_socket(sock, server_side=True)
+        else:
+            sock = dial_raw(peer_ip)
+            if tls:
+                sock = client_context.wrap_socket(sock, server_hostname=security.TLS_SERVER_NAME)
+        with sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(not poll)
+            if role == "a":
+                send_raw(sock, compute(1), tls)
+            done, reader = 0, RawReader(sock)
+            while (data := reader.message()) is not None:
+                marks.append(("received", time.perf_counter()))
+                payload = parse_raw(data, tls)
+                if role == "b":
+                    send_raw(sock, compute(payload), tls)
+                    continue
+                done += 1
+                if done >= tokens:
+                    sock.sendall(RAW_HEADER.pack(0))
+                    break
+                send_raw(sock, compute(payload), tls)
+
+    def parse_raw(data: bytes, tls: bool) -> int | bytes:
+        """What a received message carries: hidden states (for B) or a token id (for A)."""
+        if not tls:
+            return data if role == "b" else RAW_HEADER.unpack(data)[0]
+        frame = dp.Frame.FromString(data)
+        return frame.activation.data if role == "b" else frame.token.token_id
+
+    def send_raw(sock: socket.socket, result: int | bytes, tls: bool) -> None:
+        if tls:
+            body = frame_for(result).SerializeToString()
+        else:
+            body = RAW_HEADER.pack(result) if isinstance(result, int) else result
+        data = RAW_HEADER.pack(len(body)) + body
+        marks.append(("serialized", time.perf_counter()))
+        sock.sendall(data)  # a few KB: the socket's buffer takes them at once
+        marks.append(("sent", time.perf_counter()))
+
+    if mode.startswith(("raw", "direct")):
+        run_raw(poll=mode.endswith("-poll"), tls=mode.startswith("direct"))
+    else:
+        asyncio.run(run())
     with open(root / f"marks-{role}-{mode}.txt", "w") as out:
         out.writelines(f"{name} {at:.7f}\n" for name, at in marks)
+
+
+def allocator_environment(allocator: str) -> dict[str, str]:
+    """The stage processes' environment: this one's, with glibc's fastbins off if asked."""
+    env = dict(os.environ)
+    if allocator == "no-fastbins":
+        tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+        env["GLIBC_TUNABLES"] = ":".join([*tunables, "glibc.malloc.mxfast=0"])
+    return env
+
+
+async def poll_until(finished: asyncio.Future[None]) -> None:
+    """Keep the loop polling its sockets without sleeping until ``finished`` (thread-poll)."""
+    while not finished.done():
+        await asyncio.sleep(0)
+
+
+def dial_raw(peer_ip: str) -> socket.socket:
+    """A plain TCP connection to B, retried while B is still starting (10 s at most)."""
+    for _ in range(100):
+        try:
+            return socket.create_connection((peer_ip, PORT), timeout=5)
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"B at {peer_ip}:{PORT} did not answer in 10 s")
+
+
+class RawReader:
+    """Length-prefixed messages off a plain socket, read in large chunks as a lane reads (a
+    read of exactly the bytes still missing would wait for each TCP segment on its own)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = bytearray()
+
+    def message(self) -> bytes | None:
+        """The next message (``None`` for the zero length that ends a run); spins on a
+        non-blocking socket, waits on a blocking one."""
+        (length,) = RAW_HEADER.unpack(self.take(RAW_HEADER.size))
+        return self.take(length) if length else None
+
+    def take(self, size: int) -> bytes:
+        while len(self.buffer) < size:
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except (BlockingIOError, ssl.SSLWantReadError):
+                continue
+            if not chunk:
+                raise ConnectionError("the other side closed the connection mid-run")
+            self.buffer += chunk
+        data = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        return data
 
 
 def read_marks(path: Path) -> Marks:
@@ -213,8 +348,10 @@ def hops(sender: Marks, receiver: Marks) -> dict[str, list[float]]:
 
 def measure(
     mode: str, tokens: int, root: Path, spawn: Callable[..., subprocess.Popen]
-) -> dict[str, float]:
-    """One run of ``mode``: the median of each part of a hop, both directions together."""
+) -> dict[str, dict[str, float]]:
+    """One run of ``mode``: the median of each part of a hop, per direction (A -> B carries
+    hidden states, B -> A a token) and over both together. Each direction is kept apart
+    because their parts can differ a lot, and medians of two mixed shapes do not add up."""
     b = spawn("b", mode, "1")
     a = spawn("a", mode, "0")
     for process in (a, b):
@@ -222,18 +359,26 @@ def measure(
             raise RuntimeError(f"the {mode} run failed: {process.stderr.read()[-2000:]}")
     first = read_marks(root / f"marks-a-{mode}.txt")
     second = read_marks(root / f"marks-b-{mode}.txt")
-    parts = hops(first, second)
-    for name, values in hops(second, first).items():
-        parts.setdefault(name, []).extend(values)
-    return {name: statistics.median(values) for name, values in parts.items()}
+    directions = {"a->b": hops(first, second), "b->a": hops(second, first)}
+    both: dict[str, list[float]] = {}
+    for parts in directions.values():
+        for name, values in parts.items():
+            both.setdefault(name, []).extend(values)
+    directions["both"] = both
+    return {
+        direction: {name: statistics.median(values) for name, values in parts.items()}
+        for direction, parts in directions.items()
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", default=["thread", "inline", "idle"])
+    parser.add_argument("--modes", nargs="+", default=MODES)
+    parser.add_argument("--malloc", choices=["both", *ALLOCATORS], default="both")
     args = parser.parse_args()
+    allocators = list(ALLOCATORS) if args.malloc == "both" else [args.malloc]
     from meshd.mesh import security
     from meshd.models.store import ModelStore
     from tests.netns import Mesh, cleanup_stale, require_root_and_netns
@@ -248,17 +393,24 @@ def main() -> int:
         nodes = {"a": mesh.nodes[0], "b": mesh.nodes[1]}
         peers = {"a": nodes["b"].ip, "b": nodes["a"].ip}
 
-        def spawn(role: str, mode: str, cpu: str) -> subprocess.Popen:
-            command = ["taskset", "-c", cpu, sys.executable, __file__, "--stage", role]
-            command += [nodes[role].ip, peers[role], mode, str(args.tokens), str(root)]
-            return nodes[role].popen(command, stderr=subprocess.PIPE, text=True)
+        def spawner(allocator: str) -> Callable[..., subprocess.Popen]:
+            def spawn(role: str, mode: str, cpu: str) -> subprocess.Popen:
+                command = ["taskset", "-c", cpu, sys.executable, __file__, "--stage", role]
+                command += [nodes[role].ip, peers[role], mode, str(args.tokens), str(root)]
+                env = allocator_environment(allocator)
+                return nodes[role].popen(command, stderr=subprocess.PIPE, text=True, env=env)
+
+            return spawn
 
         print(f"load average {os.getloadavg()[0]:.2f}; medians over {args.tokens} tokens")
-        for run in range(args.runs):
-            for mode in args.modes:
-                parts = measure(mode, args.tokens, root, spawn)
+        for run, mode, allocator in itertools.product(range(args.runs), args.modes, allocators):
+            for direction, parts in measure(mode, args.tokens, root, spawner(allocator)).items():
                 detail = ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if k != "hop")
-                print(f"run {run + 1} {mode:6s} hop {parts['hop']:.3f} ms ({detail})", flush=True)
+                print(
+                    f"run {run + 1} {mode:11s} {allocator:11s} {direction:4s} "
+                    f"hop {parts['hop']:.3f} ms ({detail})",
+                    flush=True,
+                )
     return 0
 
 
