@@ -30,6 +30,9 @@ Modes, each a design the data plane could have:
   writes the frame and waits in ``recv`` for the next one, no event loop, no hand-over), but
   with everything the product keeps: mutual TLS 1.3 with the mesh certificates and
   length-prefixed ``dataplane.Frame`` messages. ``direct-poll``: its receiver spins.
+  ``direct-select``: its socket is non-blocking and the thread waits in ``select`` on it and
+  on a wake-up socket, as a data-plane thread serving several lanes and the loop's requests
+  would.
 
 Each mode prints the median per hop and where it goes, per direction (A -> B carries 2.3 KB
 of hidden states, B -> A a token) and over both: compute done -> send, serialize,
@@ -46,7 +49,7 @@ syscall and its ``write``. It lands on the hop wherever the thread that computed
 (``inline``, ``direct``); the daemon's loop thread sends from its own arena.
 
     sudo .venv/bin/python benchmarks/bench_hop_floor.py [--tokens 64] [--runs 2]
-        [--modes thread inline idle thread-poll raw raw-poll direct direct-poll]
+        [--modes thread inline idle thread-poll raw raw-poll direct direct-poll direct-select]
         [--malloc both|default|no-fastbins]
 """
 
@@ -57,6 +60,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import os
+import selectors
 import socket
 import ssl
 import statistics
@@ -71,7 +75,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PORT = 7401
-MODES = ["thread", "inline", "idle", "thread-poll", "raw", "raw-poll", "direct", "direct-poll"]
+MODES = [
+    "thread", "inline", "idle", "thread-poll", "raw", "raw-poll", "direct", "direct-poll",
+    "direct-select",
+]  # fmt: skip
 ALLOCATORS = ("default", "no-fastbins")
 RAW_HEADER = struct.Struct(">I")  # the raw modes' length prefix, and their token id
 MARK_NAMES = ("computed", "serialized", "sent", "received", "computing")
@@ -209,9 +216,10 @@ def stage_process(role: str, my_ip: str, peer_ip: str, mode: str, tokens: int, r
             await poller
         pool.shutdown()
 
-    def run_raw(poll: bool, tls: bool) -> None:
+    def run_raw(wait: str, tls: bool) -> None:
         """The raw and direct modes: A dials B, each token's result goes out as soon as it is
-        computed, by the thread that computed it, and a zero length ends the run."""
+        computed, by the thread that computed it, and a zero length ends the run. ``wait``:
+        how the receiver waits (``block`` in ``recv``, ``poll``, or ``select``)."""
         if role == "b":
             with socket.create_server((my_ip, PORT)) as listener:
                 sock, _ = listener.accept()
@@ -221,12 +229,15 @@ def stage_process(role: str, my_ip: str, peer_ip: str, mode: str, tokens: int, r
             sock = dial_raw(peer_ip)
             if tls:
                 sock = client_context.wrap_socket(sock, server_hostname=security.TLS_SERVER_NAME)
-        with sock:
+        waker, woken = socket.socketpair()  # what the loop would write to; nobody does here
+        with sock, waker, woken, selectors.DefaultSelector() as selector:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setblocking(not poll)
+            sock.setblocking(wait == "block")
+            selector.register(sock, selectors.EVENT_READ)
+            selector.register(woken, selectors.EVENT_READ)
             if role == "a":
                 send_raw(sock, compute(1), tls)
-            done, reader = 0, RawReader(sock)
+            done, reader = 0, RawReader(sock, selector if wait == "select" else None)
             while (data := reader.message()) is not None:
                 marks.append(("received", time.perf_counter()))
                 payload = parse_raw(data, tls)
@@ -257,7 +268,8 @@ def stage_process(role: str, my_ip: str, peer_ip: str, mode: str, tokens: int, r
         marks.append(("sent", time.perf_counter()))
 
     if mode.startswith(("raw", "direct")):
-        run_raw(poll=mode.endswith("-poll"), tls=mode.startswith("direct"))
+        wait = mode.partition("-")[2] or "block"
+        run_raw(wait, tls=mode.startswith("direct"))
     else:
         asyncio.run(run())
     with open(root / f"marks-{role}-{mode}.txt", "w") as out:
@@ -293,13 +305,14 @@ class RawReader:
     """Length-prefixed messages off a plain socket, read in large chunks as a lane reads (a
     read of exactly the bytes still missing would wait for each TCP segment on its own)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, selector: selectors.BaseSelector | None) -> None:
         self.sock = sock
+        self.selector = selector
         self.buffer = bytearray()
 
     def message(self) -> bytes | None:
-        """The next message (``None`` for the zero length that ends a run); spins on a
-        non-blocking socket, waits on a blocking one."""
+        """The next message (``None`` for the zero length that ends a run); waits on a
+        blocking socket, and on a non-blocking one in ``select`` if given one, else spins."""
         (length,) = RAW_HEADER.unpack(self.take(RAW_HEADER.size))
         return self.take(length) if length else None
 
@@ -308,6 +321,8 @@ class RawReader:
             try:
                 chunk = self.sock.recv(1 << 16)
             except (BlockingIOError, ssl.SSLWantReadError):
+                if self.selector is not None:
+                    self.selector.select()
                 continue
             if not chunk:
                 raise ConnectionError("the other side closed the connection mid-run")
