@@ -20,9 +20,10 @@ Modes, each a design the data plane could have:
   "data-plane thread" redesign, at its cheapest).
 * ``idle``: no compute at all, the same frames ping-ponged: what the same code costs when
   the core's caches were not just flushed by tens of milliseconds of matrix work.
-* ``thread-poll``: ``thread``, but the waiting side's loop never sleeps: it polls its sockets
-  (``epoll_wait`` with no timeout) until the next frame comes, as busy-polling data planes
-  (DPDK, RDMA verbs) do. It costs a core's worth of CPU while the other stage computes.
+* ``thread-poll``: ``thread``, but the lane's loop never sleeps: for the whole run it polls
+  its sockets (``epoll_wait`` with no timeout), as busy-polling data planes (DPDK, RDMA verbs)
+  do. It costs a core's worth of CPU, and while its own compute thread works it contends
+  with it for the GIL (that lengthens the compute, which the hop does not count).
 * ``raw``: the least any design can pay here: the same compute, then the bytes (a 4-byte
   length, no TLS, no protobuf, no event loop) on a plain blocking TCP socket; the receiver
   waits in ``recv``. ``raw-poll``: the receiver spins on a non-blocking ``recv`` instead.
@@ -302,8 +303,8 @@ def dial_raw(peer_ip: str) -> socket.socket:
 
 
 class RawReader:
-    """Length-prefixed messages off a plain socket, read in large chunks as a lane reads (a
-    read of exactly the bytes still missing would wait for each TCP segment on its own)."""
+    """Length-prefixed messages off a TCP or TLS socket, read in large chunks as a lane reads
+    (a read of exactly the bytes still missing would wait for each TCP segment on its own)."""
 
     def __init__(self, sock: socket.socket, selector: selectors.BaseSelector | None) -> None:
         self.sock = sock
@@ -390,7 +391,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", default=MODES)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     parser.add_argument("--malloc", choices=["both", *ALLOCATORS], default="both")
     args = parser.parse_args()
     allocators = list(ALLOCATORS) if args.malloc == "both" else [args.malloc]
