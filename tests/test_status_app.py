@@ -273,7 +273,8 @@ def _read_until(proc: subprocess.Popen[bytes], needle: bytes, timeout_s: float) 
     return out
 
 
-def test_terminal_front_end_draws_the_node_and_stops_on_ctrl_c(daemons, mesh_token) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_terminal_front_end_draws_the_node_and_stops_on_ctrl_c(daemons, mesh_token, stop) -> None:
     daemon = daemons([*LOOPBACK, "--join", mesh_token])
     node_id = daemon.wait_ready().node_id
     command = [
@@ -288,7 +289,7 @@ def test_terminal_front_end_draws_the_node_and_stops_on_ctrl_c(daemons, mesh_tok
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out = _read_until(proc, node_id.encode(), timeout_s=10)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         rest, err = proc.communicate(timeout=5)
     finally:
         if proc.poll() is None:

@@ -4,15 +4,24 @@
 
 Works on Linux, macOS and over ssh. On a terminal the screen is cleared before each redraw;
 when the output is a pipe or a file, each update is appended below a rule instead. Ctrl-C
-quits.
+(or SIGTERM) quits.
+
+Why a flag and not KeyboardInterrupt: Python raises KeyboardInterrupt at whatever bytecode the
+main thread is running, which can be inside ``queue.Queue``'s own locking; the feed's thread
+then blocks forever on that queue's lock and the app never exits (seen once in a full test
+run). The handler only sets a flag, which the draw loop reads at least every POLL_S.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import queue
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -53,12 +62,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@contextlib.contextmanager
+def stop_requested() -> Iterator[Callable[[], bool]]:
+    """While open, SIGINT and SIGTERM only set a flag; yields a function that reads it. Off the
+    main thread (where Python cannot take signals) the flag never sets."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    signals: list[int] = []
+
+    def note(signum: int, _frame: object) -> None:
+        signals.append(signum)
+
+    previous = {number: signal.signal(number, note) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield lambda: bool(signals)
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 def run(api_address: str, exit_after_s: float | None, out: TextIO) -> None:
-    """Draw every Menu the feed delivers until Ctrl-C or exit_after_s."""
+    """Draw every Menu the feed delivers until Ctrl-C, SIGTERM or exit_after_s."""
     updates: queue.Queue[Menu] = queue.Queue()
     deadline = None if exit_after_s is None else time.monotonic() + exit_after_s
-    with StatusFeed(api_address, updates.put):
-        while deadline is None or time.monotonic() < deadline:
+    with stop_requested() as stopped, StatusFeed(api_address, updates.put):
+        while not stopped() and (deadline is None or time.monotonic() < deadline):
             try:
                 menu = updates.get(timeout=POLL_S)
             except queue.Empty:
