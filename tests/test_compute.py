@@ -107,3 +107,62 @@ def test_submit_then_hands_each_result_back_on_the_loop_in_order() -> None:
         return seen
 
     assert asyncio.run(main()) == [(0, True), (2, True), (4, True), (6, True), (8, True)]
+
+
+def test_a_job_whose_awaiter_gave_up_before_it_ran_never_runs() -> None:
+    async def main() -> list[str]:
+        compute = ComputeExecutor("test-compute")
+        ran: list[str] = []
+        release = threading.Event()
+        blocker = compute.submit(release.wait, 10)  # holds the thread while the next waits
+        dropped = compute.submit(ran.append, "dropped")
+        dropped.cancel()
+        await asyncio.sleep(0)  # the cancellation reaches the job
+        release.set()
+        await blocker
+        await compute.run(ran.append, "kept")
+        await compute.close()
+        return ran
+
+    assert asyncio.run(main()) == ["kept"]
+
+
+def test_close_lets_the_running_job_finish_and_cancels_the_queued_ones() -> None:
+    async def main() -> tuple[bool, bool, list[int]]:
+        compute = ComputeExecutor("test-compute")
+        started = threading.Event()
+        thens: list[int] = []
+
+        def running() -> bool:
+            started.set()
+            time.sleep(0.2)
+            return True
+
+        first = compute.submit(running)
+        queued = compute.submit(lambda: False)
+        compute.submit_then(lambda: 1, (), lambda outcome: thens.append(outcome.result()))
+        await asyncio.to_thread(started.wait, 10)
+        await compute.close()
+        await asyncio.sleep(0.05)  # any late hand-back would land now
+        return await first, queued.cancelled(), thens
+
+    finished, cancelled, thens = asyncio.run(main())
+    assert finished and cancelled and thens == []
+
+
+def test_a_failed_submit_then_job_hands_its_error_to_the_owner() -> None:
+    async def main() -> BaseException | None:
+        compute = ComputeExecutor("test-compute")
+        outcome: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        def broken() -> None:
+            raise ValueError("bad step")
+
+        compute.submit_then(broken, (), outcome.set_result)
+        done = await asyncio.wait_for(outcome, 10)
+        await compute.close()
+        with pytest.raises(ValueError, match="bad step"):
+            done.result()
+        return done.error
+
+    assert isinstance(asyncio.run(main()), ValueError)

@@ -115,6 +115,7 @@ class Lane:
         self._backlog = bytearray()  # bytes the socket did not take yet, in order
         self._writing = False  # a writer callback is registered
         self.used = False  # bytes went either way (a lane never used is not missed)
+        self.frames_received = 0  # whole frames handed to on_frame (a read stops after one)
         self.closed = False
         _keep_alive(sock)
         self._loop.add_reader(self._fd, self._readable)
@@ -159,7 +160,10 @@ class Lane:
             if count == 0:
                 self._fail("the peer closed the lane")
                 return
+            delivered = self.frames_received
             self._received(self._chunk_view[:count])
+            if self.frames_received != delivered and not self.closed and not self._sock.pending():
+                break  # the loop calls again while the socket holds more (level-triggered)
         if self._backlog and not self._writing and not self.closed:
             self._flush()  # a write that waited for TLS to read
 
@@ -197,6 +201,7 @@ class Lane:
                     self._fail(f"an unreadable frame: {error}")
                     break
                 start = stop
+                self.frames_received += 1
                 self._on_frame(self.peer, frame)
         return start
 

@@ -31,7 +31,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -65,7 +64,7 @@ from meshd.inference.stage_events import (
     Work,
 )
 from meshd.inference.transport import Transport, describe_error
-from meshd.runtime.compute import ComputeExecutor
+from meshd.runtime.compute import ComputeExecutor, Outcome
 from meshd.wire import dataplane_pb2 as dp
 from partitioner.cost import micro_batches
 
@@ -333,6 +332,8 @@ class StageRuntime:
         split on the first stage into micro-batches (:func:`micro_batches`), so each stage
         has one to compute while the others compute theirs; prefill chunks
         run alone (each request's prefill runs on its own caches, as mlx-lm's)."""
+        if len(works) == 1:
+            return [works]  # one step, one pass: what the rest would give, without its work
         jobs: list[list[Work]] = []
         batches: dict[tuple[str, bool], list[Work]] = {}
         for work in works:
@@ -365,18 +366,17 @@ class StageRuntime:
         then = partial(self._computed, stage, job)
         self._compute.submit_then(_steps_job, (stage.engine, job, share), then)
 
-    def _computed(self, stage: _Stage, job: list[Work], future: Future[list[StepResult]]) -> None:
+    def _computed(self, stage: _Stage, job: list[Work], outcome: Outcome[list[StepResult]]) -> None:
         self._queued_steps -= 1
         results: list[StepResult]
-        if future.cancelled():
+        if outcome.cancelled:
             failed = ComputeFailed(FailureKind.INTERNAL, "the compute thread stopped")
             results = [failed] * len(job)
-        elif future.exception() is not None:
-            error = future.exception()
-            assert error is not None
-            results = [ComputeFailed(FailureKind.INTERNAL, describe_error(error))] * len(job)
+        elif outcome.error is not None:
+            failed = ComputeFailed(FailureKind.INTERNAL, describe_error(outcome.error))
+            results = [failed] * len(job)
         else:
-            results = future.result()
+            results = outcome.result()
         actions: list[Action] = []
         now = time.monotonic()
         for work, result in zip(job, results, strict=True):

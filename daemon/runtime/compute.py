@@ -6,20 +6,32 @@ stall behind a matrix multiplication. One thread, not a pool, because a node has
 worth of cores to give: two MLX evaluations at once only compete for them. Jobs run in
 submission order, so work submitted for one request runs in the order it was submitted.
 
-It is a ``concurrent.futures.ThreadPoolExecutor`` with one worker: an idle worker blocks in a
-futex (it never spins, which matters when several stage processes share a small machine),
-and results come back to the asyncio loop as futures (``loop.run_in_executor``), so whoever
-submits a job owns its result and its errors.
+Why not ``concurrent.futures.ThreadPoolExecutor`` (what this was until stop 25): every job
+of the data plane's hot path crosses here twice per hop, and the pool's bookkeeping is paid
+on a core whose caches the last forward pass has just flushed. Traced inside two pinned
+daemons (time marks around each step of a hop), the pool's ``submit`` took ~0.06 ms and the
+result's way back (a ``Future``, its condition variable, then the loop) ~0.13 ms a hop. Here a
+job is one tuple put on a ``queue.SimpleQueue`` (C, one futex wake) and its outcome one
+:class:`Outcome` handed to the loop with ``call_soon_threadsafe``. The idle worker still
+blocks in a futex and never spins, which matters when several stage processes share a small
+machine; results still come back to the loop that submitted, so whoever submits a job owns
+its result and its errors.
+
+Crossings (the only state two threads touch): the queue, which is thread-safe, and a job's
+``cancelled`` flag, which the loop sets (a cancelled awaiter) and the worker reads before it
+runs the job, a plain attribute under the GIL.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
+import queue
+import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 log = logging.getLogger("meshd.compute")
 
@@ -28,11 +40,53 @@ T = TypeVar("T")
 CLOSE_TIMEOUT_S = 10.0
 
 
+@dataclass(frozen=True, slots=True)
+class Outcome(Generic[T]):
+    """How a job ended: its value, or the exception it raised, or ``cancelled`` (the thread
+    stopped before it ran)."""
+
+    value: T | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+
+    def result(self) -> T:
+        """The value; the job's own exception re-raised; CancelledError when it never ran."""
+        if self.cancelled:
+            raise asyncio.CancelledError("the compute thread stopped before the job ran")
+        if self.error is not None:
+            raise self.error
+        return self.value  # type: ignore[return-value]
+
+
+class _Job:
+    """One queued call and where its outcome goes: an awaiter's ``future`` or ``then``, both on
+    ``loop``."""
+
+    __slots__ = ("args", "cancelled", "fn", "future", "loop", "then")
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        loop: asyncio.AbstractEventLoop,
+        then: Callable[[Outcome[Any]], None] | None = None,
+        future: asyncio.Future[Any] | None = None,
+    ) -> None:
+        self.fn = fn
+        self.args = args
+        self.loop = loop
+        self.then = then
+        self.future = future
+        self.cancelled = False  # set on the loop by an awaiter that gave up; read by the worker
+
+
 class ComputeExecutor:
     """One worker thread for MLX; use it from one asyncio loop."""
 
     def __init__(self, name: str = "meshd-compute") -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._name = name
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None  # started by the first job
         self._closed = False
 
     @property
@@ -41,10 +95,13 @@ class ComputeExecutor:
 
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Queue ``fn(*args)``; its result (or exception) arrives as an asyncio future on the
-        running loop. RuntimeError once the executor is closed."""
-        if self._closed:
-            raise RuntimeError("the compute thread is closed: this node is shutting down")
-        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        running loop; cancelling that future before the job ran drops the job. RuntimeError
+        once the executor is closed."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        job = self._put(_Job(fn, args, loop, future=future))
+        future.add_done_callback(lambda done: _drop_if_cancelled(done, job))
+        return future
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` after the jobs queued before it and return its result."""
@@ -54,53 +111,88 @@ class ComputeExecutor:
         self,
         fn: Callable[..., T],
         args: tuple[Any, ...],
-        then: Callable[[concurrent.futures.Future[T]], None],
+        then: Callable[[Outcome[T]], None],
     ) -> None:
-        """Queue ``fn(*args)``; once it ran, ``then(its future)`` runs on the calling loop.
+        """Queue ``fn(*args)``; once it ran, ``then(its Outcome)`` runs on the calling loop.
 
-        The hot path of the data plane: one hand-over back to the loop per job, and no
-        asyncio future in between. RuntimeError once the executor is closed.
+        The hot path of the data plane: one hand-over each way per job, no future in between.
+        A job still queued when the executor closes is dropped (``then`` is not called: the
+        node is going away). RuntimeError once the executor is closed.
         """
-        if self._closed:
-            raise RuntimeError("the compute thread is closed: this node is shutting down")
-        self._pool.submit(_run_then, asyncio.get_running_loop(), fn, args, then)
+        self._put(_Job(fn, args, asyncio.get_running_loop(), then))
 
     def submit_detached(self, fn: Callable[..., object], *args: Any) -> None:
         """Queue a job nobody awaits (freeing a request's caches): its error is logged, it is
         never lost silently. Does nothing once the executor is closed."""
         if self._closed:
             return
-        self.submit(fn, *args).add_done_callback(_log_failure)
+        self._put(_Job(fn, args, asyncio.get_running_loop(), _log_failure))
 
     async def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Let the running job finish, drop queued ones, stop the thread (bounded wait)."""
         if self._closed:
             return
         self._closed = True
-        shutdown = asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
-        try:
-            await asyncio.wait_for(shutdown, timeout_s)
-        except TimeoutError:
+        self._jobs.put(None)
+        if self._thread is None:
+            return
+        await asyncio.to_thread(self._thread.join, timeout_s)
+        if self._thread.is_alive():
             log.warning("the compute thread did not finish its job within %g s", timeout_s)
 
+    def _put(self, job: _Job) -> _Job:
+        if self._closed:
+            raise RuntimeError("the compute thread is closed: this node is shutting down")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+        return job
 
-def _run_then(
-    loop: asyncio.AbstractEventLoop,
-    fn: Callable[..., T],
-    args: tuple[Any, ...],
-    then: Callable[[concurrent.futures.Future[T]], None],
-) -> None:
-    """Compute thread: run ``fn`` and hand its outcome, as a done future, to ``then`` on
-    ``loop`` (a loop already closed means the node is gone: nobody is left to tell)."""
-    outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
-    try:
-        outcome.set_result(fn(*args))
-    except BaseException as error:
-        outcome.set_exception(error)
+    def _work(self) -> None:
+        """The worker: run jobs in order until the close sentinel; after close, drop the rest
+        (an awaiter's future is cancelled, a ``submit_then`` job is forgotten)."""
+        while (job := self._jobs.get()) is not None:
+            if job.cancelled:
+                continue
+            if self._closed:
+                if job.future is not None:
+                    _hand_back(job, Outcome(cancelled=True))
+                continue
+            try:
+                outcome: Outcome[Any] = Outcome(value=job.fn(*job.args))
+            except BaseException as error:  # the owner gets it, the worker goes on
+                outcome = Outcome(error=error)
+            _hand_back(job, outcome)
+
+
+def _hand_back(job: _Job, outcome: Outcome[Any]) -> None:
+    """Compute thread: the outcome to the job's future or ``then``, on its loop (a closed loop
+    means the node is gone: nobody is left to tell)."""
     with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(then, outcome)
+        if job.future is not None:
+            job.loop.call_soon_threadsafe(_settle, job.future, outcome)
+        elif job.then is not None:
+            job.loop.call_soon_threadsafe(job.then, outcome)
 
 
-def _log_failure(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.error("a compute job failed", exc_info=future.exception())
+def _settle(future: asyncio.Future[T], outcome: Outcome[T]) -> None:
+    """Loop: an awaited job's outcome into its future (unless its awaiter gave up)."""
+    if future.done():
+        return
+    if outcome.cancelled:
+        future.cancel()
+    elif outcome.error is not None:
+        future.set_exception(outcome.error)
+    else:
+        future.set_result(outcome.value)  # type: ignore[arg-type]
+
+
+def _drop_if_cancelled(future: asyncio.Future[Any], job: _Job) -> None:
+    if future.cancelled():
+        job.cancelled = True
+
+
+def _log_failure(outcome: Outcome[Any]) -> None:
+    if outcome.error is not None:
+        log.error("a compute job failed", exc_info=outcome.error)
