@@ -34,10 +34,12 @@ time to first token, and the overhead per hop, ``(ms/token with k nodes - ms/tok
 node) / k`` (k stages make a ring of k hops per token; the compute per token is the same
 model either way). With ``--no-lanes-too`` the multi-node rows run again with ``--no-lanes``
 (frames over the peer port's gRPC streams instead of lanes), so both are measured in one
-run:
+run. With ``--hop-trace`` the multi-node daemons trace their hops (``MESHD_HOP_TRACE``,
+:mod:`meshd.runtime.hoptrace`) and each such row prints the median of every segment of a
+hop, from one stage's finished step to the next stage's compute, per direction:
 
     sudo .venv/bin/python benchmarks/bench_batching.py --scaling [--runs 5] [--max-tokens 64]
-        [--no-lanes-too]
+        [--no-lanes-too] [--hop-trace]
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from meshd.api.launcher import DaemonProcess
 from meshd.mesh import security
 from meshd.mesh.profiling import load_or_measure_profile
 from meshd.models.store import ModelStore
+from meshd.runtime import hoptrace
 
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 TOPICS = [
@@ -347,18 +350,25 @@ def netns_mesh_single(
     runs: int,
     max_tokens: int,
     extra_args: list[str] | None = None,
+    hop_trace: Path | None = None,
 ):
     """len(cpus) daemons, each in its own namespace and pinned to its cpu; one request."""
     measure = partial(mesh_single, runs=runs, max_tokens=max_tokens)
-    return netns_mesh(root, model, cpus, extra_args or [], measure)
+    return netns_mesh(root, model, cpus, extra_args or [], measure, hop_trace)
 
 
 def netns_mesh(
-    root: Path, model: Path, cpus: list[str], extra_args: list[str], measure: Callable[[str], T]
+    root: Path,
+    model: Path,
+    cpus: list[str],
+    extra_args: list[str],
+    measure: Callable[[str], T],
+    hop_trace: Path | None = None,
 ) -> T:
     """len(cpus) daemons (``extra_args`` added to each), each in its own namespace and pinned
     to its cpu, splitting ``model`` by memory: ``measure(first daemon's API)`` once they serve
-    it, then they are killed."""
+    it, then they are killed. With ``hop_trace``, the daemons trace their hops there
+    (:mod:`meshd.runtime.hoptrace`) and the table of where a hop's time went is printed."""
     from tests.netns import Mesh
 
     token = security.encode_join_token(security.create_mesh_secret("bench-netns"))
@@ -378,9 +388,19 @@ def netns_mesh(
                         "--log-level", "WARNING", *extra_args]  # fmt: skip
                 daemon = PinnedDaemon(state, args, cpu)
                 daemon.netns = node.ns
+                if hop_trace is not None:
+                    daemon.env = {hoptrace.ENV: str(hop_trace)}
                 daemons.append(daemon.start())
             wait_for_stages(daemons, len(cpus))
-            return measure(daemons[0].api)
+            result = measure(daemons[0].api)
+            if hop_trace is not None:
+                time.sleep(2 * hoptrace.FLUSH_INTERVAL_S)  # the daemons' last marks
+                names = {f"hops-{d.pid}": f"node {i} (core {c})"
+                         for i, (d, c) in enumerate(zip(daemons, cpus, strict=True))}  # fmt: skip
+                hops = hoptrace.pair_hops(hoptrace.read_marks(hop_trace))
+                print(f"where a hop's time goes, {len(cpus)} nodes (one request at a time):")
+                print(hoptrace.summary(hops, names), flush=True)
+            return result
         finally:
             for daemon in daemons:
                 daemon.kill()
@@ -439,9 +459,13 @@ def unpinned_rounds(rounds: int, runs: int, max_tokens: int) -> int:
     return 0
 
 
-def scaling_table(runs: int, max_tokens: int, streams_too: bool = False) -> int:
+def scaling_table(
+    runs: int, max_tokens: int, streams_too: bool = False, hop_trace: bool = False
+) -> int:
     """The one-request table (see the module docstring); with ``streams_too``, the multi-node
-    rows again with `--no-lanes` (frames over the peer port's gRPC streams), same run."""
+    rows again with `--no-lanes` (frames over the peer port's gRPC streams), same run; with
+    ``hop_trace``, the multi-node rows' daemons trace their hops and each row prints where a
+    hop's time went (the trace costs the hop a few microseconds)."""
     from tests.netns import cleanup_stale, require_root_and_netns
 
     require_root_and_netns()
@@ -464,7 +488,9 @@ def scaling_table(runs: int, max_tokens: int, streams_too: bool = False) -> int:
             # process split that way would take the mean of its time on those cores.
             same_cores = sum(per_core[cpu].s_per_token for cpu in cpus) / len(cpus)
             for suffix, extra in variants if len(cpus) > 1 else variants[:1]:
-                result = netns_mesh_single(root, model, cpus, runs, max_tokens, extra)
+                trace = root / f"hops-{len(cpus)}{suffix.strip(', -')}"
+                traced = trace if hop_trace and len(cpus) > 1 else None
+                result = netns_mesh_single(root, model, cpus, runs, max_tokens, extra, traced)
                 label = f"{len(cpus)} node(s), cores {','.join(cpus)}{shared}{suffix}"
                 rows.append((label, result, one_core, len(cpus), same_cores))
         every_core = reference_single(model, "", runs, max_tokens)
@@ -513,6 +539,11 @@ def main() -> int:
         help="--scaling also runs the multi-node rows with --no-lanes (gRPC streams only)",
     )  # fmt: skip
     parser.add_argument(
+        "--hop-trace", action="store_true",
+        help="--scaling: the multi-node daemons trace their hops (MESHD_HOP_TRACE) and each "
+             "row prints where a hop's time goes, segment by segment",
+    )  # fmt: skip
+    parser.add_argument(
         "--unpinned-rounds", type=int, default=0, metavar="N",
         help="only the unpinned line (2 daemons sharing every core vs one mlx-lm), N rounds",
     )  # fmt: skip
@@ -524,7 +555,7 @@ def main() -> int:
     if args.unpinned_rounds:
         return unpinned_rounds(args.unpinned_rounds, args.runs, args.max_tokens)
     if args.scaling:
-        return scaling_table(args.runs, args.max_tokens, args.no_lanes_too)
+        return scaling_table(args.runs, args.max_tokens, args.no_lanes_too, args.hop_trace)
     cores = os.cpu_count() or 1
     cpus = ["", ""] if args.no_pin or cores < 2 else ["0", "1"]
     all_cpus = "" if args.no_pin or cores < 2 else "0,1"

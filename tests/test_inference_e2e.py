@@ -7,6 +7,8 @@ third of SmolLM2-135M-Instruct on each; a chat request to one of them must answe
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import grpc
@@ -59,7 +61,8 @@ def expect_error(daemon: DaemonProcess, request, code: grpc.StatusCode, words: s
 def mesh_of_three(default_model, tmp_path_factory):
     """Three namespaced daemons serving the default model split 10/10/10. host2 runs with
     --no-lanes (as an older daemon would): its links carry frames over the peer port's gRPC
-    streams, host0's and host1's to each other over lanes, and every answer is the same."""
+    streams, host0's and host1's to each other over lanes, and every answer is the same. All
+    three trace their hops (MESHD_HOP_TRACE) into the directory ``daemons[0].hop_trace``."""
     from meshd.mesh import security
     from tests.netns import Mesh, cleanup_stale, require_root_and_netns
 
@@ -67,6 +70,7 @@ def mesh_of_three(default_model, tmp_path_factory):
     cleanup_stale()
     token = security.encode_join_token(security.create_mesh_secret("e2e"))
     root = tmp_path_factory.mktemp("e2e")
+    trace = {"MESHD_HOP_TRACE": str(root / "hops")}
     with Mesh(3) as mesh:
         daemons = [
             DaemonProcess(
@@ -74,6 +78,7 @@ def mesh_of_three(default_model, tmp_path_factory):
                 ["--interface", "eth0", "--join", token, "--model", str(default_model),
                  "--strategy", "memory", *(["--no-lanes"] if i == 2 else [])],
                 netns=mesh.nodes[i].ns,
+                env=trace,
             ).start()
             for i in range(3)
         ]  # fmt: skip
@@ -105,6 +110,35 @@ def test_three_hosts_answer_paris(mesh_of_three) -> None:
     # (-0.085 ms a token in a clean-clone CI run).
     assert done.completion_tokens > 1
     assert -1e-3 < done.transport_s_per_token < 1 / done.decode_tokens_per_s, done
+
+
+def test_a_hop_trace_shows_where_each_hop_goes(mesh_of_three, tmp_path: Path) -> None:
+    """The daemons' own marks (meshd.runtime.hoptrace) pair into hops, host to host: those
+    between the two hosts with lanes cut into segments that add up to the hop, those to or from
+    the host without lanes into hops with no lane segments."""
+    from meshd.runtime import hoptrace
+
+    hosts = {f"hops-{d.pid}": f"host{i}" for i, d in enumerate(mesh_of_three)}
+    trace = Path(mesh_of_three[0].env["MESHD_HOP_TRACE"])  # type: ignore[index]
+    status = mesh_of_three[0].wait_for(committed_over(3), 30, "the 3-node plan")
+    assert len(json.loads(status.agreement.plan_json)["stages"]) == 3
+    _, done = chat(mesh_of_three[0], QUESTION, max_tokens=12)
+    assert done.completion_tokens > 4
+    time.sleep(2.5)  # each daemon's flusher writes once a second
+    hops = hoptrace.pair_hops(hoptrace.read_marks(trace))
+    print(hoptrace.summary(hops))
+    named = [(hosts[hop.sender], hosts[hop.receiver], hop) for hop in hops if hop.sender in hosts]
+    assert len(named) >= 2 * (done.completion_tokens - 1), hoptrace.summary(hops)
+    # Between host0 and host1 every decode hop is cut into segments (a prefill chunk's or the
+    # first hop, before the lane opened, may not be).
+    laned = [hop for sender, receiver, hop in named if "host2" not in (sender, receiver)]
+    cut = [hop for hop in laned if hop.segments is not None]
+    assert len(cut) >= done.completion_tokens - 1, hoptrace.summary(hops)
+    for hop in cut:
+        assert hop.segments is not None
+        assert min(hop.segments) >= 0 and sum(hop.segments) == hop.total_ns
+    via_grpc = [hop for sender, receiver, hop in named if "host2" in (sender, receiver)]
+    assert via_grpc and all(hop.segments is None for hop in via_grpc)
 
 
 def test_same_seed_same_text_on_any_node(mesh_of_three) -> None:

@@ -163,10 +163,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from meshd.mesh.membership import DuplicateNodeId
     from meshd.node import run_node
+    from meshd.runtime import hoptrace
     from meshd.state_lock import StateDirInUse
 
     config = load_config(flags_given(args), config_path=args.config)
     _setup_logging(config.log_level)
+    hoptrace.start_from_env()  # off unless MESHD_HOP_TRACE names a directory
 
     async def main() -> None:
         leave: list = []  # the node's graceful leave, once it has started
@@ -189,6 +191,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         exit_code = 2
     except* KeyboardInterrupt:
         pass
+    finally:
+        hoptrace.stop()
     return exit_code
 
 

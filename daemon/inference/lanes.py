@@ -42,6 +42,7 @@ from google.protobuf.message import DecodeError
 
 from meshd.mesh import security
 from meshd.mesh.channels import MAX_MESSAGE_BYTES
+from meshd.runtime import hoptrace
 from meshd.wire import dataplane_pb2 as dp
 
 log = logging.getLogger("meshd.dataplane")
@@ -125,12 +126,16 @@ class Lane:
         lane is closed."""
         if self.closed:
             return False
+        if hoptrace.enabled:
+            hoptrace.mark("frame_send")
         self.used = True
         payload = frame.SerializeToString()
         self._backlog += HEADER.pack(len(payload))
         self._backlog += payload
         if not self._writing:
             self._flush()
+        if hoptrace.enabled:
+            hoptrace.mark("frame_sent")
         return not self.closed
 
     def close(self) -> None:
@@ -147,6 +152,8 @@ class Lane:
     # ------------------------------------------------------------ the loop's callbacks
 
     def _readable(self) -> None:
+        if hoptrace.enabled:
+            hoptrace.mark("lane_readable")
         while not self.closed:
             try:
                 count = self._sock.recv_into(self._chunk)
@@ -202,6 +209,8 @@ class Lane:
                     break
                 start = stop
                 self.frames_received += 1
+                if hoptrace.enabled:
+                    hoptrace.mark("frame_parsed")
                 self._on_frame(self.peer, frame)
         return start
 

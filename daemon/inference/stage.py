@@ -64,6 +64,7 @@ from meshd.inference.stage_events import (
     Work,
 )
 from meshd.inference.transport import Transport, describe_error
+from meshd.runtime import hoptrace
 from meshd.runtime.compute import ComputeExecutor, Outcome
 from meshd.wire import dataplane_pb2 as dp
 from partitioner.cost import micro_batches
@@ -365,8 +366,12 @@ class StageRuntime:
         self._queued_steps += 1
         then = partial(self._computed, stage, job)
         self._compute.submit_then(_steps_job, (stage.engine, job, share), then)
+        if hoptrace.enabled:
+            hoptrace.mark("step_submitted")
 
     def _computed(self, stage: _Stage, job: list[Work], outcome: Outcome[list[StepResult]]) -> None:
+        if hoptrace.enabled:
+            hoptrace.mark("result_on_loop")
         self._queued_steps -= 1
         results: list[StepResult]
         if outcome.cancelled:
@@ -416,11 +421,16 @@ def _steps_job(engine: StageEngine, job: list[Work], cores_share: int) -> list[S
     decode steps of several requests batched) and, for hidden states, the frames that carry
     them on (built here, off the asyncio thread; the loop adds only the forwarded Start of
     step 0)."""
+    if hoptrace.enabled:
+        hoptrace.mark("step_start")
     if len(job) == 1:
         results = [run_step(engine, job[0], cores_share)]
     else:
         results = run_steps(engine, job, cores_share)
-    return [_with_frame(work, result) for work, result in zip(job, results, strict=True)]
+    with_frames = [_with_frame(work, result) for work, result in zip(job, results, strict=True)]
+    if hoptrace.enabled:
+        hoptrace.mark("step_done")
+    return with_frames
 
 
 def _with_frame(work: Work, result: StepResult) -> StepResult:
