@@ -87,3 +87,16 @@ def test_tracing_writes_marks_from_any_thread_and_stops(tmp_path: Path) -> None:
     names = [line.split()[0] for line in path.read_text().splitlines()]
     assert sorted(set(names)) == ["frame_send", "step_start"] and len(names) == 1000
     hoptrace.stop()  # twice is fine
+
+
+def test_a_directory_that_cannot_be_written_leaves_tracing_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv(hoptrace.ENV, str(blocked / "hops"))
+    assert hoptrace.start_from_env() is False
+    assert not hoptrace.enabled
+    assert any("hop tracing stays off" in record.getMessage() for record in caplog.records)
+    monkeypatch.setenv(hoptrace.ENV, "  ")
+    assert hoptrace.start_from_env() is False
