@@ -395,7 +395,7 @@ def netns_mesh(
             result = measure(daemons[0].api)
             if hop_trace is not None:
                 time.sleep(2 * hoptrace.FLUSH_INTERVAL_S)  # the daemons' last marks
-                names = {f"hops-{d.pid}": f"node {i} (core {c})"
+                names = {hoptrace.process_name(d.pid): f"node {i} (core {c})"
                          for i, (d, c) in enumerate(zip(daemons, cpus, strict=True))}  # fmt: skip
                 hops = hoptrace.pair_hops(hoptrace.read_marks(hop_trace))
                 print(f"where a hop's time goes, {len(cpus)} nodes (one request at a time):")

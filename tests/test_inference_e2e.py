@@ -118,13 +118,13 @@ def test_a_hop_trace_shows_where_each_hop_goes(mesh_of_three, tmp_path: Path) ->
     the host without lanes into hops with no lane segments."""
     from meshd.runtime import hoptrace
 
-    hosts = {f"hops-{d.pid}": f"host{i}" for i, d in enumerate(mesh_of_three)}
+    hosts = {hoptrace.process_name(d.pid): f"host{i}" for i, d in enumerate(mesh_of_three)}
     trace = Path(mesh_of_three[0].env["MESHD_HOP_TRACE"])  # type: ignore[index]
     status = mesh_of_three[0].wait_for(committed_over(3), 30, "the 3-node plan")
     assert len(json.loads(status.agreement.plan_json)["stages"]) == 3
     _, done = chat(mesh_of_three[0], QUESTION, max_tokens=12)
     assert done.completion_tokens > 4
-    time.sleep(2.5)  # each daemon's flusher writes once a second
+    time.sleep(2.5 * hoptrace.FLUSH_INTERVAL_S)  # each daemon's flusher's last write
     hops = hoptrace.pair_hops(hoptrace.read_marks(trace))
     print(hoptrace.summary(hops))
     named = [(hosts[hop.sender], hosts[hop.receiver], hop) for hop in hops if hop.sender in hosts]

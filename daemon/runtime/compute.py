@@ -58,26 +58,17 @@ class Outcome(Generic[T]):
         return self.value  # type: ignore[return-value]
 
 
+@dataclass(slots=True, eq=False)
 class _Job:
     """One queued call and where its outcome goes: an awaiter's ``future`` or ``then``, both on
     ``loop``."""
 
-    __slots__ = ("args", "cancelled", "fn", "future", "loop", "then")
-
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        loop: asyncio.AbstractEventLoop,
-        then: Callable[[Outcome[Any]], None] | None = None,
-        future: asyncio.Future[Any] | None = None,
-    ) -> None:
-        self.fn = fn
-        self.args = args
-        self.loop = loop
-        self.then = then
-        self.future = future
-        self.cancelled = False  # set on the loop by an awaiter that gave up; read by the worker
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    loop: asyncio.AbstractEventLoop
+    then: Callable[[Outcome[Any]], None] | None = None
+    future: asyncio.Future[Any] | None = None
+    cancelled: bool = False  # set on the loop by an awaiter that gave up; read by the worker
 
 
 class ComputeExecutor:

@@ -45,6 +45,11 @@ def mark(name: str) -> None:
     _marks.append((name, time.perf_counter_ns()))
 
 
+def process_name(pid: int) -> str:
+    """The name a traced process's marks go by: its file's stem, and the process in a Hop."""
+    return f"hops-{pid}"
+
+
 def start_from_env() -> bool:
     """Start tracing if ``MESHD_HOP_TRACE`` names a directory; whether it started. A directory
     that cannot be made or written is named in a warning and the daemon runs untraced (a
@@ -68,7 +73,7 @@ def start(directory: Path) -> Path:
     if _flusher is not None:
         raise RuntimeError("hop tracing is already on in this process")
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"hops-{os.getpid()}.txt"
+    path = directory / f"{process_name(os.getpid())}.txt"
     path.touch()  # OSError now, not in the flusher, if the directory is not writable
     _path = path
     _stopping.clear()
@@ -202,8 +207,9 @@ def summary(hops: list[Hop], names: dict[str, str] | None = None) -> str:
             f"{names.get(sender, sender)} -> {names.get(receiver, receiver)}: {len(these)} hops,"
             f" median {total:.3f} ms ({len(laned)} over a lane)"
         )
+        if not laned:
+            continue
         for position, ((a_side, a), (b_side, b)) in enumerate(itertools.pairwise(SEGMENTS)):
-            if laned:
-                median = statistics.median(row[position] for row in laned) / 1e6
-                lines.append(f"  {a_side}:{a:<15} -> {b_side}:{b:<15} {median:7.3f} ms")
+            median = statistics.median(row[position] for row in laned) / 1e6
+            lines.append(f"  {a_side}:{a:<15} -> {b_side}:{b:<15} {median:7.3f} ms")
     return "\n".join(lines)
