@@ -294,11 +294,14 @@ def test_tp2_dense_then_moe_then_kill_9_of_a_member(
 
 
 def test_hybrid_2x2_over_trusted_namespaces(daemons, netns_mesh, mesh_token, tiny_llama) -> None:
-    """Pipeline stages of TP=2 groups over four namespaced daemons, forced by `hybrid` (the
-    110 MB budgets keep any node from holding the whole model): every node serves, each group
-    runs as its plan stage, and the text is one mlx-lm process's. The layout is usually 2x2;
-    the planner may price [1, 2, 1] cheaper from links measured on a loaded host (seen once,
-    under other tests' load), which is as valid a hybrid plan, so either is accepted."""
+    """Pipeline stages with tensor-parallel groups over four namespaced daemons, forced by
+    `hybrid` (the 110 MB budgets keep any node from holding the whole model): every node
+    serves in exactly one stage, the plan is a pipeline (more than one stage) with at least
+    one group, each group runs as its plan stage, and the text is one mlx-lm process's.
+
+    Which layout wins ([2, 2], [1, 2, 1], [1, 1, 2], ...) is the planner's price of links
+    measured on whatever load the host has, so the test asserts what makes a plan hybrid
+    rather than one list of widths."""
     mesh = netns_mesh(4, subnet=random.randrange(1, 250))
     nodes = start_daemons(
         daemons,
@@ -311,9 +314,12 @@ def test_hybrid_2x2_over_trusted_namespaces(daemons, netns_mesh, mesh_token, tin
     )
     status = wait_serving(nodes, "hybrid", 4)
     stages = plan_of(status)["stages"]
+    serving = [node for stage in stages for node in stage["nodes"]]
+    assert sorted(serving) == sorted(set(serving)) and len(serving) == 4, stages
+    assert set(serving) == set(status.agreement.members), (stages, status.agreement.members)
     widths = [len(stage["nodes"]) for stage in stages]
-    assert widths in ([2, 2], [1, 2, 1]), stages
-    grouped = [index for index, width in enumerate(widths) if width == 2]
+    grouped = [index for index, width in enumerate(widths) if width > 1]
+    assert len(stages) > 1 and grouped, f"not a hybrid plan: widths {widths}"
     groups = status.tensor_parallel_groups
     assert [g.stage for g in groups] == grouped
     assert [set(g.members) for g in groups] == [set(stages[i]["nodes"]) for i in grouped]
