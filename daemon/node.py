@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -42,6 +43,7 @@ from meshd.node_models import (
     resolve_model_dir,
 )
 from meshd.node_status import mesh_status
+from meshd.runtime import stalls
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
 from meshd.runtime.rpc_guard import add_guarded_servicer
@@ -404,6 +406,7 @@ class Node:
                     if self.config.mdns:
                         await nursery.start(self._discovery_task)
                     nursery.start_soon(self._housekeeping)
+                    nursery.start_soon(self._watch_stalls)
                     self.events.add(
                         "node %s up: mesh %r, peers on port %d, API on %s, dashboard %s",
                         self.identity.node_id,
@@ -534,6 +537,27 @@ class Node:
             ticks += 1
             if ticks % 10 == 0:
                 self.membership.forget_old()
+
+    async def _watch_stalls(self) -> None:
+        """Say in the event log when a loop of this daemon did not run for a while (peers
+        may have dropped it meanwhile): see meshd.runtime.stalls."""
+        timeout = self.config.peer_timeout_s
+        asyncio_loop = stalls.StallCounter(
+            "asyncio loop (heartbeats, peer port, data plane)", timeout
+        )
+        trio_loop = stalls.StallCounter("trio loop (agreement, status)", timeout)
+
+        def from_asyncio(message: str) -> None:
+            self.bridge.call_soon_in_trio(self._stalled, message)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(stalls.watch, trio.sleep, trio_loop, self._stalled))
+            nursery.start_soon(
+                self.bridge.run, stalls.watch, asyncio.sleep, asyncio_loop, from_asyncio
+            )
+
+    def _stalled(self, message: str) -> None:
+        self.events.add(message, level=logging.WARNING)
 
     async def _discovery_task(self, *, task_status: trio.TaskStatus[None]) -> None:
         from meshd.mesh import discovery
