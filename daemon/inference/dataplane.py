@@ -232,16 +232,21 @@ class DataPlane:
         try:
             # One thread imports mlx_lm before two threads use it (meshd.runtime.lazy_imports).
             await asyncio.to_thread(import_model_runtime)
-            loading = [self.loaded_stages.tokenizer_for(assignment.model_dir)]
+            # The tokenizer first, then the weights, not both at once: reading tokenizer.json
+            # holds the GIL in C calls (json.load in mlx-lm, the Rust tokenizer's build), and
+            # with the weights' load taking the CPU meanwhile those calls kept every loop of
+            # the daemon from running for up to 1.5-3.5 s on a loaded host, its heartbeats
+            # included: peers dropped it (meshd.runtime.stalls said so). Measured with three
+            # daemons on two cores: stalls of 0.5 s or more in 5 of 6 installs at once, then
+            # in 1 of 5. The cost: the tokenizer's load (0.3-1 s, nothing on a re-plan of the
+            # same files) is no longer hidden behind the weights'.
+            plan.tokenizer, plan.config = await self.loaded_stages.tokenizer_for(
+                assignment.model_dir
+            )
             if tensor_parallel is not None:
-                loading.append(self._start_runner(tensor_parallel, plan.engine))
+                await self._start_runner(tensor_parallel, plan.engine)
             elif plan.engine is not None:
-                loading.append(self.loaded_stages.load_engine(plan.engine))
-            outcomes = await asyncio.gather(*loading, return_exceptions=True)
-            failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
-            if failed is not None:
-                raise failed
-            plan.tokenizer, plan.config = outcomes[0]
+                await self.loaded_stages.load_engine(plan.engine)
         except BaseException as error:
             if self._plans.get(assignment.plan_id) is plan:
                 del self._plans[assignment.plan_id]
