@@ -550,11 +550,17 @@ class Node:
         def from_asyncio(message: str) -> None:
             self.bridge.call_soon_in_trio(self._stalled, message)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(partial(stalls.watch, trio.sleep, trio_loop, self._stalled))
-            nursery.start_soon(
-                self.bridge.run, stalls.watch, asyncio.sleep, asyncio_loop, from_asyncio
-            )
+        trace = stalls.open_trace()  # MESHD_STALL_TRACE: the asyncio loop's stalls, traced
+        watch_asyncio = partial(
+            stalls.watch, asyncio.sleep, asyncio_loop, from_asyncio, trace=trace
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(stalls.watch, trio.sleep, trio_loop, self._stalled))
+                nursery.start_soon(self.bridge.run, watch_asyncio)
+        finally:
+            if trace is not None:
+                trace.close()
 
     def _stalled(self, message: str) -> None:
         self.events.add(message, level=logging.WARNING)

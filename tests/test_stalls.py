@@ -5,13 +5,15 @@ wait for a heartbeat."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import time
 
 import trio
 
 from meshd.api.launcher import DaemonProcess
-from meshd.runtime.stalls import StallCounter, watch
+from meshd.runtime.stalls import StallCounter, open_trace, watch
 
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 
@@ -100,3 +102,45 @@ def test_a_daemon_stopped_longer_than_the_peer_timeout_says_so_once_it_runs(
         assert 1.8 <= late <= 6.0, line
         assert "may have counted it lost (after 1.5 s without a heartbeat)" in line, line
     assert "did not run for" in daemon.log_path.read_text()  # in its log file too
+
+
+def _a_call_that_holds_the_loop() -> None:
+    time.sleep(0.8)
+
+
+def test_a_traced_stall_shows_what_ran_meanwhile(tmp_path, caplog) -> None:
+    """MESHD_STALL_TRACE=DIR: while the loop is blocked, every thread's stack goes to
+    DIR/stalls-<pid>.txt, the call that blocked it included; nothing is written while the
+    loop runs; an unwritable directory leaves tracing off with a warning."""
+    trace = open_trace({"MESHD_STALL_TRACE": str(tmp_path / "traces")})
+    assert trace is not None
+    counter = StallCounter("asyncio loop", 1.5)
+    path = tmp_path / "traces" / f"stalls-{os.getpid()}.txt"
+
+    async def main(block: bool) -> None:
+        task = asyncio.create_task(
+            watch(asyncio.sleep, counter, lambda line: None, period_s=0.05, trace=trace)
+        )
+        await asyncio.sleep(0.3)
+        if block:
+            _a_call_that_holds_the_loop()
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(main(block=False))
+        trace.flush()
+        assert path.read_text() == ""  # a loop that runs on time leaves no stacks
+        asyncio.run(main(block=True))
+    finally:
+        trace.close()
+    text = path.read_text()
+    assert "Timeout" in text and "_a_call_that_holds_the_loop" in text, text
+    assert open_trace({}) is None
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with caplog.at_level("WARNING"):
+        assert open_trace({"MESHD_STALL_TRACE": str(blocker / "traces")}) is None
+    assert "stall tracing stays off" in caplog.text

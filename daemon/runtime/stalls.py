@@ -13,16 +13,29 @@ woke. The asyncio loop carries the heartbeats, the peer port and the data plane;
 loop runs the agreement and answers ``meshd status``. A :class:`StallCounter` turns those
 measurements into event-log lines: the first stall at once, later ones summed up at most
 once every ``report_every_s``, so an overloaded host does not flood the log.
+
+``MESHD_STALL_TRACE=DIR`` says what ran meanwhile: while the asyncio loop is stalled, every
+thread's stack is written to ``DIR/stalls-<pid>.txt`` every half second, by a watchdog thread
+of C (``faulthandler``) that needs no GIL. That is how the stalls of a plan's install were
+traced to tokenizer.json being parsed while the weights loaded.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import logging
+import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import TextIO
 
 PERIOD_S = 0.1  # how often each watcher wakes (a wake-up costs microseconds)
 THRESHOLD_S = 0.5  # a wake this late is a stall: a third of the default peer timeout
 REPORT_EVERY_S = 60.0
+TRACE_ENV = "MESHD_STALL_TRACE"
+
+log = logging.getLogger(__name__)
 
 
 class StallCounter:
@@ -84,14 +97,44 @@ async def watch(
     *,
     period_s: float = PERIOD_S,
     clock: Callable[[], float] = time.monotonic,
+    trace: TextIO | None = None,
 ) -> None:
     """Forever: sleep ``period_s`` with the loop's own ``sleep`` (``asyncio.sleep`` or
     ``trio.sleep``), feed the lateness of each wake-up to ``counter`` and hand every line it
-    returns to ``report`` (on this loop's thread). Ends when cancelled."""
-    while True:
-        due = clock() + period_s
-        await sleep(period_s)
-        now = clock()
-        message = counter.observe(now - due, now)
-        if message is not None:
-            report(message)
+    returns to ``report`` (on this loop's thread). Ends when cancelled.
+
+    ``trace`` (see :func:`open_trace`; one watcher per process at most, faulthandler has one
+    timer): re-armed before each sleep, faulthandler writes every thread's stack there each
+    ``threshold_s`` that this loop does not come back."""
+    try:
+        while True:
+            due = clock() + period_s
+            if trace is not None:
+                faulthandler.dump_traceback_later(
+                    period_s + counter.threshold_s, repeat=True, file=trace
+                )
+            await sleep(period_s)
+            now = clock()
+            message = counter.observe(now - due, now)
+            if message is not None:
+                report(message)
+    finally:
+        if trace is not None:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def open_trace(environ: Mapping[str, str] = os.environ) -> TextIO | None:
+    """The file ``MESHD_STALL_TRACE=DIR`` names for this process (``DIR/stalls-<pid>.txt``,
+    appended to), or None: unset, or not writable (a warning says so; the daemon runs on)."""
+    directory = environ.get(TRACE_ENV)
+    if not directory:
+        return None
+    path = Path(directory) / f"stalls-{os.getpid()}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        trace = path.open("a")
+    except OSError as error:
+        log.warning("%s=%s: stall tracing stays off (%s)", TRACE_ENV, directory, error)
+        return None
+    log.warning("stall tracing is on: stacks of every thread go to %s during stalls", path)
+    return trace
