@@ -556,7 +556,7 @@ class Node:
         )
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(partial(stalls.watch, trio.sleep, trio_loop, self._stalled))
+                nursery.start_soon(stalls.watch, trio.sleep, trio_loop, self._stalled)
                 nursery.start_soon(self.bridge.run, watch_asyncio)
         finally:
             if trace is not None:

@@ -68,12 +68,12 @@ class StallCounter:
         due = self._reported_at is None or now - self._reported_at >= self.report_every_s
         if not self._pending or not due:
             return None
-        message = self._words(self._reported_at is None or self._pending == 1, now)
+        message = self._words(now)
         self._pending, self._worst, self._reported_at = 0, 0.0, now
         return message
 
-    def _words(self, single: bool, now: float) -> str:
-        if single:
+    def _words(self, now: float) -> str:
+        if self._pending == 1:  # always so for the first line: it goes out at the first stall
             what = f"this node's {self.loop_name} did not run for {self._worst:.1f} s"
         else:
             assert self._reported_at is not None
