@@ -50,19 +50,36 @@ def test_hops_are_paired_across_processes_and_cut_into_segments(tmp_path: Path) 
     assert sum(hops[0].segments) == hops[0].total_ns
     assert hops[1].segments is None  # no lane marks on b's way back
     table = hoptrace.summary(hops)
+    assert hops[0].path == "sent by the loop"
     assert "hops-a -> hops-b: 1 hops, median 0.800 ms (1 over a lane)" in table
     rows = [line.split() for line in table.splitlines()]
     assert ["S:frame_send", "->", "S:frame_sent", "0.150", "ms"] in rows
     assert "hops-b -> hops-a: 1 hops, median 1.000 ms (0 over a lane)" in table
 
 
+def test_a_hop_sent_by_the_compute_thread_is_cut_without_the_senders_loop(
+    tmp_path: Path,
+) -> None:
+    # a's compute thread sends the frame itself; its loop takes the result after it left
+    _write(tmp_path, "a", [("step_done", 0), ("frame_send", 20_000), ("frame_sent", 150_000),
+                           ("result_on_loop", 400_000)])  # fmt: skip
+    _write(tmp_path, "b", [("lane_readable", 200_000), ("frame_parsed", 300_000),
+                           ("step_submitted", 450_000), ("step_start", 480_000)])  # fmt: skip
+    (hop,) = hoptrace.pair_hops(hoptrace.read_marks(tmp_path))
+    assert hop.path == "sent by the compute thread"
+    assert hop.segments == (20_000, 130_000, 50_000, 100_000, 150_000, 30_000)
+    table = hoptrace.summary([hop])
+    assert "1 sent by the compute thread, median 0.480 ms:" in table
+    assert "result_on_loop" not in table
+
+
 def test_marks_out_of_order_give_no_segments(tmp_path: Path) -> None:
-    _write(tmp_path, "a", [("step_done", 0), ("frame_send", 300), ("result_on_loop", 400),
+    _write(tmp_path, "a", [("step_done", 0), ("result_on_loop", 100), ("frame_send", 300),
                            ("frame_sent", 500)])  # fmt: skip
-    _write(tmp_path, "b", [("lane_readable", 600), ("frame_parsed", 700),
+    _write(tmp_path, "b", [("frame_parsed", 600), ("lane_readable", 700),
                            ("step_submitted", 800), ("step_start", 900)])  # fmt: skip
     (hop,) = hoptrace.pair_hops(hoptrace.read_marks(tmp_path))
-    assert hop.total_ns == 900 and hop.segments is None
+    assert hop.total_ns == 900 and hop.segments is None and hop.path is None
 
 
 def test_tracing_writes_marks_from_any_thread_and_stops(tmp_path: Path) -> None:

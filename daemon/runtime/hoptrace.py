@@ -130,18 +130,29 @@ SEGMENTS: tuple[tuple[str, str], ...] = (
     ("R", "step_submitted"),
     ("R", "step_start"),
 )
+# A decode step's frames sent by the compute thread itself (:mod:`meshd.inference.stage`):
+# the sender's loop is not on the hop's path (it does its part after the frame left).
+EARLY_SEGMENTS: tuple[tuple[str, str], ...] = tuple(
+    point for point in SEGMENTS if point != ("S", "result_on_loop")
+)
+PATHS: dict[str, tuple[tuple[str, str], ...]] = {
+    "sent by the loop": SEGMENTS,
+    "sent by the compute thread": EARLY_SEGMENTS,
+}
 HOP_WINDOW_NS = 50_000_000  # a hop that takes longer is not one step's hand-over
 
 
 @dataclass(frozen=True)
 class Hop:
     """One hand-over: ``sender``'s step done to ``receiver``'s next step started; ``segments``
-    holds the time between consecutive marks of SEGMENTS (ns), where all were seen in order."""
+    holds the time between consecutive marks of its ``path`` (a key of PATHS: SEGMENTS or
+    EARLY_SEGMENTS, ns), where all were seen in order; else both are None."""
 
     sender: str
     receiver: str
     total_ns: int
     segments: tuple[int, ...] | None
+    path: str | None = None
 
 
 def read_marks(directory: Path) -> dict[str, list[tuple[str, int]]]:
@@ -176,21 +187,26 @@ def pair_hops(marks: dict[str, list[tuple[str, int]]]) -> list[Hop]:
             if later == "step_start" and process != sender:
                 points = {("S" if p == sender else "R", m): t for (p, m), t in seen.items()
                           if p in (sender, process)}  # fmt: skip
-                hops.append(Hop(sender, process, when - start, _segments(points, start, when)))
+                path, segments = _segments(points, start, when)
+                hops.append(Hop(sender, process, when - start, segments, path))
                 break
             seen.setdefault((process, later), when)
     return hops
 
 
-def _segments(seen: dict[tuple[str, str], int], start: int, end: int) -> tuple[int, ...] | None:
-    """The hop cut at SEGMENTS' marks, or None where one is missing or out of order."""
-    times = [start, *(seen.get(point) for point in SEGMENTS[1:-1]), end]
-    if any(when is None for when in times):
-        return None  # not over a lane, or a mark was missed
-    ordered = [int(when) for when in times if when is not None]
-    if ordered != sorted(ordered):
-        return None
-    return tuple(b - a for a, b in itertools.pairwise(ordered))
+def _segments(
+    seen: dict[tuple[str, str], int], start: int, end: int
+) -> tuple[str | None, tuple[int, ...] | None]:
+    """The first of PATHS whose marks the hop passed in order, and the hop cut at them;
+    (None, None) where a mark is missing or out of order (not over a lane, a mark missed)."""
+    for path, points in PATHS.items():
+        times = [start, *(seen.get(point) for point in points[1:-1]), end]
+        if any(when is None for when in times):
+            continue
+        ordered = [int(when) for when in times if when is not None]
+        if ordered == sorted(ordered):
+            return path, tuple(b - a for a, b in itertools.pairwise(ordered))
+    return None, None
 
 
 def summary(hops: list[Hop], names: dict[str, str] | None = None) -> str:
@@ -201,15 +217,19 @@ def summary(hops: list[Hop], names: dict[str, str] | None = None) -> str:
     directions = sorted({(hop.sender, hop.receiver) for hop in hops})
     for sender, receiver in directions:
         these = [hop for hop in hops if (hop.sender, hop.receiver) == (sender, receiver)]
-        laned = [hop.segments for hop in these if hop.segments is not None]
+        laned = [hop for hop in these if hop.segments is not None]
         total = statistics.median(hop.total_ns for hop in these) / 1e6
         lines.append(
             f"{names.get(sender, sender)} -> {names.get(receiver, receiver)}: {len(these)} hops,"
             f" median {total:.3f} ms ({len(laned)} over a lane)"
         )
-        if not laned:
-            continue
-        for position, ((a_side, a), (b_side, b)) in enumerate(itertools.pairwise(SEGMENTS)):
-            median = statistics.median(row[position] for row in laned) / 1e6
-            lines.append(f"  {a_side}:{a:<15} -> {b_side}:{b:<15} {median:7.3f} ms")
+        for path, points in PATHS.items():
+            rows = [hop.segments for hop in laned if hop.path == path and hop.segments]
+            if not rows:
+                continue
+            median = statistics.median(sum(row) for row in rows) / 1e6
+            lines.append(f"  {len(rows)} {path}, median {median:.3f} ms:")
+            for position, ((a_side, a), (b_side, b)) in enumerate(itertools.pairwise(points)):
+                median = statistics.median(row[position] for row in rows) / 1e6
+                lines.append(f"    {a_side}:{a:<15} -> {b_side}:{b:<15} {median:7.3f} ms")
     return "\n".join(lines)
