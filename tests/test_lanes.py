@@ -13,6 +13,7 @@ import contextlib
 import logging
 import socket
 import ssl
+import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,6 +151,66 @@ def test_frames_go_over_the_lane_in_order_and_intact_and_answers_come_back_on_it
             await a.recorder.wait_for(lambda: a.recorder.frames)
             assert a.recorder.frames[0][0] == "b" and steps(a.recorder) == [7]
             assert not a.recorder.lost and not b.recorder.lost
+
+    loop.run(run(), timeout=60)
+
+
+def test_frames_sent_from_another_thread_arrive_intact_in_order_beside_the_loops(
+    loop: LoopThread, tmp_path: Path
+) -> None:
+    """The compute thread sends a finished step's frames on the lane itself
+    (``Lane.send_from_thread``) while the loop sends and reads on it: a thread's frames
+    arrive in its order and intact, also those that found the socket full (16 MiB sent while
+    the loop, the only reader, is blocked: they wait in the backlog for the loop to write);
+    once the lane is closed a thread's send says False."""
+
+    async def run() -> None:
+        async with running(tmp_path, "a", "b") as (a, b):
+            assert a.transport.send("b", b.address, frame(0))
+            await b.recorder.wait_for(lambda: len(b.recorder.frames) == 1)
+            lane = a.transport.lane_to("b", b.address)
+            assert lane is not None and a.transport.lane_to("b", "127.0.0.1:1") is None
+            flush_waiting = lane._flush_waiting
+            handed_to_loop: list[int] = []  # the loop wrote what a thread's send left waiting
+
+            def counted_flush() -> None:
+                handed_to_loop.append(1)
+                flush_waiting()
+
+            lane._flush_waiting = counted_flush  # type: ignore[method-assign]
+            sizes = [2304] * 200 + [1 << 20] * 16 + [16] * 50
+            results: list[bool] = []
+
+            def compute_thread(first: int, last: int) -> None:
+                for step in range(first, last):
+                    results.append(lane.send_from_thread(frame(step, sizes[step - 1])))
+
+            # 1. while the loop sends its own frames on the same lane
+            sending = asyncio.get_running_loop().run_in_executor(None, compute_thread, 1, 201)
+            for index in range(100):
+                assert a.transport.send("b", b.address, frame(10_000 + index))
+                await asyncio.sleep(0)
+            await sending
+            # 2. while the loop is blocked: nobody reads, the socket fills up
+            blocked = threading.Thread(target=compute_thread, args=(201, len(sizes) + 1))
+            blocked.start()
+            blocked.join()
+            assert all(results) and len(results) == len(sizes)
+            total = 1 + len(sizes) + 100
+            await b.recorder.wait_for(lambda: len(b.recorder.frames) == total)
+            assert handed_to_loop
+            received = steps(b.recorder)
+            ours = [step for step in received if 0 < step < 10_000]
+            assert ours == list(range(1, len(sizes) + 1))
+            assert [step for step in received if step >= 10_000] == list(range(10_000, 10_100))
+            for _, got in b.recorder.frames:
+                step = got.activation.step
+                if 0 < step < 10_000:
+                    assert got.activation.data == bytes([step % 251]) * sizes[step - 1]
+            assert not a.recorder.lost and not b.recorder.lost
+            lane.close()
+            closed = await asyncio.to_thread(lane.send_from_thread, frame(1))
+            assert closed is False
 
     loop.run(run(), timeout=60)
 

@@ -35,6 +35,7 @@ import logging
 import socket
 import ssl
 import struct
+import threading
 from collections import Counter
 from collections.abc import Callable
 
@@ -48,6 +49,7 @@ from meshd.wire import dataplane_pb2 as dp
 log = logging.getLogger("meshd.dataplane")
 
 HEADER = struct.Struct(">I")
+_NOT_NOW = (BlockingIOError, InterruptedError)  # a non-blocking socket's "try again"
 HANDSHAKE_TIMEOUT_S = 5.0
 # A dialler waits this long for a lane (a LAN's connect and handshake take milliseconds),
 # then uses the link's gRPC stream, and tries that peer's lane again after RETRY_AFTER_S.
@@ -114,6 +116,10 @@ class Lane:
         self._chunk_view = memoryview(self._chunk)
         self._pending = bytearray()  # the start of a frame whose rest has not arrived
         self._backlog = bytearray()  # bytes the socket did not take yet, in order
+        # The TLS socket, the backlog and ``closed`` are shared with the compute thread's
+        # sends (send_from_thread): each use of them holds this lock, and none holds it
+        # while frames are delivered (a delivery may send on this lane).
+        self._io = threading.Lock()
         self._writing = False  # a writer callback is registered
         self.used = False  # bytes went either way (a lane never used is not missed)
         self.frames_received = 0  # whole frames handed to on_frame (a read stops after one)
@@ -123,31 +129,70 @@ class Lane:
 
     def send(self, frame: dp.Frame) -> bool:
         """Write ``frame`` now (or after what the socket has not taken yet); False once the
-        lane is closed."""
+        lane is closed. The loop's own sends."""
         if self.closed:
             return False
         if hoptrace.enabled:
             hoptrace.mark("frame_send")
         self.used = True
         payload = frame.SerializeToString()
-        self._backlog += HEADER.pack(len(payload))
-        self._backlog += payload
+        with self._io:
+            self._backlog += HEADER.pack(len(payload))
+            self._backlog += payload
         if not self._writing:
             self._flush()
         if hoptrace.enabled:
             hoptrace.mark("frame_sent")
         return not self.closed
 
+    def send_from_thread(self, frame: dp.Frame) -> bool:
+        """Write ``frame`` from another thread than the loop's (the compute thread sends a
+        step's result the moment it is done, :mod:`meshd.inference.stage`); False once the
+        lane is closed or when the write failed (the loss is reported on the loop, as any).
+
+        The socket takes the frame at once unless frames wait already: then it goes behind
+        them, and the loop writes it (woken with ``call_soon_threadsafe``)."""
+        if hoptrace.enabled:
+            hoptrace.mark("frame_send")
+        payload = frame.SerializeToString()  # small: a decode step's frames
+        data = HEADER.pack(len(payload)) + payload
+        with self._io:
+            if self.closed:
+                return False
+            self.used = True
+            if not self._backlog:
+                try:
+                    sent = self._sock.send(data)
+                except (ssl.SSLWantWriteError, ssl.SSLWantReadError, *_NOT_NOW):
+                    sent = 0  # the loop writes it: when writable, or after TLS read
+                except OSError as error:
+                    self._from_thread(self._fail, f"the lane broke: {error}")
+                    return False
+                data = data[sent:]
+            if data:
+                self._backlog += data
+        if data:
+            self._from_thread(self._flush_waiting)
+        if hoptrace.enabled:
+            hoptrace.mark("frame_sent")
+        return True
+
     def close(self) -> None:
         """Close without reporting a loss (the owner is done with the lane)."""
         if self.closed:
             return
-        self.closed = True
+        with self._io:
+            self.closed = True  # another thread's send sees it from now on
         self._loop.remove_reader(self._fd)
         if self._writing:
             self._loop.remove_writer(self._fd)
-        with contextlib.suppress(OSError):
+        with self._io, contextlib.suppress(OSError):
             self._sock.close()
+
+    def _from_thread(self, callback: Callable[..., object], *args: object) -> None:
+        """Run ``callback`` on the lane's loop (a closed loop: the node is going away)."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(callback, *args)
 
     # ------------------------------------------------------------ the loop's callbacks
 
@@ -156,7 +201,8 @@ class Lane:
             hoptrace.mark("lane_readable")
         while not self.closed:
             try:
-                count = self._sock.recv_into(self._chunk)
+                with self._io:
+                    count = self._sock.recv_into(self._chunk)
             except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
                 break
             except ssl.SSLWantWriteError:
@@ -169,7 +215,7 @@ class Lane:
                 return
             delivered = self.frames_received
             self._received(self._chunk_view[:count])
-            if self.frames_received != delivered and not self.closed and not self._sock.pending():
+            if self.frames_received != delivered and not self.closed and not self._pending_bytes():
                 break  # the loop calls again while the socket holds more (level-triggered)
         if self._backlog and not self._writing and not self.closed:
             self._flush()  # a write that waited for TLS to read
@@ -214,19 +260,34 @@ class Lane:
                 self._on_frame(self.peer, frame)
         return start
 
+    def _pending_bytes(self) -> int:
+        with self._io:
+            return 0 if self.closed else self._sock.pending()
+
+    def _flush_waiting(self) -> None:
+        """Loop: write what another thread's send left waiting."""
+        if not self._writing and not self.closed:
+            self._flush()
+
     def _flush(self) -> None:
         """Give the socket what it takes of the backlog; watch for writability if any is
         left (one callback, until the backlog is empty)."""
-        try:
-            sent = self._sock.send(self._backlog)
-        except (ssl.SSLWantWriteError, BlockingIOError, InterruptedError):
-            sent = 0
-        except ssl.SSLWantReadError:
-            return  # TLS must read first: _readable flushes after it read
-        except OSError as error:
-            self._fail(f"the lane broke: {error}")
+        with self._io:
+            if self.closed:
+                return
+            failure = ""
+            try:
+                sent = self._sock.send(self._backlog)
+            except (ssl.SSLWantWriteError, *_NOT_NOW):
+                sent = 0
+            except ssl.SSLWantReadError:
+                return  # TLS must read first: _readable flushes after it read
+            except OSError as error:
+                sent, failure = 0, f"the lane broke: {error}"
+            del self._backlog[:sent]
+        if failure:
+            self._fail(failure)
             return
-        del self._backlog[:sent]
         if self._backlog and not self._writing:
             self._writing = True
             self._loop.add_writer(self._fd, self._writable)

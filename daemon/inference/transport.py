@@ -21,7 +21,9 @@ interface: ``on_frame(sender, frame)`` and ``on_peer_lost(peer, reason)``. A fra
 sends to itself is delivered on the loop's next turn, never re-entrantly.
 
 Everything runs on the daemon's asyncio thread (the one that owns every grpc.aio server and
-channel, see :mod:`meshd.runtime.bridge`). Measured with ``bench_batching.py --scaling
+channel, see :mod:`meshd.runtime.bridge`), with one exception: the compute thread writes a
+decode step's hidden states on the open lane :meth:`Transport.lane_to` gave the stage runtime
+(:meth:`Lane.send_from_thread`, under the lane's own lock). Measured with ``bench_batching.py --scaling
 --no-lanes-too`` (daemons in network namespaces, one core each, SmolLM2 float32): 0.86 ms per
 hop over lanes, 1.12 ms over the gRPC streams.
 """
@@ -370,6 +372,20 @@ class Transport:
             link = self._link_to(node_id, address)
         self.frames_sent += 1
         return link.send(frame)
+
+    def lane_to(self, node_id: str, address: str | None) -> Lane | None:
+        """The open lane of this node's link to ``node_id`` at ``address``, if it has one:
+        where the compute thread may send that node a finished step's frames itself
+        (:meth:`Lane.send_from_thread`); None sends them through this loop."""
+        link = self._outbound.get(node_id)
+        if address is None or link is None or link.broken or link.address != address:
+            return None
+        lane = link.lane
+        return lane if lane is not None and not lane.closed else None
+
+    def count_sent(self, frames: int) -> None:
+        """Count frames another thread sent on this node's lanes (``frames_sent``)."""
+        self.frames_sent += frames
 
     def reply(self, node_id: str, frame: dp.Frame) -> bool:
         """Best effort to a node we may have no address for: local, its stream, or ours."""
