@@ -137,6 +137,19 @@ def test_a_hop_trace_shows_where_each_hop_goes(mesh_of_three, tmp_path: Path) ->
     for hop in cut:
         assert hop.segments is not None
         assert min(hop.segments) >= 0 and sum(hop.segments) == hop.total_ns
+    # A decode step's hidden states leave from the compute thread that computed them, where
+    # the core named the next stage when it handed the step out; a prompt's, and tokens, go
+    # through the sender's loop.
+    order = [stage["nodes"][0] for stage in json.loads(status.agreement.plan_json)["stages"]]
+    ids = {f"host{i}": d.status().node_id for i, d in enumerate(mesh_of_three)}
+    forward = {(order[i], order[i + 1]) for i in range(len(order) - 1)}
+    for sender, receiver in (("host0", "host1"), ("host1", "host0")):
+        these = [hop for s, r, hop in named if (s, r) == (sender, receiver)]
+        early = [hop for hop in these if hop.path == "sent by the compute thread"]
+        if (ids[sender], ids[receiver]) in forward:
+            assert len(early) >= done.completion_tokens - 2, hoptrace.summary(hops)
+        else:
+            assert not early, hoptrace.summary(hops)
     via_grpc = [hop for sender, receiver, hop in named if "host2" in (sender, receiver)]
     assert via_grpc and all(hop.segments is None for hop in via_grpc)
 

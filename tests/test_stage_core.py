@@ -192,6 +192,44 @@ def test_tokens_go_to_the_origin_alone_when_it_is_the_first_stage() -> None:
     assert token.to == ("a",)
 
 
+def test_a_decode_step_names_the_stage_its_hidden_states_go_to() -> None:
+    """The compute thread sends a decode step's hidden states itself (meshd.inference.stage),
+    to the node the core named when it handed the step out (Work.forward_to); the core's own
+    action for the result names the same node. Prompt chunks, a last stage's steps and a
+    single stage's name none (their frames go through the loop)."""
+    plan = plan_of("p", "a", "b", "c")
+    first = core_on("a", plan)
+    first.on_start(StartFrame("o", "p", "r", start_of(chunk=2)), None, T0)  # steps 0-1 prompt
+    for step in range(4):
+        (work,) = first.next_batch(T0)
+        assert work.step == step
+        assert work.forward_to == ("b" if step >= 2 else None)  # decode steps only
+        (sent,) = first.on_computed(work, Hidden("h", 0.1), T0)
+        assert sent.to == "b"
+        if step >= 2:
+            first.on_token(TokenFrame("c", "p", "r", 7, step - 2, Finish.NONE), None, T0)
+
+    middle = core_on("b", plan)
+    middle.on_activation(activation("p", "r", 0, "a", start_of(forwarded=True, chunk=8)), None, T0)
+    middle.on_activation(activation("p", "r", 1, "a"), None, T0)
+    for step in range(2):
+        (work,) = middle.next_batch(T0)
+        assert work.forward_to == ("c" if step == 1 else None)
+        middle.on_computed(work, Hidden("h", 0.1), T0)
+
+    last = core_on("c", plan)
+    last.on_activation(activation("p", "r", 0, "b", start_of(forwarded=True, chunk=8)), None, T0)
+    last.on_computed(last.next_batch(T0)[0], Advanced(0.1), T0)
+    last.on_activation(activation("p", "r", 1, "b"), None, T0)
+    (work,) = last.next_batch(T0)
+    assert work.head and work.forward_to is None
+
+    single = core_on("a", plan_of("s", "a"))
+    single.on_start(StartFrame("o", "s", "r", start_of(chunk=8)), None, T0)
+    for work in single.next_batch(T0) + single.next_batch(T0):
+        assert work.forward_to is None
+
+
 def test_a_single_stage_computes_one_token_ahead_and_stops_at_max_tokens() -> None:
     """As mlx-lm's generate_step: the step that follows a sampling step is on the compute
     thread before that step has finished (its input is the token it samples)."""

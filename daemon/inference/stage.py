@@ -8,7 +8,10 @@ thread, and keeps the compute thread fed: the core's next steps go to it
 result comes back here. So each decision about what runs next is taken late, the order of a
 request's steps is the core's, and the compute thread does not wait for this loop between
 two steps (of different requests, or of one request on a single stage). Frames that carry
-hidden states on are built on the compute thread too, off this loop.
+hidden states on are built on the compute thread too, off this loop, and a decode step's are
+sent from there the moment it is done, over the lane to the stage the core named when it
+handed the step out (:meth:`StageRuntime._lanes_for`); this loop then does its bookkeeping
+while the next stage computes.
 
 Continuous batching: the decode steps ready at once (one position each, of one plan) run in
 one forward pass on the requests' merged caches (:meth:`meshd.inference.stage_model.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,6 +49,7 @@ from meshd.inference.frames import (
     start_from_proto,
     start_to_proto,
 )
+from meshd.inference.lanes import Lane
 from meshd.inference.stage_core import StageCore
 from meshd.inference.stage_events import (
     Action,
@@ -70,6 +75,10 @@ from meshd.wire import dataplane_pb2 as dp
 from partitioner.cost import micro_batches
 
 log = logging.getLogger("meshd.dataplane")
+
+# "1": every frame goes through the loop, none from the compute thread (the path before
+# stop 27, kept as a benchmark's baseline: bench_batching.py --scaling --loop-sends-too).
+LOOP_SENDS_ENV = "MESHD_LOOP_SENDS"
 
 # Steps on the compute thread at once (running + waiting), each of another request: the next
 # one waits there, so the thread goes on without waiting for this loop to hand it out, and the
@@ -119,6 +128,8 @@ class StageRuntime:
         self._queued_steps = 0  # jobs submitted to the compute thread, not yet back
         self._holding = 0  # > 0 while the frames of a bundle are read: no step handed out
         self._outbox: dict[tuple[str, str | None, bool], list[dp.Frame]] | None = None
+        self._sending: set[str] = set()  # requests whose step's frames the loop sends next
+        self._compute_sends = os.environ.get(LOOP_SENDS_ENV, "").strip() != "1"
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -365,15 +376,49 @@ class StageRuntime:
         share = stage.colocated_stages if busy else 1
         self._queued_steps += 1
         then = partial(self._computed, stage, job)
-        self._compute.submit_then(_steps_job, (stage.engine, job, share), then)
+        lanes = self._lanes_for(stage, job)
+        self._compute.submit_then(_steps_job, (stage.engine, job, share, lanes), then)
         if hoptrace.enabled:
             hoptrace.mark("step_submitted")
 
-    def _computed(self, stage: _Stage, job: list[Work], outcome: Outcome[list[StepResult]]) -> None:
+    def _lanes_for(self, stage: _Stage, job: list[Work]) -> dict[str, Lane] | None:
+        """The open lanes the compute thread sends ``job``'s hidden states on itself, by node:
+        when the core named each row's destination at hand-out (``Work.forward_to``) and a
+        lane to it is open. None: the results' frames go through this loop (a prompt's steps,
+        a last stage's tokens, a link without a lane).
+
+        Why not tokens too: measured, they gained nothing. Sent from a last stage's compute
+        thread the moment it sampled, a token's ``send`` first paid for the forward pass's
+        frees (0.65-0.77 ms of that thread's CPU: glibc's fastbins, see
+        :mod:`meshd.runtime.allocator`); with fastbins off, the token hop took 0.96-1.0 ms
+        against 0.92-0.99 ms from the loop (2 pinned daemons, interleaved rounds).
+
+        Order: a request's frames on a link keep its steps' order. The compute thread sends
+        in the order it computes, and the loop's sends of a step are made when its result
+        comes back here; so a step goes from the compute thread only when no step of its
+        request before it still has frames for the loop to send (``_sending``: the rows of
+        the result being carried out, whose next steps :meth:`_computed` hands out first).
+        """
+        if not self._compute_sends:
+            return None
+        lanes: dict[str, Lane] = {}
+        for work in job:
+            node = work.forward_to
+            if node is None or work.request_id in self._sending:
+                return None  # its step before sends through the loop: this step follows it
+            if node not in lanes:
+                lane = self._transport.lane_to(node, stage.addresses.get(node))
+                if lane is None:
+                    return None
+                lanes[node] = lane
+        return lanes
+
+    def _computed(self, stage: _Stage, job: list[Work], outcome: Outcome[_JobResult]) -> None:
         if hoptrace.enabled:
             hoptrace.mark("result_on_loop")
         self._queued_steps -= 1
         results: list[StepResult]
+        sent: list[frozenset[str]] | None = None
         if outcome.cancelled:
             failed = ComputeFailed(FailureKind.INTERNAL, "the compute thread stopped")
             results = [failed] * len(job)
@@ -381,14 +426,23 @@ class StageRuntime:
             failed = ComputeFailed(FailureKind.INTERNAL, describe_error(outcome.error))
             results = [failed] * len(job)
         else:
-            results = outcome.result()
+            results, sent = outcome.result()
         actions: list[Action] = []
         now = time.monotonic()
-        for work, result in zip(job, results, strict=True):
+        for row, (work, result) in enumerate(zip(job, results, strict=True)):
             if not isinstance(result, ComputeFailed):
                 stage.cached.add(work.request_id)
-            actions += self.core.on_computed(work, result, now)
-        self._pump()  # the compute thread's next step first, then the frames
+            decided = self.core.on_computed(work, result, now)
+            left = _not_sent_yet(decided, sent[row]) if sent is not None else decided
+            if any(isinstance(action, SendActivation | SendToken) for action in left):
+                self._sending.add(work.request_id)
+            actions += left
+        if sent is not None:
+            self._transport.count_sent(len(frozenset().union(*sent)))
+        try:
+            self._pump()  # the compute thread's next step first, then the frames
+        finally:
+            self._sending.clear()
         if len(job) > 1 or isinstance(results[0], Verified):  # several tokens: one bundle
             self._carry_out_bundled(actions)
         else:
@@ -416,11 +470,20 @@ class StageRuntime:
                 await self._sweeper
 
 
-def _steps_job(engine: StageEngine, job: list[Work], cores_share: int) -> list[StepResult]:
+# A job's results, and for a job whose frames the compute thread sent itself, the nodes
+# each row's frames went to (None: the loop sends them all).
+_JobResult = tuple[list[StepResult], list[frozenset[str]] | None]
+
+
+def _steps_job(
+    engine: StageEngine, job: list[Work], cores_share: int, lanes: dict[str, Lane] | None
+) -> _JobResult:
     """Compute thread: one forward pass for the steps of ``job`` (one step alone, or the
     decode steps of several requests batched) and, for hidden states, the frames that carry
     them on (built here, off the asyncio thread; the loop adds only the forwarded Start of
-    step 0)."""
+    step 0). With ``lanes``, the frames of a decode step go out from here the moment it is
+    done (:func:`_send_now`), and the loop's part of the hop (its wake-up, the core's
+    bookkeeping) runs while the next stage already computes."""
     if hoptrace.enabled:
         hoptrace.mark("step_start")
     if len(job) == 1:
@@ -430,7 +493,50 @@ def _steps_job(engine: StageEngine, job: list[Work], cores_share: int) -> list[S
     with_frames = [_with_frame(work, result) for work, result in zip(job, results, strict=True)]
     if hoptrace.enabled:
         hoptrace.mark("step_done")
-    return with_frames
+    sent = _send_now(job, with_frames, lanes) if lanes is not None else None
+    return with_frames, sent
+
+
+def _send_now(
+    job: list[Work], results: list[StepResult], lanes: dict[str, Lane]
+) -> list[frozenset[str]]:
+    """Compute thread: send the frames of ``job``'s results where the core said at hand-out
+    they go, one frame (a bundle for several rows) per node; the nodes each row's frames
+    reached. A row whose frames did not go (a failed step, a lane that closed meanwhile)
+    is left to the loop, which sends, or reports, what the core decides for it."""
+    by_node: dict[str, list[tuple[int, dp.Frame]]] = {}
+    for row, (work, result) in enumerate(zip(job, results, strict=True)):
+        for node, frame in _frames_of(work, result):
+            by_node.setdefault(node, []).append((row, frame))
+    sent: list[set[str]] = [set() for _ in job]
+    for node, rows in by_node.items():
+        frames = [frame for _, frame in rows]
+        frame = frames[0] if len(frames) == 1 else dp.Frame(bundle=dp.Bundle(frames=frames))
+        try:
+            delivered = lanes[node].send_from_thread(frame)
+        except Exception:  # the loop sends these rows' frames instead, and reports there
+            log.exception("sending a step's frames to %s from the compute thread failed", node)
+            delivered = False
+        if delivered:
+            for row, _ in rows:
+                sent[row].add(node)
+    return [frozenset(nodes) for nodes in sent]
+
+
+def _frames_of(work: Work, result: StepResult) -> list[tuple[str, dp.Frame]]:
+    """The frames a decode step's result makes, by node, as the core will decide them: the
+    hidden states, to the next stage."""
+    if isinstance(result, Hidden) and work.forward_to is not None:
+        return [(work.forward_to, result.payload)]  # type: ignore[list-item]
+    return []
+
+
+def _not_sent_yet(actions: list[Action], sent: frozenset[str]) -> list[Action]:
+    """``actions`` less the hidden states the compute thread already sent to the nodes in
+    ``sent``."""
+    if not sent:
+        return actions
+    return [a for a in actions if not (isinstance(a, SendActivation) and a.to in sent)]
 
 
 def _with_frame(work: Work, result: StepResult) -> StepResult:

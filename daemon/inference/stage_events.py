@@ -130,6 +130,10 @@ class Work:
     rollback: int = 0  # positions of the step before to drop from the caches first
     drafts: tuple[int, ...] = ()  # a speculative step: the drafted tokens it also runs
     draft_limit: int = 0  # a single stage's following step: draft up to this many itself
+    # The node the step's hidden states go to, where the core knows it when it hands the
+    # step out (a decode step of a stage before the last): the compute thread sends them
+    # itself. None: the loop sends what the step gives.
+    forward_to: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -105,7 +105,19 @@ class StageRequest:
             item.rollback,
             item.drafts,
             plan.draft_tokens if drafting and item.follows and plan.one_request_alone else 0,
+            self.forward_to(plan, item),
         )
+
+    def forward_to(self, plan: StagePlan, item: StepInput) -> str | None:
+        """The node a decode step's hidden states go to (``Work.forward_to``): the next
+        stage, for a stage before the last. Prompt chunks go through the loop (step 0 carries
+        the Start on, and a chunk must not overtake the one before it), and so do speculative
+        steps (the stage runtime keeps a request's frames in order, see ``StageRuntime.
+        _lanes_for``)."""
+        if plan.is_last or item.step < self.chunk_steps or item.drafts or item.rollback:
+            return None
+        assert plan.index is not None
+        return plan.node(plan.index + 1)
 
     def drafts_allowed(self) -> bool:
         """Whether the first stage may draft for this request: greedy sampling without a
