@@ -34,12 +34,16 @@ time to first token, and the overhead per hop, ``(ms/token with k nodes - ms/tok
 node) / k`` (k stages make a ring of k hops per token; the compute per token is the same
 model either way). With ``--no-lanes-too`` the multi-node rows run again with ``--no-lanes``
 (frames over the peer port's gRPC streams instead of lanes), so both are measured in one
-run. With ``--hop-trace`` the multi-node daemons trace their hops (``MESHD_HOP_TRACE``,
-:mod:`meshd.runtime.hoptrace`) and each such row prints the median of every segment of a
-hop, from one stage's finished step to the next stage's compute, per direction:
+run; with ``--loop-sends-too`` they run again with every frame sent by the daemons' loops
+(``MESHD_LOOP_SENDS=1``: a decode step's frames no longer leave from the compute thread that
+computed it), the baseline of that path in the same run; with ``--fastbins-too`` with
+glibc's malloc fastbins left on (:mod:`meshd.runtime.allocator`). With ``--hop-trace`` the
+multi-node daemons trace their hops (``MESHD_HOP_TRACE``, :mod:`meshd.runtime.hoptrace`)
+and each such row prints the median of every segment of a hop, from one stage's finished
+step to the next stage's compute, per direction:
 
     sudo .venv/bin/python benchmarks/bench_batching.py --scaling [--runs 5] [--max-tokens 64]
-        [--no-lanes-too] [--hop-trace]
+        [--no-lanes-too] [--loop-sends-too] [--fastbins-too] [--hop-trace]
 """
 
 from __future__ import annotations
@@ -67,10 +71,12 @@ from meshd.runtime.blas import enable_fast_blas
 enable_fast_blas()  # before mlx.core (the profile measurement runs MLX)
 
 from meshd.api.launcher import DaemonProcess
+from meshd.inference.stage import LOOP_SENDS_ENV
 from meshd.mesh import security
 from meshd.mesh.profiling import load_or_measure_profile
 from meshd.models.store import ModelStore
 from meshd.runtime import hoptrace
+from meshd.runtime.allocator import TUNABLE
 
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 TOPICS = [
@@ -351,10 +357,11 @@ def netns_mesh_single(
     max_tokens: int,
     extra_args: list[str] | None = None,
     hop_trace: Path | None = None,
+    env: dict[str, str] | None = None,
 ):
     """len(cpus) daemons, each in its own namespace and pinned to its cpu; one request."""
     measure = partial(mesh_single, runs=runs, max_tokens=max_tokens)
-    return netns_mesh(root, model, cpus, extra_args or [], measure, hop_trace)
+    return netns_mesh(root, model, cpus, extra_args or [], measure, hop_trace, env)
 
 
 def netns_mesh(
@@ -364,6 +371,7 @@ def netns_mesh(
     extra_args: list[str],
     measure: Callable[[str], T],
     hop_trace: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> T:
     """len(cpus) daemons (``extra_args`` added to each), each in its own namespace and pinned
     to its cpu, splitting ``model`` by memory: ``measure(first daemon's API)`` once they serve
@@ -388,8 +396,9 @@ def netns_mesh(
                         "--log-level", "WARNING", *extra_args]  # fmt: skip
                 daemon = PinnedDaemon(state, args, cpu)
                 daemon.netns = node.ns
+                daemon.env = dict(env or {})
                 if hop_trace is not None:
-                    daemon.env = {hoptrace.ENV: str(hop_trace)}
+                    daemon.env[hoptrace.ENV] = str(hop_trace)
                 daemons.append(daemon.start())
             wait_for_stages(daemons, len(cpus))
             result = measure(daemons[0].api)
@@ -460,10 +469,19 @@ def unpinned_rounds(rounds: int, runs: int, max_tokens: int) -> int:
 
 
 def scaling_table(
-    runs: int, max_tokens: int, streams_too: bool = False, hop_trace: bool = False
+    runs: int,
+    max_tokens: int,
+    streams_too: bool = False,
+    hop_trace: bool = False,
+    loop_sends_too: bool = False,
+    fastbins_too: bool = False,
 ) -> int:
     """The one-request table (see the module docstring); with ``streams_too``, the multi-node
     rows again with `--no-lanes` (frames over the peer port's gRPC streams), same run; with
+    ``loop_sends_too``, again with every frame sent by the daemons' loops (``MESHD_LOOP_SENDS``,
+    the path before decode steps' frames left from the compute thread); with ``fastbins_too``,
+    again with glibc's malloc fastbins on (the daemons turn them off, meshd.runtime.allocator);
+    with
     ``hop_trace``, the multi-node rows' daemons trace their hops and each row prints where a
     hop's time went (the trace costs the hop a few microseconds)."""
     from tests.netns import cleanup_stale, require_root_and_netns
@@ -481,16 +499,22 @@ def scaling_table(
         one_core = per_core["0"]
         for cpu, reference in per_core.items():
             rows.append((f"mlx-lm, 1 process on core {cpu}", reference, None, 0, None))
-        variants = [("", [])] + ([(", --no-lanes", ["--no-lanes"])] if streams_too else [])
+        variants: list[tuple[str, list[str], dict[str, str]]] = [("", [], {})]
+        if streams_too:
+            variants.append((", --no-lanes", ["--no-lanes"], {}))
+        if loop_sends_too:
+            variants.append((", loop sends", [], {LOOP_SENDS_ENV: "1"}))
+        if fastbins_too:  # glibc's default: the daemon keeps a tunable the user set
+            variants.append((", glibc fastbins", [], {"GLIBC_TUNABLES": f"{TUNABLE}=128"}))
         for cpus in layouts:
             shared = " (2 share core 0)" if len(cpus) > cores else ""
             # A token crosses each stage's share of the layers on that stage's core: one
             # process split that way would take the mean of its time on those cores.
             same_cores = sum(per_core[cpu].s_per_token for cpu in cpus) / len(cpus)
-            for suffix, extra in variants if len(cpus) > 1 else variants[:1]:
-                trace = root / f"hops-{len(cpus)}{suffix.strip(', -')}"
+            for suffix, extra, env in variants if len(cpus) > 1 else variants[:1]:
+                trace = root / f"hops-{len(cpus)}{suffix.strip(', -').replace(' ', '-')}"
                 traced = trace if hop_trace and len(cpus) > 1 else None
-                result = netns_mesh_single(root, model, cpus, runs, max_tokens, extra, traced)
+                result = netns_mesh_single(root, model, cpus, runs, max_tokens, extra, traced, env)
                 label = f"{len(cpus)} node(s), cores {','.join(cpus)}{shared}{suffix}"
                 rows.append((label, result, one_core, len(cpus), same_cores))
         every_core = reference_single(model, "", runs, max_tokens)
@@ -535,6 +559,18 @@ def main() -> int:
     parser.add_argument("--scaling", action="store_true", help="one request on 1, 2, 3 nodes")
     parser.add_argument("--runs", type=int, default=5, help="requests per --scaling row")
     parser.add_argument(
+        "--loop-sends-too",
+        action="store_true",
+        help="--scaling also runs the multi-node rows with every frame sent by the daemons' "
+        "loops (MESHD_LOOP_SENDS=1), the baseline of frames sent from the compute thread",
+    )
+    parser.add_argument(
+        "--fastbins-too",
+        action="store_true",
+        help="--scaling also runs the multi-node rows with glibc's malloc fastbins on (the "
+        "daemons turn them off; GLIBC_TUNABLES=glibc.malloc.mxfast=128 keeps glibc's default)",
+    )
+    parser.add_argument(
         "--no-lanes-too", action="store_true",
         help="--scaling also runs the multi-node rows with --no-lanes (gRPC streams only)",
     )  # fmt: skip
@@ -555,7 +591,14 @@ def main() -> int:
     if args.unpinned_rounds:
         return unpinned_rounds(args.unpinned_rounds, args.runs, args.max_tokens)
     if args.scaling:
-        return scaling_table(args.runs, args.max_tokens, args.no_lanes_too, args.hop_trace)
+        return scaling_table(
+            args.runs,
+            args.max_tokens,
+            args.no_lanes_too,
+            args.hop_trace,
+            args.loop_sends_too,
+            args.fastbins_too,
+        )
     cores = os.cpu_count() or 1
     cpus = ["", ""] if args.no_pin or cores < 2 else ["0", "1"]
     all_cpus = "" if args.no_pin or cores < 2 else "0,1"
