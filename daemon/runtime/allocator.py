@@ -11,10 +11,12 @@ sampled spent 0.65-0.77 ms of CPU in that one ``send``. Freed small blocks then 
 thread's tcache and the small bins instead, which glibc keeps coalesced as it goes; Python's
 own objects are not affected (pymalloc serves those).
 
-Measured with 2 pinned daemons in network namespaces (``bench_batching.py --scaling
---fastbins-too``, and 4 interleaved rounds of each variant): the decode time per token not
-spent computing (the daemons' own ``transport_s_per_token``, two hops a token) went from a
-median of 2.35 ms to 1.89-1.99 ms; decode tok/s did not move beyond this machine's noise.
+Measured with pinned daemons in network namespaces (``bench_batching.py --scaling
+--fastbins-too``, each baseline in the same run): the decode time per token not spent
+computing (the daemons' own ``transport_s_per_token``) went from 2.56 ms to 2.02 ms with 2
+daemons (two hops a token) and from 4.59 to 3.50 ms with 3; 4 interleaved rounds of 2
+daemons gave medians of 2.35 and 1.89-1.99 ms. Decode tok/s did not move beyond this
+machine's noise (a token takes 80-100 ms here).
 
 Only where the process runs on glibc (Linux): macOS's allocator and musl have no fastbins.
 A ``GLIBC_TUNABLES`` that names ``glibc.malloc.mxfast`` wins (the user chose; a benchmark's
