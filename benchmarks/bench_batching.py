@@ -36,14 +36,13 @@ model either way). With ``--no-lanes-too`` the multi-node rows run again with ``
 (frames over the peer port's gRPC streams instead of lanes), so both are measured in one
 run; with ``--loop-sends-too`` they run again with every frame sent by the daemons' loops
 (``MESHD_LOOP_SENDS=1``: a decode step's frames no longer leave from the compute thread that
-computed it), the baseline of that path in the same run; with ``--fastbins-too`` with
-glibc's malloc fastbins left on (:mod:`meshd.runtime.allocator`). With ``--hop-trace`` the
+computed it), the baseline of that path in the same run. With ``--hop-trace`` the
 multi-node daemons trace their hops (``MESHD_HOP_TRACE``, :mod:`meshd.runtime.hoptrace`)
 and each such row prints the median of every segment of a hop, from one stage's finished
 step to the next stage's compute, per direction:
 
     sudo .venv/bin/python benchmarks/bench_batching.py --scaling [--runs 5] [--max-tokens 64]
-        [--no-lanes-too] [--loop-sends-too] [--fastbins-too] [--hop-trace]
+        [--no-lanes-too] [--loop-sends-too] [--hop-trace]
 """
 
 from __future__ import annotations
@@ -76,7 +75,6 @@ from meshd.mesh import security
 from meshd.mesh.profiling import load_or_measure_profile
 from meshd.models.store import ModelStore
 from meshd.runtime import hoptrace
-from meshd.runtime.allocator import TUNABLE
 
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 TOPICS = [
@@ -474,14 +472,11 @@ def scaling_table(
     streams_too: bool = False,
     hop_trace: bool = False,
     loop_sends_too: bool = False,
-    fastbins_too: bool = False,
 ) -> int:
     """The one-request table (see the module docstring); with ``streams_too``, the multi-node
     rows again with `--no-lanes` (frames over the peer port's gRPC streams), same run; with
     ``loop_sends_too``, again with every frame sent by the daemons' loops (``MESHD_LOOP_SENDS``,
-    the path before decode steps' frames left from the compute thread); with ``fastbins_too``,
-    again with glibc's malloc fastbins on (the daemons turn them off, meshd.runtime.allocator);
-    with
+    the path before decode steps' frames left from the compute thread); with
     ``hop_trace``, the multi-node rows' daemons trace their hops and each row prints where a
     hop's time went (the trace costs the hop a few microseconds)."""
     from tests.netns import cleanup_stale, require_root_and_netns
@@ -504,8 +499,6 @@ def scaling_table(
             variants.append((", --no-lanes", ["--no-lanes"], {}))
         if loop_sends_too:
             variants.append((", loop sends", [], {LOOP_SENDS_ENV: "1"}))
-        if fastbins_too:  # glibc's default: the daemon keeps a tunable the user set
-            variants.append((", glibc fastbins", [], {"GLIBC_TUNABLES": f"{TUNABLE}=128"}))
         for cpus in layouts:
             shared = " (2 share core 0)" if len(cpus) > cores else ""
             # A token crosses each stage's share of the layers on that stage's core: one
@@ -565,12 +558,6 @@ def main() -> int:
         "loops (MESHD_LOOP_SENDS=1), the baseline of frames sent from the compute thread",
     )
     parser.add_argument(
-        "--fastbins-too",
-        action="store_true",
-        help="--scaling also runs the multi-node rows with glibc's malloc fastbins on (the "
-        "daemons turn them off; GLIBC_TUNABLES=glibc.malloc.mxfast=128 keeps glibc's default)",
-    )
-    parser.add_argument(
         "--no-lanes-too", action="store_true",
         help="--scaling also runs the multi-node rows with --no-lanes (gRPC streams only)",
     )  # fmt: skip
@@ -597,7 +584,6 @@ def main() -> int:
             args.no_lanes_too,
             args.hop_trace,
             args.loop_sends_too,
-            args.fastbins_too,
         )
     cores = os.cpu_count() or 1
     cpus = ["", ""] if args.no_pin or cores < 2 else ["0", "1"]

@@ -163,14 +163,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from meshd.mesh.membership import DuplicateNodeId
     from meshd.node import run_node
-    from meshd.runtime import allocator, hoptrace
+    from meshd.runtime import hoptrace
     from meshd.state_lock import StateDirInUse
 
-    fastbins_off = allocator.turn_fastbins_off()  # before the daemon's threads start
     config = load_config(flags_given(args), config_path=args.config)
     _setup_logging(config.log_level)
-    if fastbins_off:
-        logging.getLogger("meshd.runtime").info("glibc malloc: fastbins off (see allocator.py)")
     hoptrace.start_from_env()  # off unless MESHD_HOP_TRACE names a directory
 
     async def main() -> None:
