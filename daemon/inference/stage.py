@@ -387,11 +387,12 @@ class StageRuntime:
         lane to it is open. None: the results' frames go through this loop (a prompt's steps,
         a last stage's tokens, a link without a lane).
 
-        Why not tokens too: measured, they gained nothing. Sent from a last stage's compute
-        thread the moment it sampled, a token's ``send`` first paid for the forward pass's
-        frees (0.65-0.77 ms of that thread's CPU: glibc's fastbins, see
-        :mod:`meshd.runtime.allocator`); with fastbins off, the token hop took 0.96-1.0 ms
-        against 0.92-0.99 ms from the loop (2 pinned daemons, interleaved rounds).
+        Why not tokens too: measured, they lost. Sent from a last stage's compute thread the
+        moment it sampled, a token's ``send`` first paid for the forward pass's frees: its
+        OpenSSL record buffer is the thread's first large allocation since, and glibc then
+        coalesces the blocks the pass freed into its fastbins (0.65-0.77 ms of that thread's
+        CPU; README, "bench_hop_floor"). The token hop took 1.55-1.8 ms against 1.25 ms from
+        the loop; with fastbins off, 0.96-1.0 ms against 0.92-0.99 (2 pinned daemons).
 
         Order: a request's frames on a link keep its steps' order. The compute thread sends
         in the order it computes, and the loop's sends of a step are made when its result
