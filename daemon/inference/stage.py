@@ -419,7 +419,7 @@ class StageRuntime:
             hoptrace.mark("result_on_loop")
         self._queued_steps -= 1
         results: list[StepResult]
-        sent: list[frozenset[str]] | None = None
+        sent: list[bool] | None = None
         if outcome.cancelled:
             failed = ComputeFailed(FailureKind.INTERNAL, "the compute thread stopped")
             results = [failed] * len(job)
@@ -434,12 +434,14 @@ class StageRuntime:
             if not isinstance(result, ComputeFailed):
                 stage.cached.add(work.request_id)
             decided = self.core.on_computed(work, result, now)
-            left = _not_sent_yet(decided, sent[row]) if sent is not None else decided
-            if any(isinstance(action, SendActivation | SendToken) for action in left):
+            if sent is not None and sent[row]:  # its hidden states left from the compute thread
+                decided = [a for a in decided if not isinstance(a, SendActivation)]
+            elif any(isinstance(action, SendActivation) for action in decided):
                 self._sending.add(work.request_id)
-            actions += left
-        if sent is not None:
-            self._transport.count_sent(len(frozenset().union(*sent)))
+            actions += decided
+        if sent is not None:  # one frame (or bundle) per node the compute thread sent to
+            went = {work.forward_to for work, row_sent in zip(job, sent, strict=True) if row_sent}
+            self._transport.count_sent(len(went))
         try:
             self._pump()  # the compute thread's next step first, then the frames
         finally:
@@ -471,9 +473,9 @@ class StageRuntime:
                 await self._sweeper
 
 
-# A job's results, and for a job whose frames the compute thread sent itself, the nodes
-# each row's frames went to (None: the loop sends them all).
-_JobResult = tuple[list[StepResult], list[frozenset[str]] | None]
+# A job's results, and for a job whose hidden states the compute thread sent itself, whether
+# each row's went (None: the loop sends them all).
+_JobResult = tuple[list[StepResult], list[bool] | None]
 
 
 def _steps_job(
@@ -498,18 +500,16 @@ def _steps_job(
     return with_frames, sent
 
 
-def _send_now(
-    job: list[Work], results: list[StepResult], lanes: dict[str, Lane]
-) -> list[frozenset[str]]:
-    """Compute thread: send the frames of ``job``'s results where the core said at hand-out
-    they go, one frame (a bundle for several rows) per node; the nodes each row's frames
-    reached. A row whose frames did not go (a failed step, a lane that closed meanwhile)
-    is left to the loop, which sends, or reports, what the core decides for it."""
+def _send_now(job: list[Work], results: list[StepResult], lanes: dict[str, Lane]) -> list[bool]:
+    """Compute thread: send ``job``'s hidden states to the stage the core named at hand-out,
+    one frame (a bundle for several rows) per node; whether each row's went. A row whose
+    frame did not go (a failed step, a lane that closed meanwhile) is left to the loop, which
+    sends, or reports, what the core decides for it."""
     by_node: dict[str, list[tuple[int, dp.Frame]]] = {}
     for row, (work, result) in enumerate(zip(job, results, strict=True)):
-        for node, frame in _frames_of(work, result):
-            by_node.setdefault(node, []).append((row, frame))
-    sent: list[set[str]] = [set() for _ in job]
+        if isinstance(result, Hidden) and work.forward_to is not None:
+            by_node.setdefault(work.forward_to, []).append((row, result.payload))  # type: ignore[arg-type]
+    sent = [False] * len(job)
     for node, rows in by_node.items():
         frames = [frame for _, frame in rows]
         frame = frames[0] if len(frames) == 1 else dp.Frame(bundle=dp.Bundle(frames=frames))
@@ -518,26 +518,9 @@ def _send_now(
         except Exception:  # the loop sends these rows' frames instead, and reports there
             log.exception("sending a step's frames to %s from the compute thread failed", node)
             delivered = False
-        if delivered:
-            for row, _ in rows:
-                sent[row].add(node)
-    return [frozenset(nodes) for nodes in sent]
-
-
-def _frames_of(work: Work, result: StepResult) -> list[tuple[str, dp.Frame]]:
-    """The frames a decode step's result makes, by node, as the core will decide them: the
-    hidden states, to the next stage."""
-    if isinstance(result, Hidden) and work.forward_to is not None:
-        return [(work.forward_to, result.payload)]  # type: ignore[list-item]
-    return []
-
-
-def _not_sent_yet(actions: list[Action], sent: frozenset[str]) -> list[Action]:
-    """``actions`` less the hidden states the compute thread already sent to the nodes in
-    ``sent``."""
-    if not sent:
-        return actions
-    return [a for a in actions if not (isinstance(a, SendActivation) and a.to in sent)]
+        for row, _ in rows:
+            sent[row] = delivered
+    return sent
 
 
 def _with_frame(work: Work, result: StepResult) -> StepResult:
