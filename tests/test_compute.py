@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from meshd.runtime.compute import ComputeExecutor
+from meshd.runtime.compute import ComputeExecutor, computing
 
 
 def test_jobs_run_one_at_a_time_in_order_on_one_thread() -> None:
@@ -166,3 +166,69 @@ def test_a_failed_submit_then_job_hands_its_error_to_the_owner() -> None:
         return done.error
 
     assert isinstance(asyncio.run(main()), ValueError)
+
+
+def test_let_start_lets_a_job_queued_for_the_idle_worker_start_first() -> None:
+    """What the origin's stream relies on: a step it has just queued builds its graph and
+    hands it to MLX before the stream's own Python runs, and a running job, which may be a
+    whole prefill chunk, is never waited for."""
+
+    async def main() -> None:
+        compute = ComputeExecutor("test-compute")
+        await compute.run(lambda: None)  # the worker is up and idle
+        started = threading.Event()
+        built = threading.Event()
+        release = threading.Event()
+
+        def step() -> None:
+            started.set()
+            time.sleep(0.05)  # lets go of the GIL before the graph is built: not yet
+            built.set()
+            computing()  # handed to MLX (the engine's mx.async_eval)
+            release.wait(5)  # waiting for MLX, the GIL released (as in mx.eval)
+
+        compute.submit_then(step, (), lambda outcome: outcome.result())
+        # This thread held the GIL since the submit: the woken worker has not started it.
+        assert not started.is_set()
+        await compute.let_start(timeout_s=5.0)  # a loaded machine may wake threads late
+        assert built.is_set(), "let_start returned before the queued job was computing"
+
+        compute.submit_then(lambda: None, (), lambda outcome: outcome.result())
+        waited = time.perf_counter()
+        await compute.let_start(timeout_s=1.0)  # busy with `step`: nothing to wait for
+        assert time.perf_counter() - waited < 0.5
+        release.set()
+        await compute.run(lambda: None)
+        waited = time.perf_counter()
+        await compute.let_start(timeout_s=1.0)  # idle, nothing queued
+        assert time.perf_counter() - waited < 0.5
+        await compute.close()
+
+    asyncio.run(main())
+
+
+def test_let_start_waits_for_the_job_end_at_the_latest_and_gives_up_in_time() -> None:
+    async def main() -> None:
+        compute = ComputeExecutor("test-compute")
+        await compute.run(lambda: None)
+        ended = threading.Event()
+
+        def never_says_computing() -> None:
+            time.sleep(0.05)
+            ended.set()
+
+        compute.submit_then(never_says_computing, (), lambda outcome: outcome.result())
+        await compute.let_start(timeout_s=5.0)
+        assert ended.is_set()  # woken when it ended
+        assert compute._starting == []  # no waiter left behind
+        computing()  # off a worker: nothing happens
+
+        # A worker that never takes its job (here: stopped, an item queued behind its back)
+        # is waited for at most the timeout.
+        await compute.close()
+        compute._jobs.put(None)
+        waited = time.perf_counter()
+        await compute.let_start(timeout_s=0.05)
+        assert time.perf_counter() - waited < 1.0
+
+    asyncio.run(main())

@@ -149,6 +149,7 @@ class DataPlane:
             token_timeout_s=token_timeout_s,
             resume_timeout_s=resume_timeout_s,
             report=report,
+            yield_to_compute=self._compute.let_start,
         )
         self.stage = StageRuntime(
             node_id,

@@ -42,6 +42,7 @@ from meshd.inference.stage_events import (
     Work,
 )
 from meshd.runtime.blas import default_blas_threads, set_blas_threads
+from meshd.runtime.compute import computing
 
 if TYPE_CHECKING:  # meshd.inference.shard imports mlx_lm (and transformers): loaded on first use
     from meshd.inference.stage_model import RequestCaches, StageModel
@@ -188,7 +189,7 @@ class StageEngine:
         cache = self._caches.get(request_id)
         logits = ("all" if every_position else "last") if head else "none"
         output = self.stage.run(inputs, cache, logits=logits)
-        mx.eval(output)
+        _evaluate(output)
         return output
 
     def roll_back(self, request_id: str, positions: int) -> None:
@@ -247,7 +248,7 @@ class StageEngine:
         cache, order = self._caches.batch(list(inputs))
         batch = mx.concatenate([inputs[request_id] for request_id in order], axis=0)
         output = self.stage.run(batch, cache, logits="last" if head else "none")
-        mx.eval(output)
+        _evaluate(output)
         self.batched_rows += len(order)
         self.batched_steps += 1
         return order, output
@@ -462,3 +463,11 @@ def run_step(engine: StageEngine, work: Work, cores_share: int) -> StepResult:
     except Exception as error:
         reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         return ComputeFailed(FailureKind.INTERNAL, reason)
+
+
+def _evaluate(output: mx.array) -> None:
+    """Compute thread: evaluate a step's graph, and once MLX has it, let the loop's waiting
+    work (an origin's client stream) run beside it (:func:`meshd.runtime.compute.computing`)."""
+    mx.async_eval(output)
+    computing()
+    mx.eval(output)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -74,11 +74,14 @@ class Origin(OriginMoves):
         resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S,
         catch_up_timeout_s: float = DEFAULT_CATCH_UP_TIMEOUT_S,
         report: Callable[[str], None] | None = None,
+        yield_to_compute: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """``served``: the plans this node serves and the active one (None: requests never
         move); ``report``: where a moved request is told, in words (the event log);
         ``catch_up_timeout_s``: how long a background move may take to catch up (0: requests
-        move only by replay)."""
+        move only by replay); ``yield_to_compute``: awaited before a frame's events are made,
+        so that a step the arriving token let this node's compute thread start goes first
+        (:meth:`meshd.runtime.compute.ComputeExecutor.let_start`)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1 token, got {prefill_chunk}")
         super().__init__(
@@ -91,6 +94,7 @@ class Origin(OriginMoves):
             report=report,
         )
         self._check_serving = check_serving
+        self._yield_to_compute = yield_to_compute
         self.prefill_chunk = prefill_chunk
         self.first_token_timeout_s = first_token_timeout_s
         self.token_timeout_s = token_timeout_s
@@ -329,6 +333,8 @@ class Origin(OriginMoves):
                 )
                 raise request.failed(InferenceError(ErrorKind.UNAVAILABLE, message)) from None
             waited_since = loop.time()
+            if self._yield_to_compute is not None:
+                await self._yield_to_compute()  # the next step first, this stream meanwhile
             for event in self._events_of(request, item, arrived_at):
                 if request.report_pending and isinstance(event, TokenEvent | FinalEvent):
                     request.report_pending = False

@@ -17,9 +17,23 @@ blocks in a futex and never spins, which matters when several stage processes sh
 machine; results still come back to the loop that submitted, so whoever submits a job owns
 its result and its errors.
 
-Crossings (the only state two threads touch): the queue, which is thread-safe, and a job's
+Who goes first: a job the worker has just been woken for needs the GIL to build its graph
+before ``mx.eval`` releases it, and the loop that queued it usually has Python of its own to
+run at that moment (an origin's client stream: detokenize, build the event, write it, ~0.4 ms
+here). Left alone, the loop runs first and the step waits behind it: 0.34-0.5 ms of every
+token's hop when the origin is also the first stage (traced, issue 11). Work that can wait
+awaits :meth:`ComputeExecutor.let_start` first: the loop idles until the job has built its
+graph and handed it to MLX (the job calls :func:`computing`, between ``mx.async_eval`` and
+the ``mx.eval`` that waits for it without the GIL), or has ended.  Not at the job's start:
+waking the loop writes to its socket, which lets go of the GIL, and the loop could take it
+then, before the graph is built.
+
+Crossings (the only state two threads touch): the queue, which is thread-safe; a job's
 ``cancelled`` flag, which the loop sets (a cancelled awaiter) and the worker reads before it
-runs the job, a plain attribute under the GIL.
+runs the job; the worker's ``_busy`` flag, which only it writes; and ``_starting``, the
+waiters of :meth:`ComputeExecutor.let_start`, which the loop adds to and the worker takes
+whole when it starts a job. All are plain attributes under the GIL; a waiter the worker
+missed gives up after ``LET_START_TIMEOUT_S``, and one told late finds its future done.
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ log = logging.getLogger("meshd.compute")
 T = TypeVar("T")
 
 CLOSE_TIMEOUT_S = 10.0
+LET_START_TIMEOUT_S = 0.002  # a woken worker takes its job in ~0.05 ms; never wait longer
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +94,8 @@ class ComputeExecutor:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None  # started by the first job
         self._closed = False
+        self._busy = False  # the worker runs a job (written by the worker only)
+        self._starting: list[asyncio.Future[Any]] = []  # let_start's waiters
 
     @property
     def closed(self) -> bool:
@@ -119,6 +136,32 @@ class ComputeExecutor:
             return
         self._put(_Job(fn, args, asyncio.get_running_loop(), _log_failure))
 
+    async def let_start(self, timeout_s: float = LET_START_TIMEOUT_S) -> None:
+        """Let a job that waits for an idle worker start before the caller goes on.
+
+        Returns at once unless the worker is between jobs with one queued (it was just woken
+        for it); then it waits, at most ``timeout_s``, until that job is computing (it called
+        :func:`computing`) or over, so the caller resumes while the job computes, not before
+        it. A worker busy with a job is never waited for: that could be a whole prefill
+        chunk.
+        """
+        if not self._starting_soon():
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._starting.append(waiter)
+        try:
+            if self._starting_soon():  # else the worker took it meanwhile
+                async with asyncio.timeout(timeout_s):
+                    await waiter
+        except TimeoutError:
+            pass  # it will start; the caller need not wait for it
+        finally:
+            with contextlib.suppress(ValueError):  # the worker took it off when it started
+                self._starting.remove(waiter)
+
+    def _starting_soon(self) -> bool:
+        return not self._busy and not self._jobs.empty() and self._thread is not None
+
     async def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Let the running job finish, drop queued ones, stop the thread (bounded wait)."""
         if self._closed:
@@ -143,18 +186,48 @@ class ComputeExecutor:
     def _work(self) -> None:
         """The worker: run jobs in order until the close sentinel; after close, drop the rest
         (an awaiter's future is cancelled, a ``submit_then`` job is forgotten)."""
+        _running_on.executor = self
         while (job := self._jobs.get()) is not None:
-            if job.cancelled:
-                continue
-            if self._closed:
-                if job.future is not None:
-                    _hand_back(job, Outcome(cancelled=True))
-                continue
-            try:
-                outcome: Outcome[Any] = Outcome(value=job.fn(*job.args))
-            except BaseException as error:  # the owner gets it, the worker goes on
-                outcome = Outcome(error=error)
-            _hand_back(job, outcome)
+            self._busy = True
+            outcome = self._run(job)
+            self._tell_computing()  # a job that never said so
+            # Idle before the hand-back: its socket write releases the GIL, and the loop it
+            # wakes may queue the next job and ask let_start about it at once.
+            self._busy = False
+            if outcome is not None:
+                _hand_back(job, outcome)
+
+    def _run(self, job: _Job) -> Outcome[Any] | None:
+        """The job's outcome; None for a job nobody waits for any more."""
+        if job.cancelled:
+            return None
+        if self._closed:
+            return Outcome(cancelled=True) if job.future is not None else None
+        try:
+            return Outcome(value=job.fn(*job.args))
+        except BaseException as error:  # the owner gets it, the worker goes on
+            return Outcome(error=error)
+
+    def _tell_computing(self) -> None:
+        """Worker: wake :meth:`let_start`'s waiters, if any, on their loop."""
+        if not self._starting:
+            return
+        waiters, self._starting = self._starting, []
+        for waiter in waiters:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+                waiter.get_loop().call_soon_threadsafe(_settle, waiter, Outcome())
+
+
+_running_on = threading.local()  # .executor: the executor whose worker this thread is
+
+
+def computing() -> None:
+    """Inside a job, once its work is handed to MLX (after ``mx.async_eval``, before the
+    ``mx.eval`` that waits for it): whoever waits in :meth:`ComputeExecutor.let_start` may
+    run now, while this thread waits for MLX without the GIL. Nothing, off a worker."""
+    executor: ComputeExecutor | None = getattr(_running_on, "executor", None)
+    if executor is not None:
+        executor._tell_computing()
 
 
 def _hand_back(job: _Job, outcome: Outcome[Any]) -> None:

@@ -38,6 +38,7 @@ from meshd.inference.tensor_parallel.member import (
     TensorParallelMember,
 )
 from meshd.inference.tensor_parallel.wire import from_mx, to_mx
+from meshd.runtime.compute import computing
 
 log = logging.getLogger("meshd.tp")
 
@@ -112,6 +113,7 @@ class TensorParallelEngine(StageEngine):
         assert self.loop is not None
         member = self._member()
         future = asyncio.run_coroutine_threadsafe(step, self.loop)
+        computing()  # the loop sends it to the runners first, then may stream a token
         try:
             return future.result(timeout=deadline_s + OUTER_MARGIN_S)
         except concurrent.futures.TimeoutError:
