@@ -36,7 +36,11 @@ model either way). With ``--no-lanes-too`` the multi-node rows run again with ``
 (frames over the peer port's gRPC streams instead of lanes), so both are measured in one
 run; with ``--loop-sends-too`` they run again with every frame sent by the daemons' loops
 (``MESHD_LOOP_SENDS=1``: a decode step's frames no longer leave from the compute thread that
-computed it), the baseline of that path in the same run. With ``--hop-trace`` the
+computed it), the baseline of that path in the same run; with ``--stream-first-too`` the
+unpinned row runs again with each token's client stream before the next step's graph
+(``MESHD_STREAM_FIRST=1``, the order before the origin let the step go first; it needs the
+spare cores of an unpinned daemon to matter, so the pinned rows do not change). With
+``--hop-trace`` the
 multi-node daemons trace their hops (``MESHD_HOP_TRACE``, :mod:`meshd.runtime.hoptrace`)
 and each such row prints the median of every segment of a hop, from one stage's finished
 step to the next stage's compute, per direction:
@@ -70,6 +74,7 @@ from meshd.runtime.blas import enable_fast_blas
 enable_fast_blas()  # before mlx.core (the profile measurement runs MLX)
 
 from meshd.api.launcher import DaemonProcess
+from meshd.inference.origin import STREAM_FIRST_ENV
 from meshd.inference.stage import LOOP_SENDS_ENV
 from meshd.mesh import security
 from meshd.mesh.profiling import load_or_measure_profile
@@ -413,13 +418,21 @@ def netns_mesh(
                 daemon.kill()
 
 
-def loopback_mesh_single(root: Path, model: Path, nodes: int, runs: int, max_tokens: int):
-    """``nodes`` unpinned loopback daemons, as ``meshd demo`` starts them; one request."""
+def loopback_mesh_single(
+    root: Path,
+    model: Path,
+    nodes: int,
+    runs: int,
+    max_tokens: int,
+    env: dict[str, str] | None = None,
+):
+    """``nodes`` unpinned loopback daemons, as ``meshd demo`` starts them (with ``env`` added
+    to their environment); one request."""
     from meshd.api.demo import loopback_args
 
     token = security.encode_join_token(security.create_mesh_secret("bench-scaling-lo"))
     daemons = [
-        DaemonProcess(root / f"lo{i}", loopback_args(token, f"lo{i}", model)).start()
+        DaemonProcess(root / f"lo{i}", loopback_args(token, f"lo{i}", model), env=env).start()
         for i in range(nodes)
     ]
     try:
@@ -442,25 +455,33 @@ def wait_for_stages(daemons: list[DaemonProcess], stages: int) -> None:
         )
 
 
-def unpinned_rounds(rounds: int, runs: int, max_tokens: int) -> int:
+def unpinned_rounds(rounds: int, runs: int, max_tokens: int, stream_first_too: bool = False) -> int:
     """Only the unpinned line, ``rounds`` times: one mlx-lm process on every core, then two
     loopback daemons that share every core (what ``meshd demo`` does), alternating, so the
-    spread of both on a shared machine shows next to their ratio."""
+    spread of both on a shared machine shows next to their ratio; with ``stream_first_too``
+    each round runs the daemons again with ``MESHD_STREAM_FIRST=1`` (the baseline order)."""
     root = Path(tempfile.mkdtemp(prefix="bench-unpinned-"))
     try:
         model = ModelStore(root / "store").ensure_default().path
         print(f"one request, {max_tokens} greedy tokens, medians of {runs} runs per round")
         for round_number in range(1, rounds + 1):
             alone = reference_single(model, "", runs, max_tokens)
-            mesh = loopback_mesh_single(root / f"round{round_number}", model, 2, runs, max_tokens)
-            other = mesh.transport_s_per_token or 0.0
-            print(
-                f"round {round_number}: mlx-lm on every core {1 / alone.s_per_token:.2f} tok/s, "
-                f"2 unpinned daemons {1 / mesh.s_per_token:.2f} tok/s = "
-                f"{alone.s_per_token / mesh.s_per_token:.2f}x (other ms {other * 1e3:.2f}, "
-                f"load {mesh.load:.2f})",
-                flush=True,
+            variants = [("", {})] + (
+                [(", stream first", {STREAM_FIRST_ENV: "1"})] if stream_first_too else []
             )
+            if round_number % 2 == 0:
+                variants.reverse()  # neither variant always runs right after mlx-lm
+            for suffix, env in variants:
+                folder = root / f"round{round_number}{suffix.strip(', ').replace(' ', '-')}"
+                mesh = loopback_mesh_single(folder, model, 2, runs, max_tokens, env)
+                other = mesh.transport_s_per_token or 0.0
+                print(
+                    f"round {round_number}: mlx-lm on every core {1 / alone.s_per_token:.2f} "
+                    f"tok/s, 2 unpinned daemons{suffix} {1 / mesh.s_per_token:.2f} tok/s = "
+                    f"{alone.s_per_token / mesh.s_per_token:.2f}x (other ms {other * 1e3:.2f}, "
+                    f"load {mesh.load:.2f})",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
@@ -472,13 +493,16 @@ def scaling_table(
     streams_too: bool = False,
     hop_trace: bool = False,
     loop_sends_too: bool = False,
+    stream_first_too: bool = False,
 ) -> int:
     """The one-request table (see the module docstring); with ``streams_too``, the multi-node
     rows again with `--no-lanes` (frames over the peer port's gRPC streams), same run; with
     ``loop_sends_too``, again with every frame sent by the daemons' loops (``MESHD_LOOP_SENDS``,
     the path before decode steps' frames left from the compute thread); with
-    ``hop_trace``, the multi-node rows' daemons trace their hops and each row prints where a
-    hop's time went (the trace costs the hop a few microseconds)."""
+    ``stream_first_too``, the unpinned row again with ``MESHD_STREAM_FIRST`` (client streams
+    before the next step's graph, the order before stop 28); with ``hop_trace``, the
+    multi-node rows' daemons trace their hops and each row prints where a hop's time went
+    (the trace costs the hop a few microseconds)."""
     from tests.netns import cleanup_stale, require_root_and_netns
 
     require_root_and_netns()
@@ -514,6 +538,10 @@ def scaling_table(
         rows.append(("mlx-lm, 1 process, every core", every_core, None, 0, None))
         unpinned = loopback_mesh_single(root, model, 2, runs, max_tokens)
         rows.append(("2 nodes unpinned (meshd demo)", unpinned, every_core, -2, None))
+        if stream_first_too:
+            env = {STREAM_FIRST_ENV: "1"}
+            first = loopback_mesh_single(root / "stream-first", model, 2, runs, max_tokens, env)
+            rows.append(("2 nodes unpinned, stream first", first, every_core, -2, None))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\none request, {max_tokens} greedy tokens, medians of {runs} runs; {cores} cores")
@@ -558,6 +586,12 @@ def main() -> int:
         "loops (MESHD_LOOP_SENDS=1), the baseline of frames sent from the compute thread",
     )
     parser.add_argument(
+        "--stream-first-too",
+        action="store_true",
+        help="--scaling and --unpinned-rounds also run the unpinned daemons with each token's "
+        "client stream before the next step (MESHD_STREAM_FIRST=1), the baseline of that order",
+    )
+    parser.add_argument(
         "--no-lanes-too", action="store_true",
         help="--scaling also runs the multi-node rows with --no-lanes (gRPC streams only)",
     )  # fmt: skip
@@ -576,7 +610,9 @@ def main() -> int:
     )  # fmt: skip
     args = parser.parse_args()
     if args.unpinned_rounds:
-        return unpinned_rounds(args.unpinned_rounds, args.runs, args.max_tokens)
+        return unpinned_rounds(
+            args.unpinned_rounds, args.runs, args.max_tokens, args.stream_first_too
+        )
     if args.scaling:
         return scaling_table(
             args.runs,
@@ -584,6 +620,7 @@ def main() -> int:
             args.no_lanes_too,
             args.hop_trace,
             args.loop_sends_too,
+            args.stream_first_too,
         )
     cores = os.cpu_count() or 1
     cpus = ["", ""] if args.no_pin or cores < 2 else ["0", "1"]

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -77,7 +78,12 @@ from meshd.inference.fencing import FenceCheck, ServedSource
 from meshd.inference.generation_events import GenerationEvent
 from meshd.inference.installed import InstalledPlan
 from meshd.inference.loaded_stages import LoadedStages, StageLoads
-from meshd.inference.origin import DEFAULT_PREFILL_CHUNK, DEFAULT_RESUME_TIMEOUT_S, Origin
+from meshd.inference.origin import (
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_RESUME_TIMEOUT_S,
+    STREAM_FIRST_ENV,
+    Origin,
+)
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.stage import StageRuntime
 from meshd.inference.tensor_parallel.engine import TensorParallelEngine
@@ -149,7 +155,7 @@ class DataPlane:
             token_timeout_s=token_timeout_s,
             resume_timeout_s=resume_timeout_s,
             report=report,
-            yield_to_compute=self._compute.let_start,
+            yield_to_compute=None if _stream_first() else self._compute.let_start,
         )
         self.stage = StageRuntime(
             node_id,
@@ -567,3 +573,8 @@ def _retrieve_exception(future: asyncio.Future[Any]) -> None:
 def _peak_rss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def _stream_first() -> bool:
+    """The benchmark's baseline: client streams before the next step (``MESHD_STREAM_FIRST``)."""
+    return os.environ.get(STREAM_FIRST_ENV, "").strip() == "1"
