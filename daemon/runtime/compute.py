@@ -24,7 +24,7 @@ here). Left alone, the loop runs first and the step waits behind it: 0.34-0.5 ms
 token's hop when the origin is also the first stage (traced, issue 11). Work that can wait
 awaits :meth:`ComputeExecutor.let_start` first: the loop idles until the job has built its
 graph and handed it to MLX (the job calls :func:`computing`, between ``mx.async_eval`` and
-the ``mx.eval`` that waits for it without the GIL), or has ended.  Not at the job's start:
+the ``mx.eval`` that waits for it without the GIL), or has ended. Not at the job's start:
 waking the loop writes to its socket, which lets go of the GIL, and the loop could take it
 then, before the graph is built.
 
@@ -32,8 +32,9 @@ Crossings (the only state two threads touch): the queue, which is thread-safe; a
 ``cancelled`` flag, which the loop sets (a cancelled awaiter) and the worker reads before it
 runs the job; the worker's ``_busy`` flag, which only it writes; and ``_starting``, the
 waiters of :meth:`ComputeExecutor.let_start`, which the loop adds to and the worker takes
-whole when it starts a job. All are plain attributes under the GIL; a waiter the worker
-missed gives up after ``LET_START_TIMEOUT_S``, and one told late finds its future done.
+whole once its job computes (or ends). All are plain attributes under the GIL; a waiter the
+worker missed gives up after ``LET_START_TIMEOUT_S``, and one told late finds its future
+done.
 """
 
 from __future__ import annotations
