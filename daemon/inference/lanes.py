@@ -203,7 +203,7 @@ class Lane:
             try:
                 with self._io:
                     count = self._sock.recv_into(self._chunk)
-            except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+            except (ssl.SSLWantReadError, *_NOT_NOW):
                 break
             except ssl.SSLWantWriteError:
                 break  # TLS wants to write first: the writer callback flushes, then we read
@@ -399,7 +399,7 @@ class LaneListener:
         while True:
             try:
                 sock, address = self._socket.accept()
-            except (BlockingIOError, InterruptedError):
+            except _NOT_NOW:
                 return
             except OSError as error:  # out of descriptors: rest, or this runs every turn
                 log.warning(
