@@ -40,13 +40,13 @@ computed it), the baseline of that path in the same run; with ``--stream-first-t
 unpinned row runs again with each token's client stream before the next step's graph
 (``MESHD_STREAM_FIRST=1``, the order before the origin let the step go first; it needs the
 spare cores of an unpinned daemon to matter, so the pinned rows do not change). With
-``--hop-trace`` the
-multi-node daemons trace their hops (``MESHD_HOP_TRACE``, :mod:`meshd.runtime.hoptrace`)
-and each such row prints the median of every segment of a hop, from one stage's finished
-step to the next stage's compute, per direction:
+``--hop-trace`` the multi-node daemons trace their hops (``MESHD_HOP_TRACE``,
+:mod:`meshd.runtime.hoptrace`) and each such row prints the median of every segment of a
+hop, from one stage's finished step to the next stage's compute, per direction:
 
     sudo .venv/bin/python benchmarks/bench_batching.py --scaling [--runs 5] [--max-tokens 64]
-        [--no-lanes-too] [--loop-sends-too] [--hop-trace]
+        [--no-lanes-too] [--loop-sends-too] [--stream-first-too] [--hop-trace]
+    .venv/bin/python benchmarks/bench_batching.py --unpinned-rounds 3 [--stream-first-too]
 """
 
 from __future__ import annotations
