@@ -144,9 +144,15 @@ HOP_WINDOW_NS = 50_000_000  # a hop that takes longer is not one step's hand-ove
 
 @dataclass(frozen=True)
 class Hop:
-    """One hand-over: ``sender``'s step done to ``receiver``'s next step started; ``segments``
-    holds the time between consecutive marks of its ``path`` (a key of PATHS: SEGMENTS or
-    EARLY_SEGMENTS, ns), where all were seen in order; else both are None."""
+    """One hand-over: ``sender``'s step done to ``receiver``'s next step started. ``path`` (a
+    key of PATHS) says which of the sender's threads sent the frame, read from the sender's
+    own marks (None: no lane marks, a frame over gRPC); ``segments`` holds the time between
+    consecutive marks of that path (ns) where all were seen in order, else None.
+
+    Why a hop can have a path and no segments: a thread may lose its core between a write and
+    its ``frame_sent`` mark, and the receiver then reads (and marks) first. On a busy host
+    that happens to a good part of the hops; which thread sent is still known (see
+    :func:`_path`), where the time went between the two processes is not."""
 
     sender: str
     receiver: str
@@ -155,14 +161,16 @@ class Hop:
     path: str | None = None
 
 
-def read_marks(directory: Path) -> dict[str, list[tuple[str, int]]]:
-    """Every traced process's marks, by file name (one per process), in time order."""
+def read_marks(directory: Path, since_ns: int = 0) -> dict[str, list[tuple[str, int]]]:
+    """Every traced process's marks from ``since_ns`` on (a ``time.perf_counter_ns()`` of any
+    process on this machine: one monotonic clock), by file name (one per process), in time
+    order."""
     marks: dict[str, list[tuple[str, int]]] = {}
     for path in sorted(directory.glob("hops-*.txt")):
         rows = []
         for line in path.read_text().splitlines():
             name, _, when = line.partition(" ")
-            if when.isdigit():
+            if when.isdigit() and int(when) >= since_ns:
                 rows.append((name, int(when)))
         marks[path.stem] = sorted(rows, key=lambda row: row[1])
     return marks
@@ -197,34 +205,51 @@ def pair_hops(marks: dict[str, list[tuple[str, int]]]) -> list[Hop]:
 def _segments(
     seen: dict[tuple[str, str], int], start: int, end: int
 ) -> tuple[str | None, tuple[int, ...] | None]:
-    """The first of PATHS whose marks the hop passed in order, and the hop cut at them;
-    (None, None) where a mark is missing or out of order (not over a lane, a mark missed)."""
-    for path, points in PATHS.items():
-        times = [start, *(seen.get(point) for point in points[1:-1]), end]
-        if any(when is None for when in times):
-            continue
-        ordered = [int(when) for when in times if when is not None]
-        if ordered == sorted(ordered):
-            return path, tuple(b - a for a, b in itertools.pairwise(ordered))
-    return None, None
+    """The hop's path (:func:`_path`), and the hop cut at that path's marks; segments None
+    where a mark is missing or out of order."""
+    path = _path(seen)
+    if path is None:
+        return None, None
+    times = [start, *(seen.get(point) for point in PATHS[path][1:-1]), end]
+    ordered = [when for when in times if when is not None]
+    if len(ordered) != len(times) or ordered != sorted(ordered):
+        return path, None
+    return path, tuple(b - a for a, b in itertools.pairwise(ordered))
+
+
+def _path(seen: dict[tuple[str, str], int]) -> str | None:
+    """Which thread of the sender sent the hop's frame, from the sender's own marks alone
+    (each thread's marks are in its own order, whatever the other process did meanwhile):
+    the loop sends after the step's result reached it (``result_on_loop`` before
+    ``frame_send``); the compute thread sends before it hands the result back. None: the
+    frame left without lane marks."""
+    send = seen.get(("S", "frame_send"))
+    if send is None:
+        return None
+    on_loop = seen.get(("S", "result_on_loop"))
+    if on_loop is not None and on_loop < send:
+        return "sent by the loop"
+    return "sent by the compute thread"
 
 
 def summary(hops: list[Hop], names: dict[str, str] | None = None) -> str:
-    """A table: per direction, the hops' count and median total, and the median of each
-    segment over the hops that went over a lane; ``names`` renames the processes (file stems)."""
+    """A table: per direction, the hops' count and median total, how many went over a lane
+    and how many of those were cut into segments, and the median of each segment over the cut
+    hops of each path; ``names`` renames the processes (file stems)."""
     names = names or {}
     lines = []
     directions = sorted({(hop.sender, hop.receiver) for hop in hops})
     for sender, receiver in directions:
         these = [hop for hop in hops if (hop.sender, hop.receiver) == (sender, receiver)]
-        laned = [hop for hop in these if hop.segments is not None]
+        laned = [hop for hop in these if hop.path is not None]
+        cut = [hop for hop in laned if hop.segments is not None]
         total = statistics.median(hop.total_ns for hop in these) / 1e6
         lines.append(
             f"{names.get(sender, sender)} -> {names.get(receiver, receiver)}: {len(these)} hops,"
-            f" median {total:.3f} ms ({len(laned)} over a lane)"
+            f" median {total:.3f} ms ({len(laned)} over a lane, {len(cut)} cut)"
         )
         for path, points in PATHS.items():
-            rows = [hop.segments for hop in laned if hop.path == path and hop.segments]
+            rows = [hop.segments for hop in cut if hop.path == path and hop.segments]
             if not rows:
                 continue
             median = statistics.median(sum(row) for row in rows) / 1e6
