@@ -152,7 +152,7 @@ class Hop:
     Why a hop can have a path and no segments: a thread may lose its core between a write and
     its ``frame_sent`` mark, and the receiver then reads (and marks) first. On a busy host
     that happens to a good part of the hops; which thread sent is still known (see
-    :func:`_path`), where the time went between the two processes is not."""
+    :func:`_sending_thread`), where the time went between the two processes is not."""
 
     sender: str
     receiver: str
@@ -205,9 +205,9 @@ def pair_hops(marks: dict[str, list[tuple[str, int]]]) -> list[Hop]:
 def _segments(
     seen: dict[tuple[str, str], int], start: int, end: int
 ) -> tuple[str | None, tuple[int, ...] | None]:
-    """The hop's path (:func:`_path`), and the hop cut at that path's marks; segments None
-    where a mark is missing or out of order."""
-    path = _path(seen)
+    """The hop's path (:func:`_sending_thread`), and the hop cut at that path's marks;
+    segments None where a mark is missing or out of order."""
+    path = _sending_thread(seen)
     if path is None:
         return None, None
     times = [start, *(seen.get(point) for point in PATHS[path][1:-1]), end]
@@ -217,7 +217,7 @@ def _segments(
     return path, tuple(b - a for a, b in itertools.pairwise(ordered))
 
 
-def _path(seen: dict[tuple[str, str], int]) -> str | None:
+def _sending_thread(seen: dict[tuple[str, str], int]) -> str | None:
     """Which thread of the sender sent the hop's frame, from the sender's own marks alone
     (each thread's marks are in its own order, whatever the other process did meanwhile):
     the loop sends after the step's result reached it (``result_on_loop`` before
