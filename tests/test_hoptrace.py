@@ -95,6 +95,17 @@ def test_a_sender_that_marks_its_write_late_is_still_known_by_its_thread(tmp_pat
     assert "(1 over a lane, 0 cut)" in hoptrace.summary([hop])
 
 
+def test_a_lane_frame_to_a_third_process_is_not_the_hops(tmp_path: Path) -> None:
+    # a, a last stage, sends its token to b (the first stage) over gRPC and to c (the origin)
+    # over a lane: the hop a -> b has a's lane marks in it, and no lane marks of b's.
+    _write(tmp_path, "a", [("step_done", 0), ("result_on_loop", 100_000),
+                           ("frame_send", 150_000), ("frame_sent", 300_000)])  # fmt: skip
+    _write(tmp_path, "b", [("step_submitted", 900_000), ("step_start", 1 * MS)])
+    _write(tmp_path, "c", [("lane_readable", 400_000), ("frame_parsed", 500_000)])
+    (hop,) = hoptrace.pair_hops(hoptrace.read_marks(tmp_path))
+    assert (hop.sender, hop.receiver, hop.path, hop.segments) == ("hops-a", "hops-b", None, None)
+
+
 def test_marks_are_read_from_a_moment_on(tmp_path: Path) -> None:
     _write(tmp_path, "a", [("step_done", 0), ("frame_send", 20_000), ("step_done", 5 * MS)])
     _write(tmp_path, "b", [("step_start", 480_000), ("step_start", 5 * MS + 300_000)])

@@ -218,13 +218,15 @@ def _segments(
 
 
 def _sending_thread(seen: dict[tuple[str, str], int]) -> str | None:
-    """Which thread of the sender sent the hop's frame, from the sender's own marks alone
-    (each thread's marks are in its own order, whatever the other process did meanwhile):
-    the loop sends after the step's result reached it (``result_on_loop`` before
-    ``frame_send``); the compute thread sends before it hands the result back. None: the
-    frame left without lane marks."""
+    """Which thread of the sender sent the hop's frame over a lane, from the sender's own
+    marks (each thread's marks are in its own order, whatever the other process did
+    meanwhile): the loop sends after the step's result reached it (``result_on_loop`` before
+    ``frame_send``); the compute thread sends before it hands the result back. None: the hop
+    went without lane marks at both ends (over gRPC; a lane frame the sender wrote meanwhile
+    to another node, such as a token to an origin, is not this hop's)."""
     send = seen.get(("S", "frame_send"))
-    if send is None:
+    readable = seen.get(("R", "lane_readable"))
+    if send is None or readable is None or readable < send:
         return None
     on_loop = seen.get(("S", "result_on_loop"))
     if on_loop is not None and on_loop < send:
