@@ -7,6 +7,7 @@ from meshd.runtime.blas import enable_fast_blas
 enable_fast_blas()  # before any test module imports mlx.core: float32 matmuls on OpenBLAS
 
 # isort: split
+import secrets
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -105,5 +106,13 @@ def architecture_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str]
 
 
 @pytest.fixture
-def mesh_token() -> str:
-    return security.encode_join_token(security.create_mesh_secret("test"))
+def mesh_name() -> str:
+    """A mesh name of this test alone. The suite runs in two processes (pytest-xdist), whose
+    loopback daemons share 127.0.0.1's mDNS: with one name for all, a test's daemons would
+    meet another test's mesh (and name it a stranger) instead of only their own."""
+    return f"test-{secrets.token_hex(4)}"
+
+
+@pytest.fixture
+def mesh_token(mesh_name: str) -> str:
+    return security.encode_join_token(security.create_mesh_secret(mesh_name))

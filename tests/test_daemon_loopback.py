@@ -92,10 +92,10 @@ def test_static_peers_without_mdns(daemons, mesh_token) -> None:
     assert via[status.node_id] == "static"
 
 
-def test_wrong_secret_is_refused_and_never_seen(daemons, mesh_token) -> None:
+def test_wrong_secret_is_refused_and_never_seen(daemons, mesh_name, mesh_token) -> None:
     member = daemons([*LOOPBACK, "--join", mesh_token])
     member_status = member.wait_ready()
-    outsider_token = security.encode_join_token(security.create_mesh_secret("test"))
+    outsider_token = security.encode_join_token(security.create_mesh_secret(mesh_name))
     outsider = daemons(
         [*LOOPBACK, "--join", outsider_token, "--peer", f"127.0.0.1:{peer_port(member_status)}"]
     )
@@ -145,7 +145,7 @@ def test_killed_peer_leaves_the_view_fast(daemons, mesh_token) -> None:
     assert time.monotonic() - killed_at < 2.0
 
 
-def test_cli_status_json_and_token(daemons, mesh_token) -> None:
+def test_cli_status_json_and_token(daemons, mesh_name, mesh_token) -> None:
     a = daemons([*LOOPBACK, "--join", mesh_token])
     a.wait_ready()
     cli = [sys.executable, "-m", "meshd.api.cli"]
@@ -157,7 +157,7 @@ def test_cli_status_json_and_token(daemons, mesh_token) -> None:
         timeout=30,
     ).stdout
     data = json.loads(out)
-    assert data["mesh_name"] == "test" and data["nodes"][0]["source"] == "self"
+    assert data["mesh_name"] == mesh_name and data["nodes"][0]["source"] == "self"
     text = subprocess.run(
         [*cli, "peers", "--state-dir", str(a.state_dir)],
         capture_output=True,

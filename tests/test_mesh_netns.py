@@ -81,12 +81,12 @@ def test_cut_link_is_noticed_and_rate_limit_is_measured(daemons, netns_mesh, mes
     nodes[0].wait_for(lambda s: id1 in alive_ids(s), 20, "the host to come back")
 
 
-def test_other_meshes_are_ignored(daemons, netns_mesh, mesh_token) -> None:
+def test_other_meshes_are_ignored(daemons, netns_mesh, mesh_name, mesh_token) -> None:
     mesh = netns_mesh(4)
     member_a = start(daemons, mesh, 0, mesh_token)
     member_b = start(daemons, mesh, 1, mesh_token)
     # Same mesh name, different secret: another mesh that only looks alike.
-    lookalike_token = security.encode_join_token(security.create_mesh_secret("test"))
+    lookalike_token = security.encode_join_token(security.create_mesh_secret(mesh_name))
     lookalike = start(daemons, mesh, 2, lookalike_token)
     # Another mesh name altogether.
     other_token = security.encode_join_token(security.create_mesh_secret("elsewhere"))
@@ -100,4 +100,4 @@ def test_other_meshes_are_ignored(daemons, netns_mesh, mesh_token) -> None:
     assert len(alive_ids(lookalike.status())) == 1
     assert len(alive_ids(other.status())) == 1
     assert "fingerprint" in lookalike.log_tail(200)
-    assert "mesh name 'test' differs" in other.log_tail(200)
+    assert f"mesh name '{mesh_name}' differs" in other.log_tail(200)

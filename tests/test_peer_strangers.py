@@ -183,7 +183,9 @@ def test_a_session_cancelled_as_its_call_fails_stops_quietly(caplog) -> None:
     assert any("ConnectionError: the peer's call failed" in line for line in said), said
 
 
-def test_a_daemon_of_another_mesh_is_named_once_on_both_sides(daemons, mesh_token) -> None:
+def test_a_daemon_of_another_mesh_is_named_once_on_both_sides(
+    daemons, mesh_name, mesh_token
+) -> None:
     import time
 
     from meshd.api.launcher import alive_ids
@@ -205,7 +207,7 @@ def test_a_daemon_of_another_mesh_is_named_once_on_both_sides(daemons, mesh_toke
     refusing = member.log_tail(400)
     heard = [line for line in refusing.splitlines() if "did not complete the TLS handshake" in line]
     assert len(heard) == 1, refusing
-    assert "127.0.0.1 opened" in heard[0] and "mesh 'test'" in heard[0]
+    assert "127.0.0.1 opened" in heard[0] and f"mesh '{mesh_name}'" in heard[0]
 
 
 def test_idle_connections_are_bounded_per_address_and_in_time(daemons, mesh_token) -> None:
