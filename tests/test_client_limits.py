@@ -15,13 +15,27 @@ LOOPBACK = ["--no-mdns", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 CONTEXT = 64
 
 
-@pytest.fixture
-def small_context_daemon(daemons, mesh_token, architecture_dir):
+# Room for a stream the client can leave mid-way: the tiny model makes ~350 tokens a second
+# here, so 64 tokens' worth ended (once, in a parallel run) before the client's close came.
+ROOMY_CONTEXT = 2048
+
+
+def context_daemon(daemons, mesh_token, architecture_dir, context: int):
     model = architecture_dir("mistral")
     args = [*LOOPBACK, "--join", mesh_token, "--model", str(model)]
-    daemon = daemons([*args, "--context-length", str(CONTEXT)])
+    daemon = daemons([*args, "--context-length", str(context)])
     daemon.wait_for(lambda s: bool(s.agreement.active_plan_id), 60, "a committed plan")
     return daemon
+
+
+@pytest.fixture
+def small_context_daemon(daemons, mesh_token, architecture_dir):
+    return context_daemon(daemons, mesh_token, architecture_dir, CONTEXT)
+
+
+@pytest.fixture
+def roomy_context_daemon(daemons, mesh_token, architecture_dir):
+    return context_daemon(daemons, mesh_token, architecture_dir, ROOMY_CONTEXT)
 
 
 def run(daemon, prompt: str, **sampling) -> list[pb.GenerateEvent]:
@@ -55,10 +69,10 @@ def test_requests_beyond_the_plans_context_are_refused_at_once(small_context_dae
     assert done.completion_tokens > 0
 
 
-def test_each_request_logs_its_start_and_end_and_shows_in_status(small_context_daemon) -> None:
+def test_each_request_logs_its_start_and_end_and_shows_in_status(roomy_context_daemon) -> None:
     import threading
 
-    daemon = small_context_daemon
+    daemon = roomy_context_daemon
     seen: list[pb.RequestStatus] = []
     finished = threading.Event()
 
@@ -78,9 +92,10 @@ def test_each_request_logs_its_start_and_end_and_shows_in_status(small_context_d
     assert seen[0].max_tokens == 48 and seen[0].plan_id == done.plan_id
     assert not client.fetch_status(daemon.api).requests
     with pytest.raises(client.GenerationFailed):
-        run(daemon, "q" * 60, max_tokens=10)
+        run(daemon, "q" * (ROOMY_CONTEXT - 5), max_tokens=10)
     stream = client.stream_generation(
-        daemon.api, pb.GenerateRequest(prompt="go on", sampling=pb.Sampling(max_tokens=40))
+        daemon.api,
+        pb.GenerateRequest(prompt="go on", sampling=pb.Sampling(max_tokens=ROOMY_CONTEXT - 16)),
     )
     next(stream)
     stream.close()  # the client goes away mid-stream
