@@ -5,8 +5,10 @@ Any daemons of one machine (one clock) can be traced, ``meshd demo`` too::
     MESHD_HOP_TRACE=/tmp/hops .venv/bin/meshd demo
     .venv/bin/python benchmarks/hop_trace.py /tmp/hops
 
-It prints, per direction (process to process), how many hops it paired, their median, and
-the median of each segment of a hop that went over a lane (see :mod:`meshd.runtime.hoptrace`;
+It prints, per direction (process to process), how many hops it paired, their median, how
+many went over a lane (and which thread sent them) and how many of those were cut into
+segments (all marks in order: a sender that lost its core between its write and its mark is
+not), and the median of each segment over the cut ones (see :mod:`meshd.runtime.hoptrace`;
 meaningful while one request runs at a time). ``bench_batching.py --scaling --hop-trace``
 prints the same table for pinned daemons in network namespaces.
 """
