@@ -1,5 +1,6 @@
 """What a client cannot do to a daemon: overrun the plan's context, get a cut character,
-run unlogged. One real daemon serving a tiny random mistral with a 64-token context."""
+run unlogged. A real daemon serving a tiny random mistral with a 64-token context (and, for
+the log test, one with room for a stream its client leaves mid-way)."""
 
 from __future__ import annotations
 
