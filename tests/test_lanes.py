@@ -25,6 +25,7 @@ from meshd.inference import lanes
 from meshd.inference.transport import DataPlaneServicer, Transport, start_server
 from meshd.mesh import security
 from meshd.mesh.channels import peer_channel_factory
+from meshd.runtime import tls_buffers
 from meshd.wire import dataplane_pb2 as dp
 from tests.support.dataplane_mesh import LoopThread
 
@@ -145,6 +146,10 @@ def test_frames_go_over_the_lane_in_order_and_intact_and_answers_come_back_on_it
             link = a.transport._outbound["b"]
             assert link.lane is not None and not link.lane.closed
             assert b.transport._lanes is not None and set(b.transport._lanes.lanes) == {"a"}
+            # ...over TLS connections that keep their record buffers (runtime/tls_buffers.py)
+            for context in (a.transport._lane_context, b.transport._lanes._context):
+                assert context is not None
+                assert tls_buffers.releases_record_buffers(context) is False
 
             assert "a" in b.transport._answer_on_lane  # a's frames came on its lane
             assert b.transport.reply("a", frame(7))  # b has no address for a

@@ -44,6 +44,7 @@ from meshd.inference import lanes
 from meshd.inference.lanes import Lane, LaneClosed, LaneListener
 from meshd.mesh import channels, security
 from meshd.mesh.channels import ChannelFactory
+from meshd.runtime import tls_buffers
 from meshd.runtime.rpc_guard import add_guarded_servicer
 from meshd.wire import dataplane_pb2 as dp
 from meshd.wire import dataplane_pb2_grpc as dp_grpc
@@ -335,6 +336,8 @@ class Transport:
         theirs; returns the listener's port. OSError when it cannot listen there."""
         self.bind_loop()
         server_context, self._lane_context = security.ssl_contexts(credentials)
+        for context in (server_context, self._lane_context):
+            tls_buffers.keep_record_buffers(context)  # no allocation per frame (lanes.py)
         self._lanes = LaneListener(
             server_context,
             self.dispatch,
