@@ -8,6 +8,7 @@ in a fresh interpreter).
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ from meshd.inference.stage_events import (
     Skipped,
     StartFrame,
     TokenFrame,
+    TokenRoute,
     Work,
     prefill_steps,
 )
@@ -228,6 +230,47 @@ def test_a_decode_step_names_the_stage_its_hidden_states_go_to() -> None:
     single.on_start(StartFrame("o", "s", "r", start_of(chunk=8)), None, T0)
     for work in single.next_batch(T0) + single.next_batch(T0):
         assert work.forward_to is None
+
+
+def test_a_last_stage_names_the_first_stage_its_tokens_go_to() -> None:
+    """The compute thread of a last stage sends a token that does not end its request to the
+    first stage itself (meshd.inference.stage), as the core named it at hand-out
+    (Work.token_to): the token's index, and what would end the request. The core's own
+    action for the result is the same token to the same node."""
+    plan = plan_of("p", "a", "b")
+    last = core_on("b", plan)
+    last.on_activation(activation("p", "r", 0, "a", start_of(forwarded=True, chunk=8)), None, T0)
+    (work,) = last.next_batch(T0)
+    assert work.token_to is None  # a prompt chunk samples nothing
+    last.on_computed(work, Advanced(0.1), T0)
+    for index in range(GREEDY.max_tokens):
+        step = index + 1
+        last.on_activation(activation("p", "r", step, "a"), None, T0)
+        (work,) = last.next_batch(T0)
+        assert work.token_to == TokenRoute("a", index, GREEDY.max_tokens, frozenset({99}))
+        final = index + 1 == GREEDY.max_tokens
+        assert work.token_to.carries(7) is not final
+        assert not work.token_to.carries(99)  # an eos token ends the request
+        (token,) = last.on_computed(work, Sampled(7, b"", 0.2), T0)[:1]
+        assert isinstance(token, SendToken) and token.index == index
+        assert token.to == (("o",) if final else ("o", "a"))  # a final one: the origin only
+        assert (token.finish is Finish.NONE) is not final
+
+
+@pytest.mark.parametrize("why", ["single stage", "logits", "first stage"])
+def test_only_a_last_stage_of_several_sends_tokens_from_its_compute_thread(why: str) -> None:
+    if why == "single stage":
+        core = core_on("a", plan_of("s", "a"))
+        core.on_start(StartFrame("o", "s", "r", start_of(chunk=8)), None, T0)
+    elif why == "logits":  # a debug request's logits go with its tokens, through the loop
+        core = core_on("b", plan_of("s", "a", "b"))
+        start = dataclasses.replace(start_of(forwarded=True, chunk=8), return_logits=True)
+        core.on_activation(activation("s", "r", 0, "a", start), None, T0)
+    else:
+        core = core_on("a", plan_of("s", "a", "b"))
+        core.on_start(StartFrame("o", "s", "r", start_of(chunk=8)), None, T0)
+    works = core.next_batch(T0)
+    assert works and all(work.token_to is None for work in works)
 
 
 def test_a_single_stage_computes_one_token_ahead_and_stops_at_max_tokens() -> None:

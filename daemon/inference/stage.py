@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -59,6 +60,7 @@ from meshd.inference.stage_events import (
     FailureKind,
     Hidden,
     Release,
+    Sampled,
     SendActivation,
     SendFailure,
     SendToken,
@@ -382,17 +384,19 @@ class StageRuntime:
             hoptrace.mark("step_submitted")
 
     def _lanes_for(self, stage: _Stage, job: list[Work]) -> dict[str, Lane] | None:
-        """The open lanes the compute thread sends ``job``'s hidden states on itself, by node:
-        when the core named each row's destination at hand-out (``Work.forward_to``) and a
-        lane to it is open. None: the results' frames go through this loop (a prompt's steps,
-        a last stage's tokens, a link without a lane).
+        """The open lanes the compute thread sends ``job``'s frames on itself, by node: when
+        the core named each row's destination at hand-out (a decode step's hidden states to
+        the next stage, ``Work.forward_to``; a last stage's token to the first stage,
+        ``Work.token_to``) and a lane to it is open. None: the results' frames go through this
+        loop (a prompt's chunks, speculative steps, a link without a lane). A token that ends
+        its request, and a token's copy for an origin elsewhere, still go through the loop.
 
-        Why not tokens too: measured, they lost. Sent from a last stage's compute thread the
-        moment it sampled, a token's ``send`` first paid for the forward pass's frees: its
-        OpenSSL record buffer is the thread's first large allocation since, and glibc then
-        coalesces the blocks the pass freed into its fastbins (0.65-0.77 ms of that thread's
-        CPU; README, "bench_hop_floor"). The token hop took 1.55-1.8 ms against 1.25 ms from
-        the loop; with fastbins off, 0.96-1.0 ms against 0.92-0.99 (2 pinned daemons).
+        Tokens go from the compute thread since the lanes keep their TLS record buffers
+        (:mod:`meshd.runtime.tls_buffers`). Before, a token's ``send`` there was the thread's
+        first large allocation after the forward pass (OpenSSL's record buffer) and paid for
+        glibc's coalescing of the blocks the pass freed (0.65-0.77 ms of CPU): its hop took
+        1.27-1.68 ms against ~1.0-1.2 ms from the loop. With the buffers kept, 0.66-0.72 ms
+        (2 pinned daemons, interleaved rounds; README, "the token's hop").
 
         Order: a request's frames on a link keep its steps' order. The compute thread sends
         in the order it computes, and the loop's sends of a step are made when its result
@@ -404,7 +408,7 @@ class StageRuntime:
             return None
         lanes: dict[str, Lane] = {}
         for work in job:
-            node = work.forward_to
+            node = _sent_to(work)
             if node is None or work.request_id in self._sending:
                 return None  # its step before sends through the loop: this step follows it
             if node not in lanes:
@@ -434,13 +438,13 @@ class StageRuntime:
             if not isinstance(result, ComputeFailed):
                 stage.cached.add(work.request_id)
             decided = self.core.on_computed(work, result, now)
-            if sent is not None and sent[row]:  # its hidden states left from the compute thread
-                decided = [a for a in decided if not isinstance(a, SendActivation)]
+            if sent is not None and sent[row]:  # its frame left from the compute thread
+                decided = _not_sent_again(decided, _sent_to(work))
             elif any(isinstance(action, SendActivation) for action in decided):
                 self._sending.add(work.request_id)
             actions += decided
         if sent is not None:  # one frame (or bundle) per node the compute thread sent to
-            went = {work.forward_to for work, row_sent in zip(job, sent, strict=True) if row_sent}
+            went = {_sent_to(work) for work, row_sent in zip(job, sent, strict=True) if row_sent}
             self._transport.count_sent(len(went))
         try:
             self._pump()  # the compute thread's next step first, then the frames
@@ -509,6 +513,8 @@ def _send_now(job: list[Work], results: list[StepResult], lanes: dict[str, Lane]
     for row, (work, result) in enumerate(zip(job, results, strict=True)):
         if isinstance(result, Hidden) and work.forward_to is not None:
             by_node.setdefault(work.forward_to, []).append((row, result.payload))  # type: ignore[arg-type]
+        elif (token := _token_frame(work, result)) is not None:
+            by_node.setdefault(token[0], []).append((row, token[1]))
     sent = [False] * len(job)
     for node, rows in by_node.items():
         frames = [frame for _, frame in rows]
@@ -521,6 +527,42 @@ def _send_now(job: list[Work], results: list[StepResult], lanes: dict[str, Lane]
         for row, _ in rows:
             sent[row] = delivered
     return sent
+
+
+def _token_frame(work: Work, result: StepResult) -> tuple[str, dp.Frame] | None:
+    """The node and frame of a sampled token the compute thread sends itself (one that does
+    not end its request, of a step the core routed: ``Work.token_to``), else None."""
+    route = work.token_to
+    if route is None or not isinstance(result, Sampled) or not route.carries(result.token_id):
+        return None
+    frame = dp.Frame(plan_id=work.plan_id, request_id=work.request_id)
+    frame.token.token_id = result.token_id
+    frame.token.index = route.index
+    frame.token.compute_s = result.compute_s
+    return route.node, frame
+
+
+def _sent_to(work: Work) -> str | None:
+    """The node the compute thread may send ``work``'s frame to itself (None: the loop sends)."""
+    if work.forward_to is not None:
+        return work.forward_to
+    return work.token_to.node if work.token_to is not None else None
+
+
+def _not_sent_again(actions: list[Action], node: str | None) -> list[Action]:
+    """``actions`` less what the compute thread sent ``node`` already: a step's hidden states,
+    or its token (which may still go to an origin elsewhere)."""
+    kept: list[Action] = []
+    for action in actions:
+        if isinstance(action, SendActivation):
+            continue
+        if isinstance(action, SendToken) and node in action.to:
+            rest = tuple(to for to in action.to if to != node)
+            if not rest:
+                continue
+            action = dataclasses.replace(action, to=rest)
+        kept.append(action)
+    return kept
 
 
 def _with_frame(work: Work, result: StepResult) -> StepResult:

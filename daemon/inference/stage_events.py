@@ -134,6 +134,25 @@ class Work:
     # step out (a decode step of a stage before the last): the compute thread sends them
     # itself. None: the loop sends what the step gives.
     forward_to: str | None = None
+    # A last stage's decode step whose token, unless it ends the request, goes on to the
+    # first stage (another node): the compute thread sends it itself. None: the loop does.
+    token_to: TokenRoute | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRoute:
+    """Where a last stage's compute thread sends the token a step samples, and when not: the
+    token is the request's ``index``-th; one in ``stop_ids`` or the ``max_tokens``-th ends the
+    request, and the loop sends that one (with its finish) as it sends every final token."""
+
+    node: str
+    index: int
+    max_tokens: int
+    stop_ids: frozenset[int]
+
+    def carries(self, token_id: int) -> bool:
+        """Whether the compute thread sends ``token_id`` (it does not end the request)."""
+        return token_id not in self.stop_ids and self.index + 1 < self.max_tokens
 
 
 @dataclass(frozen=True, slots=True)

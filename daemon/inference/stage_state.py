@@ -15,7 +15,7 @@ from meshd.inference.assignment import Assignment
 from meshd.inference.drafting import DraftIndex
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.stage_admission import StartQueue
-from meshd.inference.stage_events import RequestStart, SamplerSetup, Work
+from meshd.inference.stage_events import RequestStart, SamplerSetup, TokenRoute, Work
 
 
 @dataclass(slots=True)
@@ -106,6 +106,7 @@ class StageRequest:
             item.drafts,
             plan.draft_tokens if drafting and item.follows and plan.one_request_alone else 0,
             self.forward_to(plan, item),
+            self.token_to(plan, item, head),
         )
 
     def forward_to(self, plan: StagePlan, item: StepInput) -> str | None:
@@ -118,6 +119,18 @@ class StageRequest:
             return None
         assert plan.index is not None
         return plan.node(plan.index + 1)
+
+    def token_to(self, plan: StagePlan, item: StepInput, head: bool) -> TokenRoute | None:
+        """Where a last stage's decode step sends its token from the compute thread
+        (``Work.token_to``): to the first stage, when that is another node, for a step that
+        samples one token (not a speculative one) of a request that asked for no logits. The
+        step's token is the request's next: a last stage of several has one step of a
+        request out at a time."""
+        if not head or plan.is_first or item.drafts or item.rollback or self.start.return_logits:
+            return None
+        return TokenRoute(
+            plan.node(0), self.next_index, self.sampling.max_tokens, self.start.eos_ids
+        )
 
     def drafts_allowed(self) -> bool:
         """Whether the first stage may draft for this request: greedy sampling without a
