@@ -10,8 +10,8 @@ request's steps is the core's, and the compute thread does not wait for this loo
 two steps (of different requests, or of one request on a single stage). Frames that carry
 hidden states on are built on the compute thread too, off this loop, and a decode step's are
 sent from there the moment it is done, over the lane to the stage the core named when it
-handed the step out (:meth:`StageRuntime._lanes_for`); this loop then does its bookkeeping
-while the next stage computes.
+handed the step out (:meth:`StageRuntime._lanes_for`), as is a last stage's token to the
+first stage; this loop then does its bookkeeping while the next stage computes.
 
 Continuous batching: the decode steps ready at once (one position each, of one plan) run in
 one forward pass on the requests' merged caches (:meth:`meshd.inference.stage_model.

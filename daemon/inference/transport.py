@@ -22,8 +22,9 @@ sends to itself is delivered on the loop's next turn, never re-entrantly.
 
 Everything runs on the daemon's asyncio thread (the one that owns every grpc.aio server and
 channel, see :mod:`meshd.runtime.bridge`), with one exception: the compute thread writes a
-decode step's hidden states on the open lane :meth:`Transport.lane_to` gave the stage runtime
-(:meth:`Lane.send_from_thread`, under the lane's own lock). Measured with
+decode step's hidden states, or a last stage's token, on the open lane
+:meth:`Transport.lane_to` gave the stage runtime (:meth:`Lane.send_from_thread`, under the
+lane's own lock). Measured with
 ``bench_batching.py --scaling --no-lanes-too`` (daemons in network namespaces, one core each,
 SmolLM2 float32): 0.86 ms per hop over lanes, 1.12 ms over the gRPC streams.
 """
