@@ -109,11 +109,13 @@ def test_dashboard_shows_the_mesh_live_and_chats(
         assert script("return state.graph.nodes().length") == 3
         edge_labels = script("return state.graph.edges().map(e => e.data('label'))")
         assert all("bit/s" in label and " ms" in label for label in edge_labels), edge_labels
-        # The page re-renders on every status: read the DOM in one script, not element by element.
-        stages = script(
-            "return [...document.querySelectorAll('#plan-bars .stage')].map(e => e.textContent)"
-        )
-        assert len(stages) == 3 and all("–" in text for text in stages), stages
+        # The page re-renders on every status: read the DOM in one script, not element by
+        # element, and wait for a status with the plan (one without shows no bars; the count
+        # and the links above can come first on a loaded host).
+        bars = "return [...document.querySelectorAll('#plan-bars .stage')].map(e => e.textContent)"
+        stages = wait_until(lambda: (shown := script(bars)) and len(shown) == 3 and shown, 15,
+                            "the plan's 3 stages")  # fmt: skip
+        assert all("–" in text for text in stages), stages
         row_ids = (
             "return [...document.querySelectorAll('#node-table tr.node-row')]"
             ".map(r => r.dataset.nodeId)"
