@@ -1,14 +1,14 @@
 """The data plane's frames (``proto/dataplane.proto``) to and from the stage core's values.
 
 One conversion each way for every value that crosses the wire: a request's Start, the kinds
-of Failure and the finish of a Token. The origin builds Starts with it, the stage runtime
+of Failure and a Token's frame. The origin builds Starts with it, the stage runtime
 reads them with it, so no field list is copied by hand.
 """
 
 from __future__ import annotations
 
 from meshd.inference.sampling import sampling_from_message, sampling_to_message
-from meshd.inference.stage_events import FailureKind, Finish, RequestStart
+from meshd.inference.stage_events import FailureKind, Finish, RequestStart, SendToken
 from meshd.wire import dataplane_pb2 as dp
 
 _FAILURE_TO_WIRE: dict[FailureKind, int] = {
@@ -56,6 +56,18 @@ def start_from_proto(message: dp.Start) -> RequestStart:
         generated=tuple(message.generated_tokens),
         catch_up=message.catch_up,
     )
+
+
+def token_frame(action: SendToken) -> dp.Frame:
+    """The frame that carries a sampled token (the same whichever thread sends it)."""
+    token = dp.Token(
+        token_id=action.token_id,
+        index=action.index,
+        finish=finish_to_proto(action.finish),
+        compute_s=action.compute_s,
+        logits=action.logits,
+    )
+    return dp.Frame(plan_id=action.plan_id, request_id=action.request_id, token=token)
 
 
 def failure_to_proto(kind: FailureKind) -> int:

@@ -46,9 +46,9 @@ from meshd.inference.fencing import FenceCheck
 from meshd.inference.frames import (
     failure_to_proto,
     finish_from_proto,
-    finish_to_proto,
     start_from_proto,
     start_to_proto,
+    token_frame,
 )
 from meshd.inference.lanes import Lane
 from meshd.inference.stage_core import StageCore
@@ -58,6 +58,7 @@ from meshd.inference.stage_events import (
     ComputeFailed,
     EndFrame,
     FailureKind,
+    Finish,
     Hidden,
     Release,
     Sampled,
@@ -264,14 +265,7 @@ class StageRuntime:
 
     def _send_token(self, action: SendToken) -> None:
         stage = self._stages.get(action.plan_id)
-        token = dp.Token(
-            token_id=action.token_id,
-            index=action.index,
-            finish=finish_to_proto(action.finish),
-            compute_s=action.compute_s,
-            logits=action.logits,
-        )
-        frame = dp.Frame(plan_id=action.plan_id, request_id=action.request_id, token=token)
+        frame = token_frame(action)
         for node in action.to:
             address = stage.addresses.get(node) if stage is not None else None
             if self._outbox is not None:
@@ -535,11 +529,17 @@ def _token_frame(work: Work, result: StepResult) -> tuple[str, dp.Frame] | None:
     route = work.token_to
     if route is None or not isinstance(result, Sampled) or not route.carries(result.token_id):
         return None
-    frame = dp.Frame(plan_id=work.plan_id, request_id=work.request_id)
-    frame.token.token_id = result.token_id
-    frame.token.index = route.index
-    frame.token.compute_s = result.compute_s
-    return route.node, frame
+    action = SendToken(
+        (route.node,),
+        work.plan_id,
+        work.request_id,
+        result.token_id,
+        route.index,
+        Finish.NONE,
+        result.compute_s,
+        result.logits,  # b"": a request that asks for logits is not routed
+    )
+    return route.node, token_frame(action)
 
 
 def _sent_to(work: Work) -> str | None:
