@@ -36,7 +36,8 @@ log = logging.getLogger("meshd.tls")
 SSL_CTRL_MODE = 33  # SSL_CTX_set_mode(ctx, 0) returns the mode (it ORs in nothing)
 SSL_CTRL_CLEAR_MODE = 78
 SSL_MODE_RELEASE_BUFFERS = 0x10
-# SSL_CTX_get_verify_mode() for ssl.CERT_REQUIRED: SSL_VERIFY_PEER | FAIL_IF_NO_PEER_CERT.
+# SSL_CTX_get_verify_mode() for each of ssl's modes (CERT_REQUIRED: SSL_VERIFY_PEER |
+# SSL_VERIFY_FAIL_IF_NO_PEER_CERT), to tell the context's SSL_CTX from anything else.
 _VERIFY_MODES = {
     ssl.CERT_NONE: 0,
     ssl.CERT_OPTIONAL: 1,
@@ -48,9 +49,14 @@ def keep_record_buffers(context: ssl.SSLContext) -> bool:
     """Make the connections ``context`` creates from now on keep their record buffers;
     whether they do now (False: the context is unchanged, the reason is logged at debug).
     Call it before the context makes a connection: each takes the mode when it is made."""
-    reason = _why_not(context)
-    if reason:
-        log.debug("TLS record buffers are released per record as before: %s", reason)
+    found = _context_pointer(context)
+    if found is None:
+        log.debug("TLS record buffers stay released per record: no SSL_CTX reachable here")
+        return False
+    ctrl, pointer = found
+    ctrl(pointer, SSL_CTRL_CLEAR_MODE, SSL_MODE_RELEASE_BUFFERS, None)
+    if ctrl(pointer, SSL_CTRL_MODE, 0, None) & SSL_MODE_RELEASE_BUFFERS:
+        log.debug("TLS record buffers stay released per record: OpenSSL kept the mode")
         return False
     return True
 
@@ -62,18 +68,6 @@ def releases_record_buffers(context: ssl.SSLContext) -> bool | None:
         return None
     ctrl, pointer = found
     return bool(ctrl(pointer, SSL_CTRL_MODE, 0, None) & SSL_MODE_RELEASE_BUFFERS)
-
-
-def _why_not(context: ssl.SSLContext) -> str:
-    """Clear the mode; the reason it was not done ("" when it was)."""
-    found = _context_pointer(context)
-    if found is None:
-        return "OpenSSL's SSL_CTX is not reachable from this Python"
-    ctrl, pointer = found
-    ctrl(pointer, SSL_CTRL_CLEAR_MODE, SSL_MODE_RELEASE_BUFFERS, None)
-    if ctrl(pointer, SSL_CTRL_MODE, 0, None) & SSL_MODE_RELEASE_BUFFERS:
-        return "OpenSSL kept its release-buffers mode"
-    return ""
 
 
 def _context_pointer(context: ssl.SSLContext) -> tuple[Callable[..., int], int] | None:
