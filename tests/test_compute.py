@@ -232,3 +232,83 @@ def test_let_start_waits_for_the_job_end_at_the_latest_and_gives_up_in_time() ->
         assert time.perf_counter() - waited < 1.0
 
     asyncio.run(main())
+
+
+def test_after_start_runs_callbacks_once_the_queued_job_computes_in_order() -> None:
+    """What an origin that is also the first stage relies on: the client's part of a token
+    runs once the step the token let start is computing, not before it; callbacks keep the
+    order they were given in, also one given while earlier ones wait."""
+
+    async def main() -> None:
+        compute = ComputeExecutor("test-compute")
+        await compute.run(lambda: None)  # the worker is up and idle
+        ran: list[str] = []
+        compute.after_start(lambda: ran.append("idle"))  # nothing about to start: at once
+        assert ran == ["idle"]
+
+        built = threading.Event()
+        release = threading.Event()
+
+        def step() -> None:
+            time.sleep(0.05)  # lets go of the GIL before the graph is built: not yet
+            built.set()
+            computing()  # handed to MLX (the engine's mx.async_eval)
+            release.wait(5)  # waiting for MLX, the GIL released (as in mx.eval)
+
+        compute.submit_then(step, (), lambda outcome: outcome.result())
+        seen_built: list[bool] = []
+        compute.after_start(lambda: (ran.append("first"), seen_built.append(built.is_set())), 5)
+        compute.after_start(lambda: ran.append("second"), 5)
+        assert ran == ["idle"]  # the loop went on: both wait for the step to compute
+        deadline = time.monotonic() + 5
+        while len(ran) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        assert ran == ["idle", "first", "second"] and seen_built == [True]
+        assert not release.is_set()  # they ran while the step computed, not after it
+        release.set()
+        await compute.run(lambda: None)
+        await compute.close()
+
+    asyncio.run(main())
+
+
+def test_after_start_waits_for_the_job_end_at_the_latest_and_gives_up_in_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        compute = ComputeExecutor("test-compute")
+        await compute.run(lambda: None)
+        ended = threading.Event()
+
+        def never_says_computing() -> None:
+            time.sleep(0.05)
+            ended.set()
+
+        compute.submit_then(never_says_computing, (), lambda outcome: outcome.result())
+        told: list[bool] = []
+
+        def broken() -> None:
+            raise ValueError("a callback's bug")
+
+        compute.after_start(broken, 5)
+        compute.after_start(lambda: told.append(ended.is_set()), 5)
+        deadline = time.monotonic() + 5
+        while not told and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        assert told == [True]  # run when the job ended, after the one that failed
+
+        # A worker that never takes its job (here: stopped, an item queued behind its back)
+        # is waited for at most the timeout.
+        await compute.close()
+        compute._jobs.put(None)
+        waited = time.perf_counter()
+        late: list[float] = []
+        compute.after_start(lambda: late.append(time.perf_counter() - waited), 0.05)
+        assert late == []
+        while not late and time.perf_counter() - waited < 5:
+            await asyncio.sleep(0.01)
+        assert late and late[0] < 1.0
+
+    with caplog.at_level(logging.ERROR, logger="meshd.compute"):
+        asyncio.run(main())
+    assert "a callback that waited for a compute job's start failed" in caplog.text
