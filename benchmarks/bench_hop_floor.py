@@ -100,11 +100,14 @@ def stage_process(role: str, my_ip: str, peer_ip: str, mode: str, tokens: int, r
     from meshd.inference import lanes
     from meshd.mesh import security
     from meshd.models.store import ModelStore
+    from meshd.runtime import tls_buffers
     from meshd.wire import dataplane_pb2 as dp
 
     secret = security.load_secret(root / "mesh")
     credentials = security.load_or_create_node_credentials(root / role, secret, role)
     server_context, client_context = security.ssl_contexts(credentials)
+    for context in (server_context, client_context):  # as the daemon's lanes do
+        tls_buffers.keep_record_buffers(context)
     model, _ = load_model(ModelStore(root / "store").ensure_default().path)
     mx.eval(model.parameters())
     inner = model.model
