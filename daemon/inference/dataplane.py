@@ -66,6 +66,7 @@ import logging
 import os
 import resource
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -514,29 +515,30 @@ class DataPlane:
             self.origin.on_token(sender, frame)
             self.stage.on_token(sender, frame)
             return
+        arrived_at = time.perf_counter()
         self.stage.on_token(sender, frame)
-        self._to_origin(self.origin.on_token, sender, frame)
+        self._to_origin(partial(self.origin.on_token, sender, frame, arrived_at))
 
     def _on_failure(self, sender: str, frame: dp.Frame) -> None:
-        self._to_origin(self.origin.on_failure, sender, frame)
+        self._to_origin(partial(self.origin.on_failure, sender, frame, time.perf_counter()))
 
     def on_peer_lost(self, peer: str, reason: str) -> None:
         """Every request that involves ``peer`` is over: frames to or from it may be lost."""
         if self._closed:
             return
-        self._to_origin(self.origin.on_peer_lost, peer, reason)
+        self._to_origin(partial(self.origin.on_peer_lost, peer, reason))
         self.stage.on_peer_lost(peer, reason)
 
-    def _to_origin(self, deliver: Callable[[str, Any], None], sender: str, item: Any) -> None:
-        """Hand the origin a frame (or a loss) once the step this node's compute thread was
-        just woken for has started, at once when there is none: the client's part of a token
-        (its stream's wake-up, detokenizing, the event) runs while the step computes, not
-        before it (:meth:`meshd.runtime.compute.ComputeExecutor.after_start`). Everything the
-        origin is told goes this way, so it keeps its order."""
+    def _to_origin(self, tell: Callable[[], None]) -> None:
+        """Tell the origin of a frame (stamped with its arrival) or a loss once the step this
+        node's compute thread was just woken for has started, at once when there is none: the
+        client's part of a token (its stream's wake-up, detokenizing, the event) runs while
+        the step computes, not before it (:meth:`meshd.runtime.compute.ComputeExecutor.
+        after_start`). Everything the origin is told goes this way, so it keeps its order."""
         if self._stream_first or self._compute.closed:
-            deliver(sender, item)
+            tell()
         else:
-            self._compute.after_start(partial(deliver, sender, item))
+            self._compute.after_start(tell)
 
     # ---------------------------------------------------------------- status and shutdown
 
