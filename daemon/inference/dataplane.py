@@ -66,9 +66,7 @@ import logging
 import os
 import resource
 import sys
-import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from functools import partial
 from typing import Any
 
 import psutil
@@ -143,7 +141,6 @@ class DataPlane:
         self._compute = compute or ComputeExecutor(f"meshd-compute-{node_id}")
         self._plans: dict[str, InstalledPlan] = {}
         self._closed = False
-        self._stream_first = _stream_first()
         self.transport = Transport(
             node_id, channel_factory, self, link_timeout_s=link_timeout_s, report=report
         )
@@ -158,7 +155,7 @@ class DataPlane:
             token_timeout_s=token_timeout_s,
             resume_timeout_s=resume_timeout_s,
             report=report,
-            yield_to_compute=None if self._stream_first else self._compute.let_start,
+            yield_to_compute=None if _stream_first() else self._compute.let_start,
         )
         self.stage = StageRuntime(
             node_id,
@@ -180,7 +177,7 @@ class DataPlane:
             "activation": self.stage.on_activation,
             "token": self._on_token,
             "end": self.stage.on_end,
-            "failure": self._on_failure,
+            "failure": self.origin.on_failure,
             "bundle": self._on_bundle,
         }
 
@@ -508,37 +505,15 @@ class DataPlane:
                 self.on_frame(sender, inner)
 
     def _on_token(self, sender: str, frame: dp.Frame) -> None:
-        """A token for this node's stage (the next step's input) and for its origin (the
-        client's): the stage first, so the step it lets start need not wait for the client's
-        part (:meth:`_to_origin`)."""
-        if self._stream_first:
-            self.origin.on_token(sender, frame)
-            self.stage.on_token(sender, frame)
-            return
-        arrived_at = time.perf_counter()
+        self.origin.on_token(sender, frame)
         self.stage.on_token(sender, frame)
-        self._to_origin(partial(self.origin.on_token, sender, frame, arrived_at))
-
-    def _on_failure(self, sender: str, frame: dp.Frame) -> None:
-        self._to_origin(partial(self.origin.on_failure, sender, frame, time.perf_counter()))
 
     def on_peer_lost(self, peer: str, reason: str) -> None:
         """Every request that involves ``peer`` is over: frames to or from it may be lost."""
         if self._closed:
             return
-        self._to_origin(partial(self.origin.on_peer_lost, peer, reason))
+        self.origin.on_peer_lost(peer, reason)
         self.stage.on_peer_lost(peer, reason)
-
-    def _to_origin(self, tell: Callable[[], None]) -> None:
-        """Tell the origin of a frame (stamped with its arrival) or a loss once the step this
-        node's compute thread was just woken for has started, at once when there is none: the
-        client's part of a token (its stream's wake-up, detokenizing, the event) runs while
-        the step computes, not before it (:meth:`meshd.runtime.compute.ComputeExecutor.
-        after_start`). Everything the origin is told goes this way, so it keeps its order."""
-        if self._stream_first or self._compute.closed:
-            tell()
-        else:
-            self._compute.after_start(tell)
 
     # ---------------------------------------------------------------- status and shutdown
 

@@ -149,9 +149,7 @@ class Origin(OriginMoves):
 
     # ------------------------------------------------------------ frames and losses
 
-    def on_token(self, sender: str, frame: dp.Frame, arrived_at: float | None = None) -> None:
-        """A Token frame from a last stage; ``arrived_at``: when it reached this node, if it
-        is handed on later (its timing counts from then)."""
+    def on_token(self, sender: str, frame: dp.Frame) -> None:
         request = self._by_wire.get(frame.request_id)
         if request is None:
             return
@@ -163,9 +161,9 @@ class Origin(OriginMoves):
         else:
             return
         if plan_id == frame.plan_id and sender == last:
-            request.deliver(frame, arrived_at)
+            request.deliver(frame)
 
-    def on_failure(self, sender: str, frame: dp.Frame, arrived_at: float | None = None) -> None:
+    def on_failure(self, sender: str, frame: dp.Frame) -> None:
         request = self._by_wire.get(frame.request_id)
         if request is None:
             return
@@ -177,7 +175,7 @@ class Origin(OriginMoves):
         else:
             return
         if plan_id == frame.plan_id and (sender in nodes or sender == self.node_id):
-            request.deliver(frame, arrived_at)
+            request.deliver(frame)
 
     def on_peer_lost(self, peer: str, reason: str) -> None:
         for request in list(self._requests.values()):

@@ -180,11 +180,10 @@ class OriginRequest:
             self.moving_since = loop_time
         self.interruption = reason
 
-    def deliver(self, item: dp.Frame | Stop, arrived_at: float | None = None) -> None:
+    def deliver(self, item: dp.Frame | Stop) -> None:
         """Queue a frame or a local stop, stamped with its arrival (timing is measured at
-        arrival, not when the client gets round to reading it): ``arrived_at`` where the
-        frame was handed on later than it arrived, else now."""
-        self.inbox.put_nowait((time.perf_counter() if arrived_at is None else arrived_at, item))
+        arrival, not when the client gets round to reading it)."""
+        self.inbox.put_nowait((time.perf_counter(), item))
 
     def on_token(self, token: dp.Token, arrived_at: float) -> list[GenerationEvent]:
         """Events for one Token frame: the token's text, and the final event if it ends."""

@@ -30,13 +30,11 @@ then, before the graph is built.
 
 Crossings (the only state two threads touch): the queue, which is thread-safe; a job's
 ``cancelled`` flag, which the loop sets (a cancelled awaiter) and the worker reads before it
-runs the job; the worker's ``_busy`` flag, which only it writes; ``_starting``, the waiters
-of :meth:`ComputeExecutor.let_start`, which the loop adds to and the worker takes whole once
-its job computes (or ends); and ``_deferred``, the callbacks of
-:meth:`ComputeExecutor.after_start`, which the loop owns and the worker only tests for being
-empty before it has the loop run them. All are plain attributes under the GIL; a waiter the
-worker missed gives up after ``LET_START_TIMEOUT_S`` (a callback runs then), and one told late
-finds its future done (a callback run already is not run again).
+runs the job; the worker's ``_busy`` flag, which only it writes; and ``_starting``, the
+waiters of :meth:`ComputeExecutor.let_start`, which the loop adds to and the worker takes
+whole once its job computes (or ends). All are plain attributes under the GIL; a waiter the
+worker missed gives up after ``LET_START_TIMEOUT_S``, and one told late finds its future
+done.
 """
 
 from __future__ import annotations
@@ -99,11 +97,6 @@ class ComputeExecutor:
         self._closed = False
         self._busy = False  # the worker runs a job (written by the worker only)
         self._starting: list[asyncio.Future[Any]] = []  # let_start's waiters
-        # after_start's callbacks, the loop they run on and the timer that ends their wait:
-        # the loop's (the worker only sees whether any wait).
-        self._deferred: list[Callable[[], object]] = []
-        self._deferred_loop: asyncio.AbstractEventLoop | None = None
-        self._deferred_timer: asyncio.TimerHandle | None = None
 
     @property
     def closed(self) -> bool:
@@ -167,42 +160,6 @@ class ComputeExecutor:
             with contextlib.suppress(ValueError):  # the worker took it off when it started
                 self._starting.remove(waiter)
 
-    def after_start(
-        self, callback: Callable[[], object], timeout_s: float = LET_START_TIMEOUT_S
-    ) -> None:
-        """Run ``callback()`` on the calling loop once the job the idle worker was just woken
-        for computes (or ended), at most ``timeout_s`` from now; at once when no job is about
-        to start. :meth:`let_start` for work that need not be awaited: the caller's loop goes
-        back to waiting at once, so it does not hold the GIL (and, where the threads share a
-        core, the core) between the wake-up and the job's start. Callbacks run in the order
-        given: one given while earlier ones wait, waits behind them. An error a callback
-        raises is logged, and the rest still run.
-
-        Why: an origin that is also the first stage gets each token of its last stage as a
-        frame; the step it lets start must not wait while the loop hands the token to the
-        client's stream and wakes it (~0.1 ms a hop on a core the forward pass left cold)."""
-        if not self._deferred and not self._starting_soon():
-            callback()
-            return
-        self._deferred.append(callback)
-        if self._deferred_timer is None:  # the first to wait: the latest they all run
-            loop = asyncio.get_running_loop()
-            self._deferred_loop = loop
-            self._deferred_timer = loop.call_later(timeout_s, self._run_deferred)
-
-    def _run_deferred(self) -> None:
-        """Loop: the callbacks :meth:`after_start` held, in order (told by the worker, or
-        when their time is up; a call with none left does nothing)."""
-        if self._deferred_timer is not None:
-            self._deferred_timer.cancel()
-            self._deferred_timer = None
-        callbacks, self._deferred = self._deferred, []
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:
-                log.exception("a callback that waited for a compute job's start failed")
-
     def _starting_soon(self) -> bool:
         return not self._busy and not self._jobs.empty() and self._thread is not None
 
@@ -253,11 +210,7 @@ class ComputeExecutor:
             return Outcome(error=error)
 
     def _tell_computing(self) -> None:
-        """Worker: wake :meth:`let_start`'s waiters and run :meth:`after_start`'s callbacks,
-        if any, on their loop."""
-        if self._deferred and self._deferred_loop is not None:
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
-                self._deferred_loop.call_soon_threadsafe(self._run_deferred)
+        """Worker: wake :meth:`let_start`'s waiters, if any, on their loop."""
         if not self._starting:
             return
         waiters, self._starting = self._starting, []
