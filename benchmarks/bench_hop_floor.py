@@ -1,8 +1,9 @@
 """What a hop costs at the least on this machine, without a daemon: the floor under meshd's.
 
 Issue 11 asks for a hop (one stage's result reaching the next stage's compute) under 0.5 ms.
-Real daemons in network namespaces measure 0.86-1.3 ms over lanes
-(``bench_batching.py --scaling``). This benchmark strips the daemon away to show what each
+Real daemons in network namespaces measure 0.6-0.8 ms over lanes since stop 30
+(``bench_batching.py --scaling --hop-trace``; 0.86-1.3 ms when this was written). This
+benchmark strips the daemon away to show what each
 data-plane design would cost here: two processes, each in its own network namespace (tests/netns.py:
 a bridge in its own namespace, nothing touches the machine's interfaces) and each pinned to
 one core, pass one greedy SmolLM2-135M decode back and forth over the product's own lanes
@@ -47,7 +48,10 @@ thread for a large block (OpenSSL's ~17 KB record buffer, which CPython's ``ssl`
 per write and frees again: ``SSL_MODE_RELEASE_BUFFERS``) first coalesces them all
 (``malloc_consolidate``): 0.6-0.7 ms, seen with ``perf record`` between a send's last
 syscall and its ``write``. It lands on the hop wherever the thread that computed also sends
-(``inline``, ``direct``); the daemon's loop thread sends from its own arena.
+(``inline``, ``direct``); the daemon's loop thread sends from its own arena. Both contexts
+here keep their record buffers (:func:`meshd.runtime.tls_buffers.keep_record_buffers`), as
+the daemon's lanes do since stop 30, so a send no longer makes that allocation; a frame's
+own bytes still do.
 
     sudo .venv/bin/python benchmarks/bench_hop_floor.py [--tokens 64] [--runs 2]
         [--modes thread inline idle thread-poll raw raw-poll direct direct-poll direct-select]
