@@ -5,14 +5,24 @@ from __future__ import annotations
 import random
 import socket
 from collections.abc import Sequence
+from pathlib import Path
 
-from meshd.inference.tensor_parallel.spec import group_ports
+from meshd.inference.tensor_parallel.spec import PORT_SLOTS, PORT_STRIDE, group_ports
+
+LOWEST_BASE = 20000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def free_base_port(plan_id: str, stage_indexes: Sequence[int], size: int) -> int:
-    """A base port whose derived ports (every stage of the plan) are all free on loopback."""
+    """A base port whose derived ports (every stage of the plan) are all free on loopback,
+    and below the system's ephemeral ports where it can be: a port free now but in that range
+    can be taken by any outgoing connection (a gRPC client of another test) before the
+    runner binds it, which failed a suite once ("[ring] Couldn't bind socket (error: 98)")."""
+    top = min(40000, _first_ephemeral_port()) - PORT_STRIDE * PORT_SLOTS
+    if top <= LOWEST_BASE:
+        top = 40000  # an unusual ephemeral range: free now is the best there is
     for _ in range(200):
-        base = random.randrange(20000, 40000)
+        base = random.randrange(LOWEST_BASE, top)
         ports = []
         for stage in stage_indexes:
             ranks, control = group_ports(plan_id, stage, size, base)
@@ -20,6 +30,14 @@ def free_base_port(plan_id: str, stage_indexes: Sequence[int], size: int) -> int
         if all(_bindable(port) for port in ports):
             return base
     raise RuntimeError("no free port range on loopback")
+
+
+def _first_ephemeral_port() -> int:
+    """The lowest port the system hands to outgoing connections (Linux; else IANA's 49152)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def _bindable(port: int) -> bool:
