@@ -40,6 +40,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from meshd.inference.tensor_parallel.spec import TENSOR_PARALLEL_ARCHITECTURES
+from tests.support.ports import free_ports
 from tests.support.random_model import make_random_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +119,7 @@ def probe_outputs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPath
         }
     )
     (folder / "jobs.json").write_text(json.dumps(jobs))
-    ports = _free_ports(2)
+    ports = free_ports(2)
     (folder / "hosts.json").write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
     processes = [
         subprocess.Popen(
@@ -140,19 +141,6 @@ def probe_outputs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPath
     codes = [process.returncode for process in processes]
     assert codes == [0, 0], f"probe ranks exited {codes}:\n" + "\n---\n".join(outputs)
     return folder
-
-
-def _free_ports(count: int) -> list[int]:
-    import socket
-
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def reference(model_dir: Path, tokens: list[int]) -> dict[str, np.ndarray]:

@@ -32,6 +32,19 @@ def free_base_port(plan_id: str, stage_indexes: Sequence[int], size: int) -> int
     raise RuntimeError("no free port range on loopback")
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports, free now and below the system's ephemeral ports
+    (see :func:`free_base_port`), for processes that bind them a moment later."""
+    top = min(40000, _first_ephemeral_port())
+    if top <= LOWEST_BASE + count:
+        top = 40000
+    for _ in range(200):
+        ports = random.sample(range(LOWEST_BASE, top), count)
+        if all(_bindable(port) for port in ports):
+            return ports
+    raise RuntimeError("no free ports on loopback")
+
+
 def _first_ephemeral_port() -> int:
     """The lowest port the system hands to outgoing connections (Linux; else IANA's 49152)."""
     try:
