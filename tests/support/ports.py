@@ -18,9 +18,7 @@ def free_base_port(plan_id: str, stage_indexes: Sequence[int], size: int) -> int
     and below the system's ephemeral ports where it can be: a port free now but in that range
     can be taken by any outgoing connection (a gRPC client of another test) before the
     runner binds it, which failed a suite once ("[ring] Couldn't bind socket (error: 98)")."""
-    top = min(40000, _first_ephemeral_port()) - PORT_STRIDE * PORT_SLOTS
-    if top <= LOWEST_BASE:
-        top = 40000  # an unusual ephemeral range: free now is the best there is
+    top = _top_below_ephemeral(PORT_STRIDE * PORT_SLOTS)
     for _ in range(200):
         base = random.randrange(LOWEST_BASE, top)
         ports = []
@@ -35,14 +33,20 @@ def free_base_port(plan_id: str, stage_indexes: Sequence[int], size: int) -> int
 def free_ports(count: int) -> list[int]:
     """``count`` distinct loopback ports, free now and below the system's ephemeral ports
     (see :func:`free_base_port`), for processes that bind them a moment later."""
-    top = min(40000, _first_ephemeral_port())
-    if top <= LOWEST_BASE + count:
-        top = 40000
+    top = _top_below_ephemeral(count)
     for _ in range(200):
         ports = random.sample(range(LOWEST_BASE, top), count)
         if all(_bindable(port) for port in ports):
             return ports
     raise RuntimeError("no free ports on loopback")
+
+
+def _top_below_ephemeral(span: int) -> int:
+    """Where a draw of ``span`` ports from LOWEST_BASE up must stop to stay below the system's
+    ephemeral ports; 40000 for an unusual range that leaves no room (free now is the best
+    there is then)."""
+    top = min(40000, _first_ephemeral_port()) - span
+    return top if top > LOWEST_BASE else 40000
 
 
 def _first_ephemeral_port() -> int:
