@@ -18,7 +18,10 @@ Modes, each a design the data plane could have:
 * ``thread``: the lane's loop hands each step to one compute thread and gets the result back
   (what the daemon does: ``StageRuntime`` on the asyncio loop, MLX on the compute thread).
 * ``inline``: the step runs on the loop that owns the lane, so no thread is crossed (the
-  "data-plane thread" redesign, at its cheapest).
+  "data-plane thread" redesign, at its cheapest). ``inline-settle``: the same, but right
+  after each send the thread asks glibc for one 4 KiB block and frees it
+  (:func:`settle_allocator`), so glibc sorts the blocks the forward pass freed while the
+  thread waits, not when the next frame's bytes are allocated (see "The allocator").
 * ``idle``: no compute at all, the same frames ping-ponged: what the same code costs when
   the core's caches were not just flushed by tens of milliseconds of matrix work.
 * ``thread-poll``: ``thread``, but the lane's loop never sleeps: for the whole run it polls
@@ -48,13 +51,19 @@ thread for a large block (OpenSSL's ~17 KB record buffer, which CPython's ``ssl`
 per write and frees again: ``SSL_MODE_RELEASE_BUFFERS``) first coalesces them all
 (``malloc_consolidate``): 0.6-0.7 ms, seen with ``perf record`` between a send's last
 syscall and its ``write``. It lands on the hop wherever the thread that computed also sends
-(``inline``, ``direct``); the daemon's loop thread sends from its own arena. Both contexts
+(``inline``, ``direct``); the daemon's loop thread sends from its own arena. The receive
+side has the same cost where the thread that computed parses the next frame: its first large
+``bytes`` after the pass (the frame's data, 2.3 KB) sorts everything the pass freed, 0.5-0.8
+ms of ``inline``'s hop in stop 32 (0.82-0.93 ms against 0.46-0.48 for ``inline-settle``).
+``direct`` does not pay it on the hop because its ``recv`` of 64 KB allocates before it
+blocks. Both contexts
 here keep their record buffers (:func:`meshd.runtime.tls_buffers.keep_record_buffers`), as
 the daemon's lanes do since stop 30, so a send no longer makes that allocation; a frame's
 own bytes still do.
 
     sudo .venv/bin/python benchmarks/bench_hop_floor.py [--tokens 64] [--runs 2]
-        [--modes thread inline idle thread-poll raw raw-poll direct direct-poll direct-select]
+        [--modes thread inline inline-settle idle thread-poll raw raw-poll direct direct-poll
+                 direct-select]
         [--malloc both|default|no-fastbins]
 """
 
@@ -63,6 +72,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import ctypes
+import functools
 import itertools
 import os
 import selectors
@@ -81,8 +92,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PORT = 7401
 MODES = [
-    "thread", "inline", "idle", "thread-poll", "raw", "raw-poll", "direct", "direct-poll",
-    "direct-select",
+    "thread", "inline", "inline-settle", "idle", "thread-poll", "raw", "raw-poll", "direct",
+    "direct-poll", "direct-select",
 ]  # fmt: skip
 ALLOCATORS = ("default", "no-fastbins")
 RAW_HEADER = struct.Struct(">I")  # the raw modes' length prefix, and their token id
@@ -171,6 +182,8 @@ def stage_process(role: str, my_ip: str, peer_ip: str, mode: str, tokens: int, r
             # frame of 2.3 KB is one TLS record the socket takes at once).
             lane._sock.sendall(data)
             marks.append(("sent", time.perf_counter()))
+            if mode == "inline-settle":
+                settle_allocator()  # off the hop: the next frame comes a pass later
 
         def step(payload: int | bytes) -> None:
             if mode.startswith("thread"):
@@ -291,6 +304,22 @@ def allocator_environment(allocator: str) -> dict[str, str]:
         tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
         env["GLIBC_TUNABLES"] = ":".join([*tunables, "glibc.malloc.mxfast=0"])
     return env
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None)  # the process's own symbols: glibc's malloc here
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    return libc
+
+
+def settle_allocator() -> None:
+    """Have glibc sort the blocks this thread freed, now: one large request (4 KiB, over
+    glibc's 1 KiB small-request limit) and its free, through ctypes (without the GIL)."""
+    libc = _libc()
+    libc.free(libc.malloc(4096))
 
 
 async def poll_until(finished: asyncio.Future[None]) -> None:
