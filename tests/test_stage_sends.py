@@ -3,6 +3,7 @@ itself (meshd.inference.stage): nothing of it twice, nothing else less."""
 
 from __future__ import annotations
 
+from meshd.inference.frames import finish_from_proto, finish_to_proto, token_frame
 from meshd.inference.stage import _not_sent_again, _token_frame
 from meshd.inference.stage_events import (
     Finish,
@@ -48,3 +49,31 @@ def test_the_compute_thread_sends_only_a_token_that_does_not_end_its_request() -
     assert _token_frame(work(last), Sampled(7, b"", 0.25)) is None  # the max_tokens-th
     assert _token_frame(work(None), Sampled(7, b"", 0.25)) is None  # not routed
     assert _token_frame(work(route), Hidden("h", 0.1)) is None
+
+
+def test_a_token_frame_built_in_place_reads_back_the_same() -> None:
+    """``token_frame`` sets the fields of the frame's own Token (the compute thread's hop);
+    what a receiver reads must be what a Token built whole carries, zeros and finishes too."""
+    for token_id, index, finish, logits in [
+        (0, 0, Finish.NONE, b""),  # every field zero: still a token frame
+        (7, 3, Finish.EOS, b""),
+        (49151, 12, Finish.LENGTH, b"\x00\x00\x80\x3f"),
+    ]:
+        action = SendToken(("o",), "p", "r", token_id, index, finish, 0.25, logits)
+        frame = token_frame(action)
+        whole = dp.Token(
+            token_id=token_id,
+            index=index,
+            finish=finish_to_proto(finish),
+            compute_s=0.25,
+            logits=logits,
+        )
+        assert frame == dp.Frame(plan_id="p", request_id="r", token=whole)
+        read = dp.Frame.FromString(frame.SerializeToString())
+        assert read.WhichOneof("body") == "token"
+        assert finish_from_proto(read.token.finish) is finish
+        assert (read.token.token_id, read.token.index, read.token.logits) == (
+            token_id,
+            index,
+            logits,
+        )

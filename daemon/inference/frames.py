@@ -60,14 +60,42 @@ def start_from_proto(message: dp.Start) -> RequestStart:
 
 def token_frame(action: SendToken) -> dp.Frame:
     """The frame that carries a sampled token (the same whichever thread sends it)."""
-    token = dp.Token(
-        token_id=action.token_id,
-        index=action.index,
-        finish=finish_to_proto(action.finish),
-        compute_s=action.compute_s,
-        logits=action.logits,
+    return sampled_token_frame(
+        action.plan_id,
+        action.request_id,
+        action.token_id,
+        action.index,
+        action.compute_s,
+        action.finish,
+        action.logits,
     )
-    return dp.Frame(plan_id=action.plan_id, request_id=action.request_id, token=token)
+
+
+def sampled_token_frame(
+    plan_id: str,
+    request_id: str,
+    token_id: int,
+    index: int,
+    compute_s: float,
+    finish: Finish = Finish.NONE,
+    logits: bytes = b"",
+) -> dp.Frame:
+    """A token's frame, its fields set in place: a last stage's compute thread builds one
+    per token on the hop, on a core the forward pass left cold. Building a ``Token`` first
+    and passing it to the ``Frame`` (which copies it), from a ``SendToken``, took 2.7 us
+    warm against 0.7 us this way; traced in two pinned daemons, the compute thread's
+    ``step_done -> frame_send`` of a token went from 0.065-0.067 ms to 0.045 ms."""
+    frame = dp.Frame(plan_id=plan_id, request_id=request_id)
+    token = frame.token
+    token.SetInParent()  # the body is a token even when every field is zero
+    token.token_id = token_id
+    token.index = index
+    token.compute_s = compute_s
+    if finish is not Finish.NONE:
+        token.finish = _FINISH_TO_WIRE[finish]
+    if logits:
+        token.logits = logits
+    return frame
 
 
 def failure_to_proto(kind: FailureKind) -> int:

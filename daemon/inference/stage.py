@@ -46,6 +46,7 @@ from meshd.inference.fencing import FenceCheck
 from meshd.inference.frames import (
     failure_to_proto,
     finish_from_proto,
+    sampled_token_frame,
     start_from_proto,
     start_to_proto,
     token_frame,
@@ -58,7 +59,6 @@ from meshd.inference.stage_events import (
     ComputeFailed,
     EndFrame,
     FailureKind,
-    Finish,
     Hidden,
     Release,
     Sampled,
@@ -529,17 +529,15 @@ def _token_frame(work: Work, result: StepResult) -> tuple[str, dp.Frame] | None:
     route = work.token_to
     if route is None or not isinstance(result, Sampled) or not route.carries(result.token_id):
         return None
-    action = SendToken(
-        (route.node,),
+    frame = sampled_token_frame(
         work.plan_id,
         work.request_id,
         result.token_id,
         route.index,
-        Finish.NONE,
         result.compute_s,
-        result.logits,  # b"": a request that asks for logits is not routed
+        logits=result.logits,  # b"": a request that asks for logits is not routed
     )
-    return route.node, token_frame(action)
+    return route.node, frame
 
 
 def _sent_to(work: Work) -> str | None:
