@@ -92,7 +92,7 @@ def sampled_token_frame(
     token.index = index
     token.compute_s = compute_s
     if finish is not Finish.NONE:
-        token.finish = _FINISH_TO_WIRE[finish]
+        token.finish = finish_to_proto(finish)
     if logits:
         token.logits = logits
     return frame
