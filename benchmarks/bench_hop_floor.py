@@ -56,10 +56,9 @@ side has the same cost where the thread that computed parses the next frame: its
 ``bytes`` after the pass (the frame's data, 2.3 KB) sorts everything the pass freed, 0.5-0.8
 ms of ``inline``'s hop in stop 32 (0.82-0.93 ms against 0.46-0.48 for ``inline-settle``).
 ``direct`` does not pay it on the hop because its ``recv`` of 64 KB allocates before it
-blocks. Both contexts
-here keep their record buffers (:func:`meshd.runtime.tls_buffers.keep_record_buffers`), as
-the daemon's lanes do since stop 30, so a send no longer makes that allocation; a frame's
-own bytes still do.
+blocks. Both contexts here keep their record buffers
+(:func:`meshd.runtime.tls_buffers.keep_record_buffers`), as the daemon's lanes do since stop
+30, so a send no longer makes that allocation; a frame's own bytes still do.
 
     sudo .venv/bin/python benchmarks/bench_hop_floor.py [--tokens 64] [--runs 2]
         [--modes thread inline inline-settle idle thread-poll raw raw-poll direct direct-poll
