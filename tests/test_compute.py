@@ -232,3 +232,44 @@ def test_let_start_waits_for_the_job_end_at_the_latest_and_gives_up_in_time() ->
         assert time.perf_counter() - waited < 1.0
 
     asyncio.run(main())
+
+
+def test_hand_over_lets_the_woken_job_build_its_graph_before_the_loop_goes_on() -> None:
+    """The origin's token callback cannot await: it hands the GIL over instead, so the step it
+    has just queued starts before the loop's own Python; a busy or idle worker is not waited
+    for, and a job that never says it computes is waited for at most the timeout."""
+
+    async def main() -> None:
+        compute = ComputeExecutor("test-compute")
+        await compute.run(lambda: None)  # the worker is up and idle
+        built = threading.Event()
+        release = threading.Event()
+
+        def step() -> None:
+            time.sleep(0.05)  # lets go of the GIL before the graph is built: not yet
+            built.set()
+            computing()
+            release.wait(5)
+
+        compute.submit_then(step, (), lambda outcome: outcome.result())
+        compute.hand_over(timeout_s=5.0)  # a loaded machine may wake threads late
+        assert built.is_set(), "hand_over returned before the queued job was computing"
+        assert compute._handing_over is None
+
+        compute.submit_then(lambda: None, (), lambda outcome: outcome.result())
+        waited = time.perf_counter()
+        compute.hand_over(timeout_s=1.0)  # busy with `step`: nothing to wait for
+        assert time.perf_counter() - waited < 0.5
+        release.set()
+        await compute.run(lambda: None)
+        waited = time.perf_counter()
+        compute.hand_over(timeout_s=1.0)  # idle, nothing queued
+        assert time.perf_counter() - waited < 0.5
+
+        await compute.close()
+        compute._jobs.put(None)  # a worker that never takes its job
+        waited = time.perf_counter()
+        compute.hand_over(timeout_s=0.05)
+        assert time.perf_counter() - waited < 1.0
+
+    asyncio.run(main())

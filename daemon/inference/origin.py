@@ -149,19 +149,22 @@ class Origin(OriginMoves):
 
     # ------------------------------------------------------------ frames and losses
 
-    def on_token(self, sender: str, frame: dp.Frame) -> None:
+    def on_token(self, sender: str, frame: dp.Frame) -> bool:
+        """Deliver a sampled token to its request's stream; whether one took it."""
         request = self._by_wire.get(frame.request_id)
         if request is None:
-            return
+            return False
         candidate = request.candidate
         if frame.request_id == request.wire_id:
             plan_id, last = request.plan_id, request.last_stage.node_id
         elif candidate is not None and frame.request_id == candidate.wire_id:
             plan_id, last = candidate.plan.plan_id, candidate.last_node
         else:
-            return
+            return False
         if plan_id == frame.plan_id and sender == last:
             request.deliver(frame)
+            return True
+        return False
 
     def on_failure(self, sender: str, frame: dp.Frame) -> None:
         request = self._by_wire.get(frame.request_id)

@@ -26,15 +26,20 @@ awaits :meth:`ComputeExecutor.let_start` first: the loop idles until the job has
 graph and handed it to MLX (the job calls :func:`computing`, between ``mx.async_eval`` and
 the ``mx.eval`` that waits for it without the GIL), or has ended. Not at the job's start:
 waking the loop writes to its socket, which lets go of the GIL, and the loop could take it
-then, before the graph is built.
+then, before the graph is built. A loop callback that cannot await (the origin's token
+callback, which has just queued the next step and woken the client's stream) calls
+:meth:`ComputeExecutor.hand_over`, the same wait with the loop thread blocked, so the step
+starts before the loop's own next Python rather than after it.
 
 Crossings (the only state two threads touch): the queue, which is thread-safe; a job's
 ``cancelled`` flag, which the loop sets (a cancelled awaiter) and the worker reads before it
-runs the job; the worker's ``_busy`` flag, which only it writes; and ``_starting``, the
+runs the job; the worker's ``_busy`` flag, which only it writes; ``_starting``, the
 waiters of :meth:`ComputeExecutor.let_start`, which the loop adds to and the worker takes
-whole once its job computes (or ends). All are plain attributes under the GIL; a waiter the
-worker missed gives up after ``LET_START_TIMEOUT_S``, and one told late finds its future
-done.
+whole once its job computes (or ends); and ``_handing_over``, the ``threading.Event`` of
+:meth:`ComputeExecutor.hand_over`, which the loop puts there and takes away and the worker
+sets. All
+are plain attributes under the GIL; a waiter the worker missed gives up after
+``LET_START_TIMEOUT_S``, and one told late finds its future done (or its event unwatched).
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ class ComputeExecutor:
         self._closed = False
         self._busy = False  # the worker runs a job (written by the worker only)
         self._starting: list[asyncio.Future[Any]] = []  # let_start's waiters
+        self._handing_over: threading.Event | None = None  # hand_over's waiter
 
     @property
     def closed(self) -> bool:
@@ -160,6 +166,28 @@ class ComputeExecutor:
             with contextlib.suppress(ValueError):  # the worker took it off when it started
                 self._starting.remove(waiter)
 
+    def hand_over(self, timeout_s: float = LET_START_TIMEOUT_S) -> None:
+        """:meth:`let_start` for a loop callback that cannot await: the loop thread itself
+        waits (without the GIL, at most ``timeout_s``) until a job the worker was just woken
+        for is computing. Returns at once otherwise.
+
+        Why block a loop: the job needs the GIL to build its graph, so the loop's Python
+        waits behind it either way once the worker has it; what this changes is only who
+        goes first. Without it the loop runs on until it sleeps in ``epoll`` (its callback's
+        return, the next iteration, the client stream it woke up to its ``let_start``), and
+        the step waits that long: ~0.07 ms of a token's hop into an origin that is also the
+        first stage (traced, issue 11).
+        """
+        if not self._starting_soon():
+            return
+        event = threading.Event()
+        self._handing_over = event
+        try:
+            if self._starting_soon():  # else the worker took it meanwhile
+                event.wait(timeout_s)
+        finally:
+            self._handing_over = None
+
     def _starting_soon(self) -> bool:
         return not self._busy and not self._jobs.empty() and self._thread is not None
 
@@ -210,7 +238,11 @@ class ComputeExecutor:
             return Outcome(error=error)
 
     def _tell_computing(self) -> None:
-        """Worker: wake :meth:`let_start`'s waiters, if any, on their loop."""
+        """Worker: wake :meth:`let_start`'s waiters, if any, on their loop, and the loop
+        thread in :meth:`hand_over`."""
+        handing_over = self._handing_over
+        if handing_over is not None:
+            handing_over.set()
         if not self._starting:
             return
         waiters, self._starting = self._starting, []
