@@ -47,6 +47,12 @@ hop, from one stage's finished step to the next stage's compute, per direction:
     sudo .venv/bin/python benchmarks/bench_batching.py --scaling [--runs 5] [--max-tokens 64]
         [--no-lanes-too] [--loop-sends-too] [--stream-first-too] [--hop-trace]
     .venv/bin/python benchmarks/bench_batching.py --unpinned-rounds 3 [--stream-first-too]
+    sudo .venv/bin/python benchmarks/bench_batching.py --pinned-rounds 4 [--runs 3]
+
+``--pinned-rounds N`` runs only the pinned 1- and 2-node lines, N times, each time next to
+mlx-lm timed on each core, and prints the median ratio and its range: on a shared machine
+whose speed drifts over the quarter of an hour a ``--scaling`` run takes, a ratio of two
+timings a minute apart is the one to trust.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import itertools
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -487,6 +494,59 @@ def unpinned_rounds(rounds: int, runs: int, max_tokens: int, stream_first_too: b
     return 0
 
 
+def pinned_rounds(rounds: int, runs: int, max_tokens: int) -> int:
+    """Only the pinned one- and two-node lines, ``rounds`` times, interleaved with mlx-lm on
+    each core: each round times mlx-lm on core 0 and on core 1, one daemon on core 0 and two
+    daemons on cores 0 and 1 (half the rounds in the reverse order), so a ratio divides two
+    timings a minute apart, not two rows a quarter of an hour apart. This machine's speed
+    drifts by more than the goals' margins over the length of one ``--scaling`` run; the
+    median ratio over the rounds, with its range, is the figure to read."""
+    from tests.netns import cleanup_stale, require_root_and_netns
+
+    require_root_and_netns()
+    cleanup_stale()
+    if (os.cpu_count() or 1) < 2:
+        print("--pinned-rounds needs 2 cores")
+        return 2
+    root = Path(tempfile.mkdtemp(prefix="bench-pinned-"))
+    ratios: dict[str, list[float]] = {"1 node": [], "2 nodes": []}
+    try:
+        model = ModelStore(root / "store").ensure_default().path
+        print(f"one request, {max_tokens} greedy tokens, medians of {runs} runs per timing")
+        for number in range(1, rounds + 1):
+            steps = ["mlx-lm", "mesh"] if number % 2 else ["mesh", "mlx-lm"]
+            timed: dict[str, Single] = {}
+            for step in steps:
+                if step == "mlx-lm":
+                    for cpu in ("0", "1"):
+                        timed[f"core {cpu}"] = reference_single(model, cpu, runs, max_tokens)
+                else:
+                    timed["1 node"] = netns_mesh_single(root, model, ["0"], runs, max_tokens)
+                    timed["2 nodes"] = netns_mesh_single(root, model, ["0", "1"], runs, max_tokens)
+            same_cores = (timed["core 0"].s_per_token + timed["core 1"].s_per_token) / 2
+            ratios["1 node"].append(timed["core 0"].s_per_token / timed["1 node"].s_per_token)
+            ratios["2 nodes"].append(same_cores / timed["2 nodes"].s_per_token)
+            other = (timed["2 nodes"].transport_s_per_token or 0.0) * 1e3
+            speed = {label: 1 / single.s_per_token for label, single in timed.items()}
+            print(
+                f"round {number}: mlx-lm core 0 {speed['core 0']:.2f}, core 1 "
+                f"{speed['core 1']:.2f} tok/s; 1 node {speed['1 node']:.2f} tok/s = "
+                f"{ratios['1 node'][-1]:.2f}x; 2 nodes {speed['2 nodes']:.2f} tok/s = "
+                f"{ratios['2 nodes'][-1]:.2f}x of the same cores (other ms {other:.2f}, "
+                f"load {timed['2 nodes'].load:.2f})",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for label, values in ratios.items():
+        if values:
+            print(
+                f"{label}: median {statistics.median(values):.2f}x of mlx-lm on the same cores "
+                f"(range {min(values):.2f}-{max(values):.2f}, {len(values)} rounds)"
+            )
+    return 0
+
+
 def scaling_table(
     runs: int,
     max_tokens: int,
@@ -605,6 +665,11 @@ def main() -> int:
         help="only the unpinned line (2 daemons sharing every core vs one mlx-lm), N rounds",
     )  # fmt: skip
     parser.add_argument(
+        "--pinned-rounds", type=int, default=0, metavar="N",
+        help="only the pinned 1- and 2-node lines, N rounds interleaved with mlx-lm on each "
+             "core (run as root)",
+    )  # fmt: skip
+    parser.add_argument(
         "--strategy", choices=["memory", "speed"], default="memory",
         help="how the daemons split the layers (see start_mesh)",
     )  # fmt: skip
@@ -613,6 +678,8 @@ def main() -> int:
         return unpinned_rounds(
             args.unpinned_rounds, args.runs, args.max_tokens, args.stream_first_too
         )
+    if args.pinned_rounds:
+        return pinned_rounds(args.pinned_rounds, args.runs, args.max_tokens)
     if args.scaling:
         return scaling_table(
             args.runs,
