@@ -37,8 +37,7 @@ runs the job; the worker's ``_busy`` flag, which only it writes; ``_starting``, 
 waiters of :meth:`ComputeExecutor.let_start`, which the loop adds to and the worker takes
 whole once its job computes (or ends); and ``_handing_over``, the ``threading.Event`` of
 :meth:`ComputeExecutor.hand_over`, which the loop puts there and takes away and the worker
-sets. All
-are plain attributes under the GIL; a waiter the worker missed gives up after
+sets. All are plain attributes under the GIL; a waiter the worker missed gives up after
 ``LET_START_TIMEOUT_S``, and one told late finds its future done (or its event unwatched).
 """
 
@@ -175,8 +174,9 @@ class ComputeExecutor:
         waits behind it either way once the worker has it; what this changes is only who
         goes first. Without it the loop runs on until it sleeps in ``epoll`` (its callback's
         return, the next iteration, the client stream it woke up to its ``let_start``), and
-        the step waits that long: ~0.07 ms of a token's hop into an origin that is also the
-        first stage (traced, issue 11).
+        the step waits that long: traced in 2 pinned daemons (issue 11), a step the token
+        queued at an origin that is also the first stage started 0.112-0.115 ms after its
+        submission without this, 0.050-0.061 ms with it.
         """
         if not self._starting_soon():
             return
