@@ -141,7 +141,10 @@ class DataPlane:
         self._compute = compute or ComputeExecutor(f"meshd-compute-{node_id}")
         self._plans: dict[str, InstalledPlan] = {}
         self._closed = False
-        self._hand_over = not _stream_first()  # the benchmark's baseline turns both off
+        # A step a token lets this node start goes before the client's stream that token
+        # wakes (let_start in the stream, hand_over in _on_token); MESHD_STREAM_FIRST=1, the
+        # benchmark's baseline, turns both off.
+        self._step_first = not _stream_first()
         self.transport = Transport(
             node_id, channel_factory, self, link_timeout_s=link_timeout_s, report=report
         )
@@ -156,7 +159,7 @@ class DataPlane:
             token_timeout_s=token_timeout_s,
             resume_timeout_s=resume_timeout_s,
             report=report,
-            yield_to_compute=None if _stream_first() else self._compute.let_start,
+            yield_to_compute=self._compute.let_start if self._step_first else None,
         )
         self.stage = StageRuntime(
             node_id,
@@ -508,10 +511,8 @@ class DataPlane:
     def _on_token(self, sender: str, frame: dp.Frame) -> None:
         delivered = self.origin.on_token(sender, frame)
         self.stage.on_token(sender, frame)
-        if delivered and self._hand_over:
-            # The step this token let the first stage queue goes before the client's
-            # stream, which the token has just woken (ComputeExecutor.hand_over).
-            self._compute.hand_over()
+        if delivered and self._step_first:
+            self._compute.hand_over()  # the step it queued, then the stream it woke
 
     def on_peer_lost(self, peer: str, reason: str) -> None:
         """Every request that involves ``peer`` is over: frames to or from it may be lost."""
