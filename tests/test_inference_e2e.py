@@ -112,6 +112,19 @@ def test_three_hosts_answer_paris(mesh_of_three) -> None:
     assert -1e-3 < done.transport_s_per_token < 1 / done.decode_tokens_per_s, done
 
 
+def test_the_os_sees_each_daemon_thread_by_its_job(mesh_of_three) -> None:
+    """`top -H` and `ps -L` name a daemon's threads by what they do, once it has computed:
+    the trio thread (the process's own name), the asyncio loop, the compute thread (MLX's
+    stream thread inherits its name) and OpenBLAS's workers where it has any."""
+    daemon = mesh_of_three[0]
+    tasks = Path(f"/proc/{daemon.pid}/task")
+    if not tasks.is_dir():
+        pytest.skip("thread names are read from /proc, which only Linux has")
+    chat(daemon, QUESTION)  # every daemon of the plan has computed now
+    names = {(task / "comm").read_text().strip() for task in tasks.iterdir()}
+    assert {"meshd", "meshd-grpc", "meshd-compute"} <= names, names
+
+
 def test_a_hop_trace_shows_where_each_hop_goes(mesh_of_three, tmp_path: Path) -> None:
     """The daemons' own marks (meshd.runtime.hoptrace) pair into hops, host to host: those
     between the two hosts with lanes say which thread sent them and, where the marks came in

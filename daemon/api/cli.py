@@ -164,6 +164,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from meshd.mesh.membership import DuplicateNodeId
     from meshd.node import run_node
     from meshd.runtime import hoptrace
+    from meshd.runtime.thread_names import name_this_thread
     from meshd.state_lock import StateDirInUse
 
     config = load_config(flags_given(args), config_path=args.config)
@@ -179,6 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 leave.append(info.leave)
 
     exit_code = 0
+    name_this_thread("meshd")  # `ps` and `top` show the daemon as meshd, not python
     try:
         trio.run(main)
     except* (DuplicateNodeId, StateDirInUse) as group:  # exit 3: a restart cannot fix it

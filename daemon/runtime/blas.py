@@ -55,6 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from meshd.runtime.thread_names import named_while
+
 BLAS_ENV = "MESHD_BLAS"
 CORETYPE_ENV = "MESHD_BLAS_CORETYPE"
 OPENBLAS_CORETYPE_ENV = "OPENBLAS_CORETYPE"
@@ -286,7 +288,8 @@ def _restore_env(name: str, previous: str | None) -> None:
 
 
 def _load_global(path: Path) -> ctypes.CDLL:
-    return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    with named_while("meshd-blas"):  # OpenBLAS starts its worker threads as it loads
+        return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
 
 
 def _describe_openblas(path: Path, reason: str) -> BlasInfo:

@@ -35,6 +35,8 @@ from typing import Any, TypeVar
 
 import trio
 
+from meshd.runtime.thread_names import name_this_thread
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -97,6 +99,7 @@ class AsyncioThread:
         ready = threading.Event()
 
         def serve() -> None:
+            name_this_thread(self._name)
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
             self._loop = loop

@@ -52,6 +52,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from meshd.runtime.thread_names import name_this_thread
+
 log = logging.getLogger("meshd.compute")
 
 T = TypeVar("T")
@@ -216,6 +218,7 @@ class ComputeExecutor:
         """The worker: run jobs in order until the close sentinel; after close, drop the rest
         (an awaiter's future is cancelled, a ``submit_then`` job is forgotten)."""
         _running_on.executor = self
+        name_this_thread("meshd-compute")  # the OS's name, for top -H; MLX's threads inherit it
         while (job := self._jobs.get()) is not None:
             self._busy = True
             outcome = self._run(job)

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshd.runtime.thread_names import name_this_thread
+
 log = logging.getLogger("meshd.hoptrace")
 
 ENV = "MESHD_HOP_TRACE"
@@ -112,6 +114,7 @@ def flush() -> None:
 
 
 def _flush_every_second() -> None:
+    name_this_thread("meshd-hoptrace")
     while not _stopping.wait(FLUSH_INTERVAL_S):
         flush()
 
