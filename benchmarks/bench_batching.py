@@ -306,10 +306,14 @@ class Single:
     tokens: int
     load: float
     transport_s_per_token: float | None = None  # the daemons' own measure (final event)
+    streamed: int = 0  # tokens streamed over every run, the warm-up's too (--thread-cpu)
 
 
 def single_of(
-    runs: list[tuple[float, list[float]]], load: float, transport: list[float] | None = None
+    runs: list[tuple[float, list[float]]],
+    load: float,
+    transport: list[float] | None = None,
+    streamed: int = 0,
 ) -> Single:
     import statistics
 
@@ -320,6 +324,7 @@ def single_of(
         round(statistics.median(len(t) for _, t in runs)),
         load,
         statistics.median(transport) if transport else None,
+        streamed,
     )
 
 
@@ -346,6 +351,7 @@ def mesh_single(api: str, runs: int, max_tokens: int) -> Single:
     load = os.getloadavg()[0]
     results = []
     transport = []
+    streamed = 0
     for run in range(runs + 1):
         started = time.perf_counter()
         times = []
@@ -354,9 +360,51 @@ def mesh_single(api: str, runs: int, max_tokens: int) -> Single:
                 times.append(time.perf_counter())
             elif event.HasField("done") and run:
                 transport.append(event.done.transport_s_per_token)
+        streamed += len(times)
         if run and times:
             results.append((times[0] - started, times))
-    return single_of(results, load, transport)
+    return single_of(results, load, transport, streamed)
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) the threads of ``pid`` have used so far, summed per name
+    the OS shows (meshd names its own: meshd, meshd-grpc, meshd-compute, which MLX's stream
+    thread inherits, and meshd-blas for OpenBLAS's workers); empty where /proc is missing.
+    A thread that ends between two readings takes its CPU with it."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    tasks = Path(f"/proc/{pid}/task")
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()  # field 3 onwards: utime is 14, stime 15
+        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return totals
+
+
+def with_thread_cpu(daemons: list[DaemonProcess], labels: list[str], run: Callable[[], T]) -> T:
+    """``run()``, then each daemon's CPU per streamed token, per thread name (``--thread-cpu``):
+    where a daemon's time goes besides MLX, next to what one mlx-lm process needs a token.
+    The window holds every run of the row (the warm-up too), so a prompt's prefill counts."""
+    before = [thread_cpu_s(daemon.pid) for daemon in daemons]
+    result = run()
+    after = [thread_cpu_s(daemon.pid) for daemon in daemons]
+    tokens = getattr(result, "streamed", 0)
+    if not tokens:
+        return result
+    for label, start, end in zip(labels, before, after, strict=True):
+        used = {name: end[name] - start.get(name, 0.0) for name in end}
+        parts = ", ".join(
+            f"{name} {seconds / tokens * 1e3:.2f}"
+            for name, seconds in sorted(used.items(), key=lambda item: -item[1])
+            if seconds > 0
+        )
+        total = sum(used.values()) / tokens * 1e3
+        print(f"  {label}: {total:.2f} ms of CPU a token ({parts})", flush=True)
+    return result
 
 
 def netns_mesh_single(
@@ -368,10 +416,11 @@ def netns_mesh_single(
     extra_args: list[str] | None = None,
     hop_trace: Path | None = None,
     env: dict[str, str] | None = None,
+    thread_cpu: bool = False,
 ):
     """len(cpus) daemons, each in its own namespace and pinned to its cpu; one request."""
     measure = partial(mesh_single, runs=runs, max_tokens=max_tokens)
-    return netns_mesh(root, model, cpus, extra_args or [], measure, hop_trace, env)
+    return netns_mesh(root, model, cpus, extra_args or [], measure, hop_trace, env, thread_cpu)
 
 
 def netns_mesh(
@@ -382,11 +431,13 @@ def netns_mesh(
     measure: Callable[[str], T],
     hop_trace: Path | None = None,
     env: dict[str, str] | None = None,
+    thread_cpu: bool = False,
 ) -> T:
     """len(cpus) daemons (``extra_args`` added to each), each in its own namespace and pinned
     to its cpu, splitting ``model`` by memory: ``measure(first daemon's API)`` once they serve
     it, then they are killed. With ``hop_trace``, the daemons trace their hops there
-    (:mod:`meshd.runtime.hoptrace`) and the table of where a hop's time went is printed."""
+    (:mod:`meshd.runtime.hoptrace`) and the table of where a hop's time went is printed;
+    with ``thread_cpu``, each daemon's CPU a token per thread (:func:`with_thread_cpu`)."""
     from tests.netns import Mesh
 
     token = security.encode_join_token(security.create_mesh_secret("bench-netns"))
@@ -411,7 +462,12 @@ def netns_mesh(
                     daemon.env[hoptrace.ENV] = str(hop_trace)
                 daemons.append(daemon.start())
             wait_for_stages(daemons, len(cpus))
-            result = measure(daemons[0].api)
+            if thread_cpu:
+                labels = [f"node {i} (core {cpu})" for i, cpu in enumerate(cpus)]
+                print(f"CPU a streamed token by thread, {len(cpus)} pinned node(s):")
+                result = with_thread_cpu(daemons, labels, lambda: measure(daemons[0].api))
+            else:
+                result = measure(daemons[0].api)
             if hop_trace is not None:
                 time.sleep(2 * hoptrace.FLUSH_INTERVAL_S)  # the daemons' last marks
                 names = {hoptrace.process_name(d.pid): f"node {i} (core {c})"
@@ -432,9 +488,11 @@ def loopback_mesh_single(
     runs: int,
     max_tokens: int,
     env: dict[str, str] | None = None,
+    thread_cpu: bool = False,
 ):
     """``nodes`` unpinned loopback daemons, as ``meshd demo`` starts them (with ``env`` added
-    to their environment); one request."""
+    to their environment); one request (with ``thread_cpu``, each daemon's CPU a token per
+    thread)."""
     from meshd.api.demo import loopback_args
 
     token = security.encode_join_token(security.create_mesh_secret("bench-scaling-lo"))
@@ -444,7 +502,13 @@ def loopback_mesh_single(
     ]
     try:
         wait_for_stages(daemons, nodes)
-        return mesh_single(daemons[0].api, runs, max_tokens)
+        if not thread_cpu:
+            return mesh_single(daemons[0].api, runs, max_tokens)
+        print(f"CPU a streamed token by thread, {nodes} unpinned node(s):")
+        labels = [f"node {i}" for i in range(nodes)]
+        return with_thread_cpu(
+            daemons, labels, lambda: mesh_single(daemons[0].api, runs, max_tokens)
+        )
     finally:
         for daemon in daemons:
             daemon.kill()
@@ -462,12 +526,19 @@ def wait_for_stages(daemons: list[DaemonProcess], stages: int) -> None:
         )
 
 
-def unpinned_rounds(rounds: int, runs: int, max_tokens: int, stream_first_too: bool = False) -> int:
+def unpinned_rounds(
+    rounds: int,
+    runs: int,
+    max_tokens: int,
+    stream_first_too: bool = False,
+    thread_cpu: bool = False,
+) -> int:
     """Only the unpinned line, ``rounds`` times: one mlx-lm process on every core, then two
     loopback daemons that share every core (what ``meshd demo`` does), alternating, so the
     spread of both on a shared machine shows next to their ratio; with ``stream_first_too``
     each round runs the daemons again with ``MESHD_STREAM_FIRST=1`` (the baseline order)."""
     root = Path(tempfile.mkdtemp(prefix="bench-unpinned-"))
+    ratios: dict[str, list[float]] = {}
     try:
         model = ModelStore(root / "store").ensure_default().path
         print(f"one request, {max_tokens} greedy tokens, medians of {runs} runs per round")
@@ -480,8 +551,11 @@ def unpinned_rounds(rounds: int, runs: int, max_tokens: int, stream_first_too: b
                 variants.reverse()  # neither variant always runs right after mlx-lm
             for suffix, env in variants:
                 folder = root / f"round{round_number}{suffix.strip(', ').replace(' ', '-')}"
-                mesh = loopback_mesh_single(folder, model, 2, runs, max_tokens, env)
+                mesh = loopback_mesh_single(folder, model, 2, runs, max_tokens, env, thread_cpu)
                 other = mesh.transport_s_per_token or 0.0
+                ratios.setdefault(f"2 unpinned daemons{suffix}", []).append(
+                    alone.s_per_token / mesh.s_per_token
+                )
                 print(
                     f"round {round_number}: mlx-lm on every core {1 / alone.s_per_token:.2f} "
                     f"tok/s, 2 unpinned daemons{suffix} {1 / mesh.s_per_token:.2f} tok/s = "
@@ -491,10 +565,21 @@ def unpinned_rounds(rounds: int, runs: int, max_tokens: int, stream_first_too: b
                 )
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    print_median_ratios(ratios, "of mlx-lm on every core")
     return 0
 
 
-def pinned_rounds(rounds: int, runs: int, max_tokens: int) -> int:
+def print_median_ratios(ratios: dict[str, list[float]], against: str) -> None:
+    """Per line, the median ratio over the rounds and its range: the figure to read."""
+    for label, values in ratios.items():
+        if values:
+            print(
+                f"{label}: median {statistics.median(values):.2f}x {against} "
+                f"(range {min(values):.2f}-{max(values):.2f}, {len(values)} rounds)"
+            )
+
+
+def pinned_rounds(rounds: int, runs: int, max_tokens: int, thread_cpu: bool = False) -> int:
     """Only the pinned one- and two-node lines, ``rounds`` times, interleaved with mlx-lm on
     each core: each round times mlx-lm on core 0 and on core 1, one daemon on core 0 and two
     daemons on cores 0 and 1 (half the rounds in the reverse order), so a ratio divides two
@@ -521,8 +606,10 @@ def pinned_rounds(rounds: int, runs: int, max_tokens: int) -> int:
                     for cpu in ("0", "1"):
                         timed[f"core {cpu}"] = reference_single(model, cpu, runs, max_tokens)
                 else:
-                    timed["1 node"] = netns_mesh_single(root, model, ["0"], runs, max_tokens)
-                    timed["2 nodes"] = netns_mesh_single(root, model, ["0", "1"], runs, max_tokens)
+                    for label, cpus in (("1 node", ["0"]), ("2 nodes", ["0", "1"])):
+                        timed[label] = netns_mesh_single(
+                            root, model, cpus, runs, max_tokens, thread_cpu=thread_cpu
+                        )
             same_cores = (timed["core 0"].s_per_token + timed["core 1"].s_per_token) / 2
             ratios["1 node"].append(timed["core 0"].s_per_token / timed["1 node"].s_per_token)
             ratios["2 nodes"].append(same_cores / timed["2 nodes"].s_per_token)
@@ -538,12 +625,7 @@ def pinned_rounds(rounds: int, runs: int, max_tokens: int) -> int:
             )
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    for label, values in ratios.items():
-        if values:
-            print(
-                f"{label}: median {statistics.median(values):.2f}x of mlx-lm on the same cores "
-                f"(range {min(values):.2f}-{max(values):.2f}, {len(values)} rounds)"
-            )
+    print_median_ratios(ratios, "of mlx-lm on the same cores")
     return 0
 
 
@@ -554,6 +636,7 @@ def scaling_table(
     hop_trace: bool = False,
     loop_sends_too: bool = False,
     stream_first_too: bool = False,
+    thread_cpu: bool = False,
 ) -> int:
     """The one-request table (see the module docstring); with ``streams_too``, the multi-node
     rows again with `--no-lanes` (frames over the peer port's gRPC streams), same run; with
@@ -591,16 +674,20 @@ def scaling_table(
             for suffix, extra, env in variants if len(cpus) > 1 else variants[:1]:
                 trace = root / f"hops-{len(cpus)}{suffix.strip(', -').replace(' ', '-')}"
                 traced = trace if hop_trace and len(cpus) > 1 else None
-                result = netns_mesh_single(root, model, cpus, runs, max_tokens, extra, traced, env)
+                result = netns_mesh_single(
+                    root, model, cpus, runs, max_tokens, extra, traced, env, thread_cpu
+                )
                 label = f"{len(cpus)} node(s), cores {','.join(cpus)}{shared}{suffix}"
                 rows.append((label, result, one_core, len(cpus), same_cores))
         every_core = reference_single(model, "", runs, max_tokens)
         rows.append(("mlx-lm, 1 process, every core", every_core, None, 0, None))
-        unpinned = loopback_mesh_single(root, model, 2, runs, max_tokens)
+        unpinned = loopback_mesh_single(root, model, 2, runs, max_tokens, thread_cpu=thread_cpu)
         rows.append(("2 nodes unpinned (meshd demo)", unpinned, every_core, -2, None))
         if stream_first_too:
             env = {STREAM_FIRST_ENV: "1"}
-            first = loopback_mesh_single(root / "stream-first", model, 2, runs, max_tokens, env)
+            first = loopback_mesh_single(
+                root / "stream-first", model, 2, runs, max_tokens, env, thread_cpu
+            )
             rows.append(("2 nodes unpinned, stream first", first, every_core, -2, None))
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -670,16 +757,21 @@ def main() -> int:
              "core (run as root)",
     )  # fmt: skip
     parser.add_argument(
+        "--thread-cpu", action="store_true",
+        help="--scaling, --pinned-rounds and --unpinned-rounds also print each daemon's CPU a "
+             "streamed token, per thread (Linux)",
+    )  # fmt: skip
+    parser.add_argument(
         "--strategy", choices=["memory", "speed"], default="memory",
         help="how the daemons split the layers (see start_mesh)",
     )  # fmt: skip
     args = parser.parse_args()
     if args.unpinned_rounds:
         return unpinned_rounds(
-            args.unpinned_rounds, args.runs, args.max_tokens, args.stream_first_too
+            args.unpinned_rounds, args.runs, args.max_tokens, args.stream_first_too, args.thread_cpu
         )
     if args.pinned_rounds:
-        return pinned_rounds(args.pinned_rounds, args.runs, args.max_tokens)
+        return pinned_rounds(args.pinned_rounds, args.runs, args.max_tokens, args.thread_cpu)
     if args.scaling:
         return scaling_table(
             args.runs,
@@ -688,6 +780,7 @@ def main() -> int:
             args.hop_trace,
             args.loop_sends_too,
             args.stream_first_too,
+            args.thread_cpu,
         )
     cores = os.cpu_count() or 1
     cpus = ["", ""] if args.no_pin or cores < 2 else ["0", "1"]
