@@ -385,10 +385,25 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
     return totals
 
 
+def warm_request(api: str) -> None:
+    """One short greedy request: what a mesh does once (the tokenizer's load, the first
+    caches) is then behind it."""
+    from meshd.api import client
+    from meshd.wire import pb
+
+    request = pb.ChatRequest(
+        messages=[pb.ChatMessage(**m) for m in SCALING_PROMPT],
+        sampling=pb.Sampling(temperature=0, max_tokens=8),
+    )
+    for _ in client.stream_generation(api, request, timeout_s=300):
+        pass
+
+
 def with_thread_cpu(daemons: list[DaemonProcess], labels: list[str], run: Callable[[], T]) -> T:
-    """``run()``, then each daemon's CPU per streamed token, per thread name (``--thread-cpu``):
-    where a daemon's time goes besides MLX, next to what one mlx-lm process needs a token.
-    The window holds every run of the row (the warm-up too), so a prompt's prefill counts."""
+    """A warm-up request, then ``run()``, then each daemon's CPU per streamed token, per thread
+    name (``--thread-cpu``): where a daemon's time goes besides MLX, next to what one mlx-lm
+    process needs a token. The window holds every request of ``run`` (their prefill too)."""
+    warm_request(daemons[0].api)
     before = [thread_cpu_s(daemon.pid) for daemon in daemons]
     result = run()
     after = [thread_cpu_s(daemon.pid) for daemon in daemons]
