@@ -163,3 +163,42 @@ def test_a_failing_handover_is_logged_and_trio_keeps_running(caplog) -> None:
     trio.run(main)
     failures = [r for r in caplog.records if "failed" in r.getMessage()]
     assert len(failures) == 1 and failures[0].exc_info is not None
+
+
+def test_trio_wakes_an_asyncio_waiter_and_a_failing_call_is_logged(caplog) -> None:
+    """`call_soon` runs a plain function on the asyncio thread, in order; one that fails is
+    logged there and the loop goes on; after the bridge closed, a call is dropped."""
+
+    async def main() -> None:
+        async with AsyncioThread() as bridge:
+            woken = asyncio.Event()  # bound to the asyncio loop when it is awaited
+            ran_on: list[str] = []
+
+            async def wait_for_wake() -> list[str]:
+                async with asyncio.timeout(5):
+                    await woken.wait()
+                return ran_on
+
+            def broken() -> None:
+                raise KeyError("a bug")
+
+            def wake() -> None:
+                ran_on.append(threading.current_thread().name)
+                woken.set()
+
+            async with trio.open_nursery() as nursery:
+                results: list[list[str]] = []
+
+                async def waiter() -> None:
+                    results.append(await bridge.run(wait_for_wake))
+
+                nursery.start_soon(waiter)
+                await trio.sleep(0.05)  # the waiter waits on the asyncio side now
+                bridge.call_soon(broken)
+                bridge.call_soon(wake)
+            assert results == [["meshd-grpc"]]
+        bridge.call_soon(wake)  # closed: dropped, no error
+
+    trio.run(main)
+    failures = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info is not None

@@ -44,7 +44,7 @@ async def with_peer(body) -> None:
 
 
 def stream(stub, beats: list[pb.Beat]):
-    return beat_stream(stub, "me", lambda: 1, INTERVAL_S, TIMEOUT_S, beats.append)
+    return beat_stream(stub, "me", lambda: 1, asyncio.Event(), INTERVAL_S, TIMEOUT_S, beats.append)
 
 
 def test_a_hung_peer_is_noticed_after_the_timeout() -> None:
@@ -85,18 +85,24 @@ def test_a_state_change_is_beaten_at_once_and_idle_beats_keep_their_interval() -
 
     async def body(peer: EchoPeer, stub) -> None:
         version = 1
+        changed = asyncio.Event()
         beats: list[pb.Beat] = []
         task = asyncio.create_task(
-            beat_stream(stub, "me", lambda: version, keep_alive_s, 2 * keep_alive_s, beats.append)
+            beat_stream(
+                stub, "me", lambda: version, changed, keep_alive_s, 2 * keep_alive_s, beats.append
+            )
         )
         try:
             await asyncio.sleep(0.5)
             assert [b.state_version for b in peer.received] == [1], "one beat, then quiet"
             for version in (2, 3):
+                changed.set()  # what the version's owner does after each change
                 changed_at = time.monotonic()
                 while len(peer.received) < version and time.monotonic() - changed_at < 10:
                     await asyncio.sleep(0.01)
                 assert peer.received[-1].state_version == version, peer.received
+                assert time.monotonic() - changed_at < 2, "beaten at once, not at keep-alive"
+            changed.set()  # a wake-up with no new version sends nothing
             await asyncio.sleep(0.5)
             assert [b.state_version for b in peer.received] == [1, 2, 3], "no beat without news"
             assert len(beats) == 3, "each beat was echoed"

@@ -23,6 +23,7 @@ daemon that started later stops with a message saying what to delete.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -121,6 +122,8 @@ class Membership:
         self.leaving = False
         self.loaded_plans: tuple[str, ...] = ()  # plans whose stage is loaded here
         self.version = 1
+        # Wakes each peer's beat sender when this node's own state changes (trio thread).
+        self._version_watchers: set[Callable[[], None]] = set()
         self.own_state = self._build_state()
         # "The peer table or a published state changed": agreement, status watchers.
         self.changes = Publisher[None]("membership", coalesce=True)
@@ -221,6 +224,8 @@ class Membership:
             self.version += 1
             state.version = self.version
             self.own_state = state
+            for wake_sender in list(self._version_watchers):
+                wake_sender()  # each peer's beat sender: the new version goes out at once
         self.changes.publish(None)
 
     def alive_peers(self) -> list[PeerRecord]:
@@ -475,12 +480,19 @@ class Membership:
         def deliver(beat: pb.Beat) -> None:
             self._bridge.call_soon_in_trio(on_beat, beat)
 
+        changed = asyncio.Event()  # set on the asyncio thread; bound to its loop when awaited
+
+        def wake_sender() -> None:
+            self._bridge.call_soon(changed.set)
+
+        self._version_watchers.add(wake_sender)
         try:
             await self._bridge.run(
                 beat_stream,
                 stub,
                 self.identity.node_id,
                 lambda: self.own_state.version,
+                changed,
                 self._interval,
                 self._timeout,
                 deliver,
@@ -490,6 +502,8 @@ class Membership:
             record.lost_reason = f"no heartbeat for {self._timeout:.1f} s (link down or peer hung)"
         except grpc.aio.AioRpcError as exc:
             record.lost_reason = f"heartbeat stream broke: {exc.code().name} {exc.details()}"
+        finally:
+            self._version_watchers.discard(wake_sender)
 
     async def _fetch_states(self, stub: rpc.PeerStub, record: PeerRecord) -> None:
         while True:

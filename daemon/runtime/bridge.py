@@ -192,6 +192,24 @@ class AsyncioThread:
             raise outcome["error"]
         return outcome["value"]
 
+    def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
+        """From the trio thread: run ``fn(*args)`` on the asyncio thread (fire and forget).
+
+        For functions that cannot fail by design (set an asyncio event); a failure is a bug,
+        logged with its traceback there. After the loop has closed the call is dropped.
+        """
+
+        def guarded() -> None:
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("a call handed from trio to the asyncio thread failed: %r", fn)
+
+        try:
+            self.loop.call_soon_threadsafe(guarded)
+        except RuntimeError:  # not started, or closed: nobody is left to wake
+            log.debug("the asyncio loop is not running; dropped a call to %r", fn)
+
     # ------------------------------------------------------------ asyncio -> trio
 
     def call_soon_in_trio(self, fn: Callable[..., object], *args: Any) -> None:
