@@ -199,14 +199,8 @@ class AsyncioThread:
         logged with its traceback there. After the loop has closed the call is dropped.
         """
 
-        def guarded() -> None:
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("a call handed from trio to the asyncio thread failed: %r", fn)
-
         try:
-            self.loop.call_soon_threadsafe(guarded)
+            self.loop.call_soon_threadsafe(_logged_call, fn, args, "trio to the asyncio thread")
         except RuntimeError:  # not started, or closed: nobody is left to wake
             log.debug("the asyncio loop is not running; dropped a call to %r", fn)
 
@@ -219,14 +213,8 @@ class AsyncioThread:
         a bug, logged with its traceback here instead of crashing the trio run.
         """
 
-        def guarded() -> None:
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("a call handed from the asyncio thread to trio failed: %r", fn)
-
         try:
-            self._token().run_sync_soon(guarded)
+            self._token().run_sync_soon(_logged_call, fn, args, "the asyncio thread to trio")
         except trio.RunFinishedError:
             log.debug("trio run finished; dropped a call to %r", fn)
 
@@ -309,6 +297,15 @@ class AsyncioThread:
         if self._trio_token is None:
             raise RuntimeError("AsyncioThread is not started: use `async with AsyncioThread()`")
         return self._trio_token
+
+
+def _logged_call(fn: Callable[..., object], args: tuple[Any, ...], crossing: str) -> None:
+    """Run a fire-and-forget call handed across; its failure is a bug, logged with its
+    traceback on the receiving thread, which goes on."""
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("a call handed from %s failed: %r", crossing, fn)
 
 
 def _name_of(fn: Callable[..., object]) -> str:
