@@ -17,10 +17,20 @@ import pytest
 from meshd.api.launcher import DaemonProcess
 from meshd.mesh import security
 from meshd.models.store import ModelEntry, ModelStore
+from meshd.runtime.scratch import remove_orphaned_scratch
 
 pytest_plugins = ["tests.netns"]  # the netns_mesh fixture
 
 PROFILE_FILE = "profile.json"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_orphaned_scratch() -> Iterator[None]:
+    """After the session, remove the stage-load scratch directories of daemons the tests
+    killed mid-load (kill -9 leaves them, by design; a daemon sweeps them when it starts, but
+    no daemon starts after the last test). A live process's directory is never touched."""
+    yield
+    remove_orphaned_scratch()
 
 
 @pytest.fixture(scope="session")
