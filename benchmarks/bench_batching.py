@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -68,7 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -94,6 +95,17 @@ TOPICS = [
     "a mountain", "a train", "a library", "a storm", "a cat", "the moon", "a market",
     "a river", "a forest", "a clock",
 ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def bench_root(prefix: str) -> Iterator[tuple[Path, Path]]:
+    """A temporary folder for one benchmark and the embedded model in a store inside it;
+    removed afterwards, also when the benchmark fails."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield root, ModelStore(root / "store").ensure_default().path
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def prompts_for(n: int) -> list[list[dict[str, str]]]:
@@ -552,10 +564,8 @@ def unpinned_rounds(
     loopback daemons that share every core (what ``meshd demo`` does), alternating, so the
     spread of both on a shared machine shows next to their ratio; with ``stream_first_too``
     each round runs the daemons again with ``MESHD_STREAM_FIRST=1`` (the baseline order)."""
-    root = Path(tempfile.mkdtemp(prefix="bench-unpinned-"))
     ratios: dict[str, list[float]] = {}
-    try:
-        model = ModelStore(root / "store").ensure_default().path
+    with bench_root("bench-unpinned-") as (root, model):
         print(f"one request, {max_tokens} greedy tokens, medians of {runs} runs per round")
         for round_number in range(1, rounds + 1):
             alone = reference_single(model, "", runs, max_tokens)
@@ -578,8 +588,6 @@ def unpinned_rounds(
                     f"load {mesh.load:.2f})",
                     flush=True,
                 )
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     print_median_ratios(ratios, "of mlx-lm on every core")
     return 0
 
@@ -608,10 +616,8 @@ def pinned_rounds(rounds: int, runs: int, max_tokens: int, thread_cpu: bool = Fa
     if (os.cpu_count() or 1) < 2:
         print("--pinned-rounds needs 2 cores")
         return 2
-    root = Path(tempfile.mkdtemp(prefix="bench-pinned-"))
     ratios: dict[str, list[float]] = {"1 node": [], "2 nodes": []}
-    try:
-        model = ModelStore(root / "store").ensure_default().path
+    with bench_root("bench-pinned-") as (root, model):
         print(f"one request, {max_tokens} greedy tokens, medians of {runs} runs per timing")
         for number in range(1, rounds + 1):
             steps = ["mlx-lm", "mesh"] if number % 2 else ["mesh", "mlx-lm"]
@@ -638,8 +644,6 @@ def pinned_rounds(rounds: int, runs: int, max_tokens: int, thread_cpu: bool = Fa
                 f"load {timed['2 nodes'].load:.2f})",
                 flush=True,
             )
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     print_median_ratios(ratios, "of mlx-lm on the same cores")
     return 0
 
@@ -667,11 +671,9 @@ def scaling_table(
     cleanup_stale()
     cores = os.cpu_count() or 1
     layouts = [["0"], ["0", "1"], ["0", "1", "0"]] if cores >= 2 else [["0"], ["0"], ["0"]]
-    root = Path(tempfile.mkdtemp(prefix="bench-scaling-"))
     # (label, result, the baseline "vs mlx-lm" divides by, nodes, the same cores' baseline)
     rows: list[tuple[str, Single, Single | None, int, float | None]] = []
-    try:
-        model = ModelStore(root / "store").ensure_default().path
+    with bench_root("bench-scaling-") as (root, model):
         per_core = {cpu: reference_single(model, cpu, runs, max_tokens) for cpu in layouts[1]}
         one_core = per_core["0"]
         for cpu, reference in per_core.items():
@@ -704,8 +706,6 @@ def scaling_table(
                 root / "stream-first", model, 2, runs, max_tokens, env, thread_cpu
             )
             rows.append(("2 nodes unpinned, stream first", first, every_core, -2, None))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     print(f"\none request, {max_tokens} greedy tokens, medians of {runs} runs; {cores} cores")
     print(f"{'runner':<40} {'tok/s':>7} {'vs mlx-lm':>9} {'same cores':>10} {'TTFT ms':>8} "
           f"{'hop ms':>7} {'other ms':>8} {'hop ms':>7} {'load':>5}")  # fmt: skip
@@ -801,25 +801,23 @@ def main() -> int:
     cpus = ["", ""] if args.no_pin or cores < 2 else ["0", "1"]
     all_cpus = "" if args.no_pin or cores < 2 else "0,1"
     print(f"{cores} cores; daemons pinned: {cpus}; load {os.getloadavg()}")
-    root = Path(tempfile.mkdtemp(prefix="bench-batching-"))
-    model = ModelStore(root / "store").ensure_default().path
-    daemons: list[DaemonProcess] = []
-    try:
-        daemons = start_mesh(root, model, cpus, max(args.concurrency), args.strategy)
-        status = daemons[0].status()
-        stages = json.loads(status.agreement.plan_json)["stages"]
-        print(
-            f"strategy {args.strategy}: layers "
-            + ", ".join(f"[{stage['layer_start']}, {stage['layer_end']})" for stage in stages)
-        )
-        url = status.http_url
-        asyncio.run(mesh_row(url, 1, 8))  # warm-up: first request of each stage
-        mesh_rows = [asyncio.run(mesh_row(url, n, args.max_tokens)) for n in args.concurrency]
-    finally:
-        for daemon in daemons:
-            daemon.kill()
-    ref_rows = reference_rows(model, args.concurrency, args.max_tokens, all_cpus)
-    shutil.rmtree(root, ignore_errors=True)
+    with bench_root("bench-batching-") as (root, model):
+        daemons: list[DaemonProcess] = []
+        try:
+            daemons = start_mesh(root, model, cpus, max(args.concurrency), args.strategy)
+            status = daemons[0].status()
+            stages = json.loads(status.agreement.plan_json)["stages"]
+            print(
+                f"strategy {args.strategy}: layers "
+                + ", ".join(f"[{stage['layer_start']}, {stage['layer_end']})" for stage in stages)
+            )
+            url = status.http_url
+            asyncio.run(mesh_row(url, 1, 8))  # warm-up: first request of each stage
+            mesh_rows = [asyncio.run(mesh_row(url, n, args.max_tokens)) for n in args.concurrency]
+        finally:
+            for daemon in daemons:
+                daemon.kill()
+        ref_rows = reference_rows(model, args.concurrency, args.max_tokens, all_cpus)
     print()
     for mesh, ref in zip(mesh_rows, ref_rows, strict=True):
         print(mesh.line("2 stages"))

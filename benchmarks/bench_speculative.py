@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,10 +31,9 @@ from meshd.runtime.blas import enable_fast_blas
 
 enable_fast_blas()
 
-from bench_batching import netns_mesh
+from bench_batching import bench_root, netns_mesh
 
 from meshd.api import client
-from meshd.models.store import ModelStore
 from meshd.wire import pb
 
 CODE = "def add_numbers(a, b):\n    reslt = a + b\n    return reslt\n"
@@ -81,9 +79,7 @@ def main() -> int:
     from tests.netns import cleanup_stale
 
     cleanup_stale()
-    with tempfile.TemporaryDirectory(prefix="bench-spec-") as tmp:
-        root = Path(tmp)
-        model = ModelStore(root / "store").ensure_default().path
+    with bench_root("bench-spec-") as (root, model):
         cpus = ["0", "1"][: args.nodes]
 
         def measure(api: str) -> dict[str, tuple[int, float, str]]:
