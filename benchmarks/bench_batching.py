@@ -64,6 +64,7 @@ import itertools
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -98,12 +99,13 @@ TOPICS = [
 
 
 @contextlib.contextmanager
-def bench_root(prefix: str) -> Iterator[tuple[Path, Path]]:
-    """A temporary folder for one benchmark and the embedded model in a store inside it;
-    removed afterwards, also when the benchmark fails."""
+def bench_root(prefix: str, model: Path | None = None) -> Iterator[tuple[Path, Path]]:
+    """A temporary folder for one benchmark and the model to run: ``model`` (an MLX model
+    directory, left alone) or else the embedded default in a store inside the folder; the
+    folder is removed afterwards, also when the benchmark fails."""
     root = Path(tempfile.mkdtemp(prefix=prefix))
     try:
-        yield root, ModelStore(root / "store").ensure_default().path
+        yield root, (model.resolve() if model else ModelStore(root / "store").ensure_default().path)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -434,7 +436,7 @@ def with_thread_cpu(daemons: list[DaemonProcess], labels: list[str], run: Callab
     return result
 
 
-def netns_mesh_single(
+def pinned_mesh_single(
     root: Path,
     model: Path,
     cpus: list[str],
@@ -444,13 +446,17 @@ def netns_mesh_single(
     hop_trace: Path | None = None,
     env: dict[str, str] | None = None,
     thread_cpu: bool = False,
+    loopback: bool = False,
 ):
-    """len(cpus) daemons, each in its own namespace and pinned to its cpu; one request."""
+    """len(cpus) daemons, each pinned to its cpus (and in its own namespace unless
+    ``loopback``); one request at a time."""
     measure = partial(mesh_single, runs=runs, max_tokens=max_tokens)
-    return netns_mesh(root, model, cpus, extra_args or [], measure, hop_trace, env, thread_cpu)
+    return pinned_mesh(
+        root, model, cpus, extra_args or [], measure, hop_trace, env, thread_cpu, loopback
+    )
 
 
-def netns_mesh(
+def pinned_mesh(
     root: Path,
     model: Path,
     cpus: list[str],
@@ -459,45 +465,55 @@ def netns_mesh(
     hop_trace: Path | None = None,
     env: dict[str, str] | None = None,
     thread_cpu: bool = False,
+    loopback: bool = False,
 ) -> T:
-    """len(cpus) daemons (``extra_args`` added to each), each in its own namespace and pinned
-    to its cpu, splitting ``model`` by memory: ``measure(first daemon's API)`` once they serve
-    it, then they are killed. With ``hop_trace``, the daemons trace their hops there
-    (:mod:`meshd.runtime.hoptrace`) and the table of where a hop's time went is printed;
-    with ``thread_cpu``, each daemon's CPU a token per thread (:func:`with_thread_cpu`)."""
-    from tests.netns import Mesh
-
-    token = security.encode_join_token(security.create_mesh_secret("bench-netns"))
+    """len(cpus) daemons (``extra_args`` added to each), each pinned to its cpus (a taskset
+    list: "0" or "4-7") and in its own network namespace, splitting ``model`` by memory:
+    ``measure(first daemon's API)`` once they serve it, then they are killed. With
+    ``loopback`` they share the loopback interface instead and dial each other by port
+    (``--no-mdns --peer``): for machines without network namespaces, such as containers.
+    With ``hop_trace``, the daemons trace their hops there (:mod:`meshd.runtime.hoptrace`) and
+    the table of where a hop's time went is printed; with ``thread_cpu``, each daemon's CPU a
+    token per thread (:func:`with_thread_cpu`)."""
+    token = security.encode_join_token(security.create_mesh_secret("bench-pinned"))
     profile = root / "profile"
     if not profile.exists():
         profile.mkdir()
         load_or_measure_profile(profile, memory_budget_override=None)
-    with Mesh(len(cpus)) as mesh:
+    with contextlib.ExitStack() as stack:
+        if loopback:
+            prefix = f"lo{os.getpid()}x{next(_mesh_counter)}"
+            networks = loopback_networks(len(cpus))
+        else:
+            from tests.netns import Mesh
+
+            mesh = stack.enter_context(Mesh(len(cpus)))
+            prefix = mesh.prefix
+            networks = [(node.ns, ["--interface", "eth0"]) for node in mesh.nodes]
         daemons: list[DaemonProcess] = []
         try:
-            for node, cpu in zip(mesh.nodes, cpus, strict=True):
-                state = root / f"{mesh.prefix}-{node.index}"
+            for index, ((netns, network), cpu) in enumerate(zip(networks, cpus, strict=True)):
+                state = root / f"{prefix}-{index}"
                 state.mkdir()
                 shutil.copyfile(profile / "profile.json", state / "profile.json")
-                args = ["--interface", "eth0", "--join", token, "--name", f"s{node.index}",
-                        "--model", str(model), "--strategy", "memory",
-                        "--log-level", "WARNING", *extra_args]  # fmt: skip
+                args = [*network, "--join", token, "--name", f"s{index}", "--model", str(model),
+                        "--strategy", "memory", "--log-level", "WARNING", *extra_args]  # fmt: skip
                 daemon = PinnedDaemon(state, args, cpu)
-                daemon.netns = node.ns
+                daemon.netns = netns
                 daemon.env = dict(env or {})
                 if hop_trace is not None:
                     daemon.env[hoptrace.ENV] = str(hop_trace)
                 daemons.append(daemon.start())
             wait_for_stages(daemons, len(cpus))
             if thread_cpu:
-                labels = [f"node {i} (core {cpu})" for i, cpu in enumerate(cpus)]
+                labels = [f"node {i} (cores {cpu})" for i, cpu in enumerate(cpus)]
                 print(f"CPU a streamed token by thread, {len(cpus)} pinned node(s):")
                 result = with_thread_cpu(daemons, labels, lambda: measure(daemons[0].api))
             else:
                 result = measure(daemons[0].api)
             if hop_trace is not None:
                 time.sleep(2 * hoptrace.FLUSH_INTERVAL_S)  # the daemons' last marks
-                names = {hoptrace.process_name(d.pid): f"node {i} (core {c})"
+                names = {hoptrace.process_name(d.pid): f"node {i} (cores {c})"
                          for i, (d, c) in enumerate(zip(daemons, cpus, strict=True))}  # fmt: skip
                 hops = hoptrace.pair_hops(hoptrace.read_marks(hop_trace))
                 print(f"where a hop's time goes, {len(cpus)} nodes (one request at a time):")
@@ -506,6 +522,33 @@ def netns_mesh(
         finally:
             for daemon in daemons:
                 daemon.kill()
+
+
+_mesh_counter = itertools.count()
+
+
+def loopback_networks(nodes: int) -> list[tuple[None, list[str]]]:
+    """Per daemon: no namespace, and the arguments that put it on loopback with a peer port
+    of its own, dialling every other daemon's (no multicast needed)."""
+    ports = free_loopback_ports(nodes)
+    loopback = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--no-mdns"]
+    return [
+        (
+            None,
+            [*loopback, "--peer-port", str(port)]
+            + [f"--peer=127.0.0.1:{other}" for other in ports if other != port],
+        )
+        for port in ports
+    ]
+
+
+def free_loopback_ports(count: int) -> list[int]:
+    """``count`` TCP ports free on 127.0.0.1 right now (held open together, so distinct)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 def loopback_mesh_single(
@@ -628,7 +671,7 @@ def pinned_rounds(rounds: int, runs: int, max_tokens: int, thread_cpu: bool = Fa
                         timed[f"core {cpu}"] = reference_single(model, cpu, runs, max_tokens)
                 else:
                     for label, cpus in (("1 node", ["0"]), ("2 nodes", ["0", "1"])):
-                        timed[label] = netns_mesh_single(
+                        timed[label] = pinned_mesh_single(
                             root, model, cpus, runs, max_tokens, thread_cpu=thread_cpu
                         )
             same_cores = (timed["core 0"].s_per_token + timed["core 1"].s_per_token) / 2
@@ -656,8 +699,15 @@ def scaling_table(
     loop_sends_too: bool = False,
     stream_first_too: bool = False,
     thread_cpu: bool = False,
+    model: Path | None = None,
+    cores_per_node: int = 1,
+    loopback: bool = False,
 ) -> int:
-    """The one-request table (see the module docstring); with ``streams_too``, the multi-node
+    """The one-request table (see the module docstring); with ``model``, of that MLX model
+    directory instead of the embedded default; with ``cores_per_node`` K, each node and each
+    pinned mlx-lm process on K cores of its own (node i on cores iK..iK+K-1: a machine with
+    cores to spare stands in for several machines with K cores each); with ``loopback``, the
+    pinned daemons share loopback instead of a namespace each; with ``streams_too``, the multi-node
     rows again with `--no-lanes` (frames over the peer port's gRPC streams), same run; with
     ``loop_sends_too``, again with every frame sent by the daemons' loops (``MESHD_LOOP_SENDS``,
     the path before decode steps' frames left from the compute thread); with
@@ -665,36 +715,39 @@ def scaling_table(
     before the next step's graph, the order before stop 28); with ``hop_trace``, the
     multi-node rows' daemons trace their hops and each row prints where a hop's time went
     (the trace costs the hop a few microseconds)."""
-    from tests.netns import cleanup_stale, require_root_and_netns
+    if not loopback:
+        from tests.netns import cleanup_stale, require_root_and_netns
 
-    require_root_and_netns()
-    cleanup_stale()
+        require_root_and_netns()
+        cleanup_stale()
     cores = os.cpu_count() or 1
-    layouts = [["0"], ["0", "1"], ["0", "1", "0"]] if cores >= 2 else [["0"], ["0"], ["0"]]
+    layouts = node_layouts(cores, cores_per_node)
     # (label, result, the baseline "vs mlx-lm" divides by, nodes, the same cores' baseline)
     rows: list[tuple[str, Single, Single | None, int, float | None]] = []
-    with bench_root("bench-scaling-") as (root, model):
-        per_core = {cpu: reference_single(model, cpu, runs, max_tokens) for cpu in layouts[1]}
-        one_core = per_core["0"]
+    with bench_root("bench-scaling-", model) as (root, model):
+        per_core = {
+            cpu: reference_single(model, cpu, runs, max_tokens) for cpu in dict.fromkeys(layouts[2])
+        }
+        one_core = per_core[layouts[0][0]]
         for cpu, reference in per_core.items():
-            rows.append((f"mlx-lm, 1 process on core {cpu}", reference, None, 0, None))
+            rows.append((f"mlx-lm, 1 process on cores {cpu}", reference, None, 0, None))
         variants: list[tuple[str, list[str], dict[str, str]]] = [("", [], {})]
         if streams_too:
             variants.append((", --no-lanes", ["--no-lanes"], {}))
         if loop_sends_too:
             variants.append((", loop sends", [], {LOOP_SENDS_ENV: "1"}))
         for cpus in layouts:
-            shared = " (2 share core 0)" if len(cpus) > cores else ""
+            shared = " (2 share cores)" if len(set(cpus)) < len(cpus) else ""
             # A token crosses each stage's share of the layers on that stage's core: one
             # process split that way would take the mean of its time on those cores.
             same_cores = sum(per_core[cpu].s_per_token for cpu in cpus) / len(cpus)
             for suffix, extra, env in variants if len(cpus) > 1 else variants[:1]:
                 trace = root / f"hops-{len(cpus)}{suffix.strip(', -').replace(' ', '-')}"
                 traced = trace if hop_trace and len(cpus) > 1 else None
-                result = netns_mesh_single(
-                    root, model, cpus, runs, max_tokens, extra, traced, env, thread_cpu
+                result = pinned_mesh_single(
+                    root, model, cpus, runs, max_tokens, extra, traced, env, thread_cpu, loopback
                 )
-                label = f"{len(cpus)} node(s), cores {','.join(cpus)}{shared}{suffix}"
+                label = f"{len(cpus)} node(s), cores {' '.join(cpus)}{shared}{suffix}"
                 rows.append((label, result, one_core, len(cpus), same_cores))
         every_core = reference_single(model, "", runs, max_tokens)
         rows.append(("mlx-lm, 1 process, every core", every_core, None, 0, None))
@@ -706,7 +759,9 @@ def scaling_table(
                 root / "stream-first", model, 2, runs, max_tokens, env, thread_cpu
             )
             rows.append(("2 nodes unpinned, stream first", first, every_core, -2, None))
-    print(f"\none request, {max_tokens} greedy tokens, medians of {runs} runs; {cores} cores")
+    network = "loopback" if loopback else "a network namespace each"
+    print(f"\none request, {max_tokens} greedy tokens, medians of {runs} runs; {cores} cores, "
+          f"{cores_per_node} a node, pinned nodes on {network}; model {model}")  # fmt: skip
     print(f"{'runner':<40} {'tok/s':>7} {'vs mlx-lm':>9} {'same cores':>10} {'TTFT ms':>8} "
           f"{'hop ms':>7} {'other ms':>8} {'hop ms':>7} {'load':>5}")  # fmt: skip
     one_node = next(row for _, row, _, nodes, _ in rows if nodes == 1)
@@ -724,7 +779,7 @@ def scaling_table(
         ttft = row.ttft_s * 1e3
         print(f"{label:<40} {1 / row.s_per_token:7.2f} {versus} {fair:>10} {ttft:8.0f} "
               f"{hop:>7} {other:>8} {measured:>7} {row.load:5.2f}")  # fmt: skip
-    print("vs mlx-lm: against one mlx-lm process on core 0 (pinned rows) or on every core")
+    print("vs mlx-lm: against one mlx-lm process on node 0's cores (pinned rows) or on every core")
     print("same cores: against one mlx-lm process timed on each core the stages ran on, averaged")
     print("over the stages (the cores of this machine differ by a few percent)")
     print("hop ms (first): (s/token with k pinned nodes - s/token with 1 node) / k hops per token")
@@ -732,6 +787,17 @@ def scaling_table(
     print("hop ms (second): (other ms with k pinned nodes - other ms with 1 node) / k; it does not")
     print("move with the speed of the cores the stages compute on, which the first one does")
     return 0
+
+
+def node_layouts(cores: int, per_node: int) -> list[list[str]]:
+    """The taskset core lists of the 1-, 2- and 3-node rows: node i on cores
+    i*per_node..(i+1)*per_node-1; where the machine has too few, the last nodes wrap around
+    to the first cores (with one request only one stage computes at a time)."""
+    sets = [
+        str(i * per_node) if per_node == 1 else f"{i * per_node}-{(i + 1) * per_node - 1}"
+        for i in range(max(1, cores // per_node))
+    ]
+    return [[sets[i % len(sets)] for i in range(nodes)] for nodes in (1, 2, 3)]
 
 
 def main() -> int:
@@ -780,6 +846,19 @@ def main() -> int:
         "--strategy", choices=["memory", "speed"], default="memory",
         help="how the daemons split the layers (see start_mesh)",
     )  # fmt: skip
+    parser.add_argument(
+        "--model", type=Path,
+        help="an MLX model directory to run instead of the embedded default (--scaling)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cores-per-node", type=int, default=1, metavar="K",
+        help="--scaling: each node and each pinned mlx-lm process on K cores of its own",
+    )  # fmt: skip
+    parser.add_argument(
+        "--loopback", action="store_true",
+        help="--scaling: pinned daemons on loopback, dialling each other by port, instead of "
+             "a network namespace each (machines without namespaces, such as containers)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.unpinned_rounds:
         return unpinned_rounds(
@@ -796,6 +875,9 @@ def main() -> int:
             args.loop_sends_too,
             args.stream_first_too,
             args.thread_cpu,
+            args.model,
+            args.cores_per_node,
+            args.loopback,
         )
     cores = os.cpu_count() or 1
     cpus = ["", ""] if args.no_pin or cores < 2 else ["0", "1"]

@@ -31,7 +31,7 @@ from meshd.runtime.blas import enable_fast_blas
 
 enable_fast_blas()
 
-from bench_batching import bench_root, netns_mesh
+from bench_batching import bench_root, pinned_mesh
 
 from meshd.api import client
 from meshd.wire import pb
@@ -85,9 +85,9 @@ def main() -> int:
         def measure(api: str) -> dict[str, tuple[int, float, str]]:
             return run_prompts(api, args.runs, args.max_tokens)
 
-        plain = netns_mesh(root, model, cpus, ["--draft-tokens", "0"], measure)
+        plain = pinned_mesh(root, model, cpus, ["--draft-tokens", "0"], measure)
         drafts = ["--draft-tokens", str(args.draft_tokens)]
-        drafted = netns_mesh(root, model, cpus, drafts, measure)
+        drafted = pinned_mesh(root, model, cpus, drafts, measure)
     split = "15/15 layers" if args.nodes == 2 else "all 30 layers on one node"
     print(f"{args.nodes} pinned netns daemon(s), SmolLM2 {split}, greedy, median of {args.runs}")
     print(f"{'prompt':16s}{'tokens':>8s}{'no drafts':>12s}{f'drafts {args.draft_tokens}':>12s}"
