@@ -28,6 +28,11 @@ Modes, each a design the data plane could have:
   its sockets (``epoll_wait`` with no timeout), as busy-polling data planes (DPDK, RDMA verbs)
   do. It costs a core's worth of CPU, and while its own compute thread works it contends
   with it for the GIL (that lengthens the compute, which the hop does not count).
+* ``idle-gap``, ``thread-gap``, ``raw-gap``, ``direct-gap``: ``idle``, ``thread``, ``raw`` and
+  ``direct`` with no compute either, but each stage sleeps ``--gap-ms`` (40: about a SmolLM2
+  stage's step here) where it would compute, so its peer waits idle as long as it does
+  between a daemon's hops. They tell what makes a hop cold: the forward pass that evicts the
+  caches, or only the time the core waits (see "Idle, not the forward pass").
 * ``raw``: the least any design can pay here: the same compute, then the bytes (a 4-byte
   length, no TLS, no protobuf, no event loop) on a plain blocking TCP socket; the receiver
   waits in ``recv``. ``raw-poll``: the receiver spins on a non-blocking ``recv`` instead.
@@ -43,6 +48,21 @@ Each mode prints the median per hop and where it goes, per direction (A -> B car
 of hidden states, B -> A a token) and over both: compute done -> send, serialize,
 ``SSLSocket.send`` (on a veth pair the sender's kernel also runs the receiver's TCP path),
 send -> the receiver's callback (wire, wake-up, decrypt, parse), and callback -> compute.
+
+Idle, not the forward pass (stop 35, this 2-core Firecracker VM, ``--runs 2 --malloc
+default``): with no compute anywhere, the lanes' hop grows with the time both sides wait
+before it: ``idle`` 0.06-0.10 ms, and with a gap of 0.2, 1, 5, 20 and 40 ms 0.12, 0.10, 0.25,
+0.48 and 0.48-0.54 ms. ``thread-gap`` (no forward pass, 40 ms asleep) took 0.64-0.68 ms
+against ``thread``'s 0.60-0.65 with SmolLM2 computing; plain TCP 0.24 ms either way
+(``raw``, ``raw-gap``), ``direct`` 0.39 against ``direct-gap`` 0.42. So what a hop pays here
+on top of its warm cost comes with the wait itself: after tens of milliseconds idle, the
+hop's code runs as on a cold core whether or not the stage computed meanwhile. Keeping the
+vCPUs from halting does not keep it warm: a lower-priority process spinning on both cores
+(``chrt --idle 0``) moved ``idle-gap`` only from 0.52 to 0.46 ms. Nor does touching the path
+shortly before the frame comes: a probe daemon that sent its peer a small frame ~0.7-2 ms
+before each step's end (the peer ran its fence check and woke its compute thread) left the
+traced hop at 0.51-0.58 ms against 0.51-0.60 without (4 interleaved rounds), so it was not
+kept.
 
 The allocator: each mode runs with glibc's default malloc and again with its fastbins off
 (``GLIBC_TUNABLES=glibc.malloc.mxfast=0``; ``--malloc`` picks one). Why: a forward pass frees
@@ -62,8 +82,8 @@ blocks. Both contexts here keep their record buffers
 
     sudo .venv/bin/python benchmarks/bench_hop_floor.py [--tokens 64] [--runs 2]
         [--modes thread inline inline-settle idle thread-poll raw raw-poll direct direct-poll
-                 direct-select]
-        [--malloc both|default|no-fastbins]
+                 direct-select idle-gap thread-gap raw-gap direct-gap]
+        [--malloc both|default|no-fastbins] [--gap-ms 40]
 """
 
 from __future__ import annotations
@@ -92,7 +112,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PORT = 7401
 MODES = [
     "thread", "inline", "inline-settle", "idle", "thread-poll", "raw", "raw-poll", "direct",
-    "direct-poll", "direct-select",
+    "direct-poll", "direct-select", "idle-gap", "thread-gap", "raw-gap", "direct-gap",
 ]  # fmt: skip
 ALLOCATORS = ("default", "no-fastbins")
 RAW_HEADER = struct.Struct(">I")  # the raw modes' length prefix, and their token id
@@ -100,8 +120,13 @@ MARK_NAMES = ("computed", "serialized", "sent", "received", "computing")
 Marks = dict[str, list[float]]  # what one side noted: name -> times (time.perf_counter)
 
 
-def stage_process(role: str, my_ip: str, peer_ip: str, mode: str, tokens: int, root: Path) -> None:
-    """One side, in its namespace: A dials B's lane and starts each token; B answers."""
+def stage_process(
+    role: str, my_ip: str, peer_ip: str, mode: str, tokens: int, root: Path, gap_s: float
+) -> None:
+    """One side, in its namespace: A dials B's lane and starts each token; B answers. A
+    ``-gap`` mode runs its design without compute, sleeping ``gap_s`` instead."""
+    label, gap = mode, mode.endswith("-gap")
+    mode = mode.removesuffix("-gap")
     from meshd.runtime.blas import enable_fast_blas
 
     enable_fast_blas()  # before mlx.core, as the daemon does
@@ -134,7 +159,9 @@ def stage_process(role: str, my_ip: str, peer_ip: str, mode: str, tokens: int, r
     def compute(payload: int | bytes) -> int | bytes:
         """A: a token id in, hidden states out; B: hidden states in, the greedy token out."""
         marks.append(("computing", time.perf_counter()))
-        if mode == "idle":
+        if mode == "idle" or gap:
+            if gap:
+                time.sleep(gap_s)  # the peer waits idle meanwhile, as while a stage computes
             result: int | bytes = 0 if role == "b" else idle_hidden
         else:
             if isinstance(payload, int):
@@ -292,7 +319,7 @@ def stage_process(role: str, my_ip: str, peer_ip: str, mode: str, tokens: int, r
         run_raw(wait, tls=mode.startswith("direct"))
     else:
         asyncio.run(run())
-    with open(root / f"marks-{role}-{mode}.txt", "w") as out:
+    with open(root / f"marks-{role}-{label}.txt", "w") as out:
         out.writelines(f"{name} {at:.7f}\n" for name, at in marks)
 
 
@@ -428,6 +455,10 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     parser.add_argument("--malloc", choices=["both", *ALLOCATORS], default="both")
+    parser.add_argument(
+        "--gap-ms", type=float, default=40.0,
+        help="what each stage sleeps instead of computing in the -gap modes",
+    )  # fmt: skip
     args = parser.parse_args()
     allocators = list(ALLOCATORS) if args.malloc == "both" else [args.malloc]
     from meshd.mesh import security
@@ -448,6 +479,7 @@ def main() -> int:
             def spawn(role: str, mode: str, cpu: str) -> subprocess.Popen:
                 command = ["taskset", "-c", cpu, sys.executable, __file__, "--stage", role]
                 command += [nodes[role].ip, peers[role], mode, str(args.tokens), str(root)]
+                command.append(str(args.gap_ms / 1e3))
                 env = allocator_environment(allocator)
                 return nodes[role].popen(command, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -467,7 +499,7 @@ def main() -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--stage":
-        role, my_ip, peer_ip, mode, tokens, root = sys.argv[2:8]
-        stage_process(role, my_ip, peer_ip, mode, int(tokens), Path(root))
+        role, my_ip, peer_ip, mode, tokens, root, gap_s = sys.argv[2:9]
+        stage_process(role, my_ip, peer_ip, mode, int(tokens), Path(root), float(gap_s))
         sys.exit(0)
     sys.exit(main())
