@@ -702,12 +702,15 @@ def scaling_table(
     model: Path | None = None,
     cores_per_node: int = 1,
     loopback: bool = False,
+    max_nodes: int = 3,
 ) -> int:
     """The one-request table (see the module docstring); with ``model``, of that MLX model
     directory instead of the embedded default; with ``cores_per_node`` K, each node and each
     pinned mlx-lm process on K cores of its own (node i on cores iK..iK+K-1: a machine with
     cores to spare stands in for several machines with K cores each); with ``loopback``, the
-    pinned daemons share loopback instead of a namespace each; with ``streams_too``, the multi-node
+    pinned daemons share loopback instead of a namespace each; ``max_nodes`` (1-3) ends the
+    pinned rows there. Each row is printed as soon as it is measured, and the whole table at
+    the end (a run cut short keeps what it measured); with ``streams_too``, the multi-node
     rows again with `--no-lanes` (frames over the peer port's gRPC streams), same run; with
     ``loop_sends_too``, again with every frame sent by the daemons' loops (``MESHD_LOOP_SENDS``,
     the path before decode steps' frames left from the compute thread); with
@@ -721,16 +724,19 @@ def scaling_table(
         require_root_and_netns()
         cleanup_stale()
     cores = os.cpu_count() or 1
-    layouts = node_layouts(cores, cores_per_node)
-    # (label, result, the baseline "vs mlx-lm" divides by, nodes, the same cores' baseline)
-    rows: list[tuple[str, Single, Single | None, int, float | None]] = []
+    layouts = node_layouts(cores, cores_per_node)[: max(1, max_nodes)]
+    network = "loopback" if loopback else "a network namespace each"
+    table = ScalingTable(
+        f"one request, {max_tokens} greedy tokens, medians of {runs} runs; {cores} cores, "
+        f"{cores_per_node} a node, pinned nodes on {network}"
+    )
     with bench_root("bench-scaling-", model) as (root, model):
-        per_core = {
-            cpu: reference_single(model, cpu, runs, max_tokens) for cpu in dict.fromkeys(layouts[2])
-        }
+        print(f"model {model}", flush=True)
+        per_core: dict[str, Single] = {}
+        for cpu in dict.fromkeys(cpu for layout in layouts for cpu in layout):
+            per_core[cpu] = reference_single(model, cpu, runs, max_tokens)
+            table.add(f"mlx-lm, 1 process on cores {cpu}", per_core[cpu], None, 0, None)
         one_core = per_core[layouts[0][0]]
-        for cpu, reference in per_core.items():
-            rows.append((f"mlx-lm, 1 process on cores {cpu}", reference, None, 0, None))
         variants: list[tuple[str, list[str], dict[str, str]]] = [("", [], {})]
         if streams_too:
             variants.append((", --no-lanes", ["--no-lanes"], {}))
@@ -748,45 +754,75 @@ def scaling_table(
                     root, model, cpus, runs, max_tokens, extra, traced, env, thread_cpu, loopback
                 )
                 label = f"{len(cpus)} node(s), cores {' '.join(cpus)}{shared}{suffix}"
-                rows.append((label, result, one_core, len(cpus), same_cores))
+                table.add(label, result, one_core, len(cpus), same_cores)
         every_core = reference_single(model, "", runs, max_tokens)
-        rows.append(("mlx-lm, 1 process, every core", every_core, None, 0, None))
+        table.add("mlx-lm, 1 process, every core", every_core, None, 0, None)
         unpinned = loopback_mesh_single(root, model, 2, runs, max_tokens, thread_cpu=thread_cpu)
-        rows.append(("2 nodes unpinned (meshd demo)", unpinned, every_core, -2, None))
+        table.add("2 nodes unpinned (meshd demo)", unpinned, every_core, -2, None)
         if stream_first_too:
             env = {STREAM_FIRST_ENV: "1"}
             first = loopback_mesh_single(
                 root / "stream-first", model, 2, runs, max_tokens, env, thread_cpu
             )
-            rows.append(("2 nodes unpinned, stream first", first, every_core, -2, None))
-    network = "loopback" if loopback else "a network namespace each"
-    print(f"\none request, {max_tokens} greedy tokens, medians of {runs} runs; {cores} cores, "
-          f"{cores_per_node} a node, pinned nodes on {network}; model {model}")  # fmt: skip
-    print(f"{'runner':<40} {'tok/s':>7} {'vs mlx-lm':>9} {'same cores':>10} {'TTFT ms':>8} "
-          f"{'hop ms':>7} {'other ms':>8} {'hop ms':>7} {'load':>5}")  # fmt: skip
-    one_node = next(row for _, row, _, nodes, _ in rows if nodes == 1)
-    for label, row, base, nodes, same_cores in rows:
+            table.add("2 nodes unpinned, stream first", first, every_core, -2, None)
+    print()
+    table.print_all()
+    return 0
+
+
+class ScalingTable:
+    """The rows of ``--scaling``: each printed as it is measured, all of them at the end."""
+
+    HEADER = (
+        f"{'runner':<40} {'tok/s':>7} {'vs mlx-lm':>9} {'same cores':>10} {'TTFT ms':>8} "
+        f"{'hop ms':>7} {'other ms':>8} {'hop ms':>7} {'load':>5}"
+    )
+    NOTES = (
+        "vs mlx-lm: against one mlx-lm process on node 0's cores (pinned rows) or on every core",
+        "same cores: against one mlx-lm process timed on the cores each stage ran on, averaged",
+        "over the stages (the cores of this machine differ by a few percent)",
+        "hop ms (first): (s/token with k pinned nodes - s/token with 1 node) / k hops per token",
+        "other ms: the daemons' own measure of decode time per token not spent computing",
+        "hop ms (second): (other ms with k pinned nodes - other ms with 1 node) / k; it does not",
+        "move with the speed of the cores the stages compute on, which the first one does",
+    )
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        # (label, result, the baseline "vs mlx-lm" divides by, nodes, the same cores' baseline)
+        self.rows: list[tuple[str, Single, Single | None, int, float | None]] = []
+
+    def add(
+        self, label: str, row: Single, base: Single | None, nodes: int, same_cores: float | None
+    ) -> None:
+        self.rows.append((label, row, base, nodes, same_cores))
+        print(f"row: {self.line(*self.rows[-1])}", flush=True)
+
+    def line(
+        self, label: str, row: Single, base: Single | None, nodes: int, same_cores: float | None
+    ) -> str:
+        one_node = next((r for _, r, _, n, _ in self.rows if n == 1), None)
         versus = f"{base.s_per_token / row.s_per_token:9.2f}" if base else f"{1.0:9.2f}"
         fair = f"{same_cores / row.s_per_token:10.2f}" if same_cores else ""
         hop = measured = other = ""
         if row.transport_s_per_token is not None:
             other = f"{row.transport_s_per_token * 1e3:8.2f}"
-        if nodes > 1:
+        if nodes > 1 and one_node is not None:
             hop = f"{(row.s_per_token - one_node.s_per_token) / nodes * 1e3:7.2f}"
             if row.transport_s_per_token is not None and one_node.transport_s_per_token is not None:
                 extra = row.transport_s_per_token - one_node.transport_s_per_token
                 measured = f"{extra / nodes * 1e3:7.2f}"
-        ttft = row.ttft_s * 1e3
-        print(f"{label:<40} {1 / row.s_per_token:7.2f} {versus} {fair:>10} {ttft:8.0f} "
-              f"{hop:>7} {other:>8} {measured:>7} {row.load:5.2f}")  # fmt: skip
-    print("vs mlx-lm: against one mlx-lm process on node 0's cores (pinned rows) or on every core")
-    print("same cores: against one mlx-lm process timed on each core the stages ran on, averaged")
-    print("over the stages (the cores of this machine differ by a few percent)")
-    print("hop ms (first): (s/token with k pinned nodes - s/token with 1 node) / k hops per token")
-    print("other ms: the daemons' own measure of decode time per token not spent computing")
-    print("hop ms (second): (other ms with k pinned nodes - other ms with 1 node) / k; it does not")
-    print("move with the speed of the cores the stages compute on, which the first one does")
-    return 0
+        return (
+            f"{label:<40} {1 / row.s_per_token:7.2f} {versus} {fair:>10} {row.ttft_s * 1e3:8.0f} "
+            f"{hop:>7} {other:>8} {measured:>7} {row.load:5.2f}"
+        )
+
+    def print_all(self) -> None:
+        print(self.title)
+        print(self.HEADER)
+        for row in self.rows:
+            print(self.line(*row))
+        print("\n".join(self.NOTES), flush=True)
 
 
 def node_layouts(cores: int, per_node: int) -> list[list[str]]:
@@ -855,6 +891,10 @@ def main() -> int:
         help="--scaling: each node and each pinned mlx-lm process on K cores of its own",
     )  # fmt: skip
     parser.add_argument(
+        "--max-nodes", type=int, default=3, choices=[1, 2, 3],
+        help="--scaling: the pinned rows end at this many nodes",
+    )  # fmt: skip
+    parser.add_argument(
         "--loopback", action="store_true",
         help="--scaling: pinned daemons on loopback, dialling each other by port, instead of "
              "a network namespace each (machines without namespaces, such as containers)",
@@ -878,6 +918,7 @@ def main() -> int:
             args.model,
             args.cores_per_node,
             args.loopback,
+            args.max_nodes,
         )
     cores = os.cpu_count() or 1
     cpus = ["", ""] if args.no_pin or cores < 2 else ["0", "1"]
