@@ -64,7 +64,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -90,7 +89,8 @@ from meshd.mesh.profiling import load_or_measure_profile
 from meshd.models.store import ModelStore
 from meshd.runtime import hoptrace
 
-LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
+ON_LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1"]
+LOOPBACK = [*ON_LOOPBACK, "--peer-port", "0"]  # any free port, peers found by mDNS
 TOPICS = [
     "a lighthouse", "a dragon", "the sea", "a city at night", "a robot", "a garden",
     "a mountain", "a train", "a library", "a storm", "a cat", "the moon", "a market",
@@ -482,7 +482,9 @@ def pinned_mesh(
         load_or_measure_profile(profile, memory_budget_override=None)
     with contextlib.ExitStack() as stack:
         if loopback:
-            prefix = f"lo{os.getpid()}x{next(_mesh_counter)}"
+            from tests.netns import unique_prefix
+
+            prefix = unique_prefix("lo")
             networks = loopback_networks(len(cpus))
         else:
             from tests.netns import Mesh
@@ -524,31 +526,20 @@ def pinned_mesh(
                 daemon.kill()
 
 
-_mesh_counter = itertools.count()
-
-
 def loopback_networks(nodes: int) -> list[tuple[None, list[str]]]:
     """Per daemon: no namespace, and the arguments that put it on loopback with a peer port
     of its own, dialling every other daemon's (no multicast needed)."""
-    ports = free_loopback_ports(nodes)
-    loopback = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--no-mdns"]
+    from tests.support.ports import free_ports
+
+    ports = free_ports(nodes)
     return [
         (
             None,
-            [*loopback, "--peer-port", str(port)]
+            [*ON_LOOPBACK, "--no-mdns", "--peer-port", str(port)]
             + [f"--peer=127.0.0.1:{other}" for other in ports if other != port],
         )
         for port in ports
     ]
-
-
-def free_loopback_ports(count: int) -> list[int]:
-    """``count`` TCP ports free on 127.0.0.1 right now (held open together, so distinct)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
 
 
 def loopback_mesh_single(
