@@ -891,6 +891,10 @@ def main() -> int:
              "a network namespace each (machines without namespaces, such as containers)",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.cores_per_node < 1:
+        parser.error(f"--cores-per-node must be 1 or more, not {args.cores_per_node}")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model} is not an MLX model directory (no config.json)")
     if args.unpinned_rounds:
         return unpinned_rounds(
             args.unpinned_rounds, args.runs, args.max_tokens, args.stream_first_too, args.thread_cpu
