@@ -52,7 +52,12 @@ RANDOM_SEEDS = 800
 UNIT = AgreementConfig(join_stability_s=1.0, startup_grace_s=1.0, drain_timeout_s=30.0)
 NAMES = ("n1", "n2", "n3")
 DIGESTS = {name: f"{name}/v0" for name in NAMES}
-MEMORY_BY_DIGEST = {**{f"{name}/v0": 8.0 for name in NAMES}, "n3/v1": 4.0}
+MEMORY_BY_DIGEST = {
+    **{f"{name}/v0": 8.0 for name in NAMES},
+    "n3/v1": 4.0,
+    "n3/v2": 8.0,  # re-measured, same layout
+    "n3/v3": 20.0,  # re-measured: n3 alone holds the model
+}
 COMPUTE = make_compute_plan(MEMORY_BY_DIGEST, {MODEL: 20, BIG_MODEL: 100})
 
 
@@ -209,6 +214,24 @@ def test_a_settling_node_keeps_the_committed_plan_until_its_digest_is_final() ->
     assert "waiting for link measurements of n3" in n1.status(3.0).reason
     n1.on_membership(3.5, {"n2": 0.0, "n3": 0.0}, changed, MODEL, settling=())
     assert n1.proposal is not None and n1.proposal.inputs.digests[2] == "n3/v1"
+
+
+def test_a_remeasured_link_that_keeps_the_layout_does_not_unconverge_the_status() -> None:
+    """A periodic link measurement makes a new digest, so a new proposal of the same plan id:
+    while it is re-confirmed, the node still reports itself converged (no "updating" flash in
+    `meshd status`, the dashboard and the tray). A digest that changes the layout does."""
+    nodes, plan_id = committed_trio()
+    n1 = nodes["n1"]
+    remeasured = {**DIGESTS, "n3": "n3/v2"}
+    n1.on_membership(3.0, {"n2": 0.0, "n3": 0.0}, remeasured, MODEL)
+    assert n1.proposal is not None and n1.proposal.inputs.digests[2] == "n3/v2"
+    assert n1.proposal != n1.active.proposal and n1.proposal.plan.plan_id == plan_id
+    status = n1.status(3.0)
+    assert status.converged and status.reason == "", status.reason
+    regrown = {**DIGESTS, "n3": "n3/v3"}
+    n1.on_membership(3.5, {"n2": 0.0, "n3": 0.0}, regrown, MODEL)
+    assert n1.proposal.plan.plan_id != plan_id
+    assert not n1.status(3.5).converged, "a new layout is pending"
 
 
 def test_settling_does_not_hold_a_proposal_with_a_lost_member() -> None:

@@ -525,7 +525,7 @@ class AgreementNode:
             return reasons
         if isinstance(proposal.outcome, Refusal):
             return [*reasons, proposal.outcome.reason]
-        if self._active is None or self._active.proposal != proposal:
+        if self._active is None or not _same_layout(self._active.proposal, proposal):
             reasons += self._disagreement_reasons(proposal)
         return reasons
 
@@ -591,4 +591,18 @@ def _difference(peer: NodeId, theirs: Proposal, ours: Proposal) -> str:
     return (
         f"{peer} computed a different plan from the same inputs "
         "(compute_plan must be deterministic)"
+    )
+
+
+def _same_layout(active: Proposal, pending: Proposal) -> bool:
+    """A pending proposal that only re-confirms the active plan (same plan id, newer inputs
+    such as a re-measured link) changes nothing a client or operator can see: the status
+    stays converged while it commits, instead of flipping to "updating" at every periodic
+    measurement."""
+    if active == pending:
+        return True
+    return (
+        active.plan is not None
+        and pending.plan is not None
+        and pending.plan.plan_id == active.plan.plan_id
     )
