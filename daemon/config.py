@@ -238,9 +238,10 @@ class Config:
         read=_flag,
     )
     lane_port: int = setting(
-        0,
-        "port the lanes listen on (0 picks a free one; peers learn it over the peer port); a "
-        "peer that cannot reach it sends its frames over the peer port instead",
+        None,  # resolved in __post_init__: the peer port + 1, so a firewall rule can name it
+        "port the lanes listen on (default: the peer port + 1, or a free one when the peer "
+        "port is 0; 0 picks a free one; peers learn it over the peer port); a peer that "
+        "cannot reach it sends its frames over the peer port instead",
         read=_port,
         metavar="PORT",
     )
@@ -397,6 +398,8 @@ class Config:
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR", read=_level, metavar="LEVEL")
 
     def __post_init__(self) -> None:
+        if self.lane_port is None:
+            self.lane_port = default_lane_port(self.peer_port)
         if self.heartbeat_interval_s >= self.peer_timeout_s:
             raise ConfigError(
                 f"heartbeat_interval_s ({self.heartbeat_interval_s:g} s) must be shorter than "
@@ -407,6 +410,13 @@ class Config:
     @property
     def api_address(self) -> str:
         return self.api or f"unix:{self.state_dir / 'api.sock'}"
+
+
+def default_lane_port(peer_port: int) -> int:
+    """The lanes' port when none is set: next to the peer port, fixed so that a firewall rule
+    can name it; a free one (0) when the peer port is chosen freely too, so that daemons
+    started with --peer-port 0 on one machine do not compete for one lane port."""
+    return peer_port + 1 if 0 < peer_port < 65535 else 0
 
 
 def settings() -> dict[str, Setting]:
