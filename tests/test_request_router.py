@@ -155,3 +155,45 @@ def test_a_request_waits_for_a_stage_that_is_still_loading(mesh: Mesh, model_dir
         assert isinstance(events[-1], FinalEvent), events[-1]
     finally:
         mesh.uninstall(plan.plan_id)
+
+
+def test_a_request_that_arrives_before_the_plan_commits_here_waits_for_it(
+    mesh: Mesh, model_dir: Path
+) -> None:
+    """The plan commits on each member a moment apart, and a node that just started may not
+    yet know the mesh's model: a request that reaches it then waits for the plan instead of
+    failing with "no model is selected" (`meshd demo` asked the last node to commit, and
+    failed so about one run in seven)."""
+    plan = mesh.assignment_for(model_dir, LAYOUT)
+    mesh.install(plan)
+    try:
+        not_yet = ServingSnapshot()  # started a moment ago: no selection, no plan heard of
+        selected = ServingSnapshot(model="llama")  # the model is known, the plan not yet
+        snapshots = Snapshots(not_yet, not_yet, selected, selected, serving(plan.plan_id))
+        router = RequestRouter(mesh.nodes["n1"].plane, snapshots, loaded_here(mesh, plan.plan_id))
+        events = route(mesh, router)
+        assert snapshots.reads >= 5, "it asked again until the plan was committed"
+        assert [(e.plan_id, e.model) for e in events if isinstance(e, Routed)] == [
+            (plan.plan_id, "llama")
+        ]
+        assert isinstance(events[-1], FinalEvent), events[-1]
+    finally:
+        mesh.uninstall(plan.plan_id)
+
+
+def test_with_no_model_selected_after_the_start_a_request_fails_at_once(mesh: Mesh) -> None:
+    """Once this node has had time to hear its peers, no selection is an answer: no wait."""
+    router = RequestRouter(
+        mesh.nodes["n1"].plane, Snapshots(ServingSnapshot()), InstallProgress(), hearing_s=0.0
+    )
+    (error,) = route(mesh, router)
+    assert isinstance(error, InferenceError) and error.kind is ErrorKind.NO_PLAN
+    assert "no model is selected; load one with `meshd load MODEL`" in str(error)
+
+
+def test_a_refusal_is_answered_at_once(mesh: Mesh) -> None:
+    refused = ServingSnapshot(model="llama", refusal="not enough memory in this mesh")
+    router = RequestRouter(mesh.nodes["n1"].plane, Snapshots(refused), InstallProgress())
+    (error,) = route(mesh, router)
+    assert isinstance(error, InferenceError) and error.kind is ErrorKind.NO_PLAN
+    assert "not enough memory in this mesh" in str(error)

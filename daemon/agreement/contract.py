@@ -29,14 +29,15 @@ __all__ = ["PlanChange", "PlanNotCommittedError", "PlanSource", "ServedPlans"]
 
 @dataclass
 class PlanChange:
-    """What the data plane is told: a plan became active, or one must stop.
+    """What the data plane is told: a plan became active, or one must stop ("selected": the
+    mesh's model changed, and a plan for it is on its way).
 
     states: for a committed plan, the node states it was computed from, by node id (what the
     members of a tensor-parallel group derive the group's addresses and ports from: each
     member reads the same states, since the plan's inputs name them by digest).
     """
 
-    kind: Literal["committed", "withdrawn", "refused"]
+    kind: Literal["committed", "withdrawn", "refused", "selected"]
     plan_id: str
     plan: partitioner.Plan | None
     reason: str = ""

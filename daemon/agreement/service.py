@@ -176,6 +176,11 @@ def winning_selection(selections: list[pb.ModelSelection]) -> pb.ModelSelection 
     return min(defaults, key=lambda s: (s.set_at, s.set_by)) if defaults else None
 
 
+def _model_key(selection: pb.ModelSelection | None) -> tuple[str, str]:
+    """What a selection names: the model, by name and digest ("" for none)."""
+    return (selection.name, selection.digest) if selection is not None else ("", "")
+
+
 # ---------------------------------------------------------------- wire conversion
 
 
@@ -398,7 +403,12 @@ class PlanAgreement:
             if digest:
                 digests[node_id] = digest
                 self._states[(node_id, digest)] = state
+        previous = self._selection
         self._selection = winning_selection([s.model for s in states.values()])
+        if _model_key(previous) != _model_key(self._selection):
+            # Before any plan follows: a request that reaches this node meanwhile is told that
+            # a plan is on its way, not that no model is selected.
+            self._notify(PlanChange("selected", "", None))
         self._adopt(own, self._selection)
         if self._selection != self._kept:  # compared as `_adopt` does: the whole record
             self._keep_wanted.set()

@@ -103,7 +103,9 @@ def run_demo(nodes: int = 3, keep_state: Path | None = None, timeout_s: float = 
             lambda s: fully_meshed(s, nodes), timeout_s, f"all {nodes} nodes and links measured"
         )
         print(f"mesh formed in {time.monotonic() - started:.1f} s", flush=True)
-        status = daemons[0].wait_for(plan_committed(nodes), timeout_s, "a committed plan")
+        # Every node, not only the first: each commits a moment after the other.
+        for daemon in reversed(daemons):
+            status = daemon.wait_for(plan_committed(nodes), timeout_s, "a committed plan")
         print(f"plan committed {time.monotonic() - started:.1f} s after start\n", flush=True)
         print(render.status_text(status), flush=True)
         asker = daemons[-1]

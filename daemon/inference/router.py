@@ -12,6 +12,12 @@ lost or leaving, the plan withdrawn) moves to the next plan and goes on exactly 
 the plan. Before its first token, a request that meets a stage still loading its layers, or
 one that has moved to a newer plan, is also started again here (a few times at most).
 
+A request that reaches this node while no plan is committed here, but one is on its way (a
+model is selected and the mesh is agreeing, or this node started moments ago and has not yet
+heard which model its peers run), waits for the plan (bounded by ``PLAN_WAIT_S``) instead of
+failing: the plan commits on each member a moment apart, and a client that asks the node
+that commits last must not be told that no model is selected.
+
 Every failure is an :class:`meshd.inference.errors.InferenceError`, raised before the first
 event or from the event stream; the API maps its kind to a status in one place.
 """
@@ -40,6 +46,11 @@ INSTALL_WAIT_S = 120.0
 STAGE_LOADING_RETRY_S = 0.25
 PLAN_PICK_ATTEMPTS = 3
 PLAN_MOVES = 3  # restarts of a request whose stage moved to a newer plan before its first token
+PLAN_WAIT_S = 60.0  # the longest a new request waits for the mesh to commit a plan
+# How long after this node starts it may still learn the mesh's model from its peers (their
+# gossiped states reach it within a heartbeat or two of joining; the agreement's startup
+# grace is 3 s): until then "no model selected" is not an answer yet.
+STARTUP_HEARING_S = 15.0
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -75,10 +86,13 @@ class RequestRouter:
         plane: DataPlane,
         serving: Callable[[], ServingSnapshot],
         progress: InstallProgress,
+        *,
+        hearing_s: float = STARTUP_HEARING_S,
     ) -> None:
         self._plane = plane
         self._serving = serving
         self._progress = progress
+        self._hearing_until = time.monotonic() + hearing_s
         self._open: dict[str, RequestInfo] = {}
         self._refusing = ""  # why this node takes no new requests ("" while it does)
         # Published whole on every change (the trio side's status reads it, see
@@ -225,7 +239,7 @@ class RequestRouter:
     ) -> tuple[ServingSnapshot, str, list[int]]:
         """The plan a request runs on, once loaded here, and the prompt's tokens for it."""
         for attempt in range(PLAN_PICK_ATTEMPTS):
-            snapshot, chosen = self._pick_plan(model, plan_id)
+            snapshot, chosen = await self._pick_plan_when_committed(model, plan_id)
             try:
                 await self._wait_loaded(chosen)
                 tokens = self._encode(chosen, prompt, messages, chat_template, tools)
@@ -238,6 +252,22 @@ class RequestRouter:
                     raise
         raise AssertionError("unreachable: the last attempt raises")
 
+    async def _pick_plan_when_committed(
+        self, model: str, plan_id: str
+    ) -> tuple[ServingSnapshot, str]:
+        """`_pick_plan`, after waiting (bounded by PLAN_WAIT_S) while a plan is on its way."""
+        deadline = time.monotonic() + PLAN_WAIT_S
+        while True:
+            try:
+                return self._pick_plan(model, plan_id)
+            except _PlanPending as pending:
+                if time.monotonic() >= deadline:
+                    raise InferenceError(
+                        ErrorKind.NO_PLAN,
+                        f"no committed plan after {PLAN_WAIT_S:.0f} s: {pending}",
+                    ) from None
+            await asyncio.sleep(STAGE_LOADING_RETRY_S)
+
     def _pick_plan(self, model: str, plan_id: str) -> tuple[ServingSnapshot, str]:
         """The plan a new request runs on (the one asked for, or the active one), or why none."""
         snapshot = self._serving()
@@ -249,10 +279,16 @@ class RequestRouter:
             )
         chosen = plan_id or snapshot.active
         if not chosen:
-            reason = snapshot.refusal or "the mesh has not agreed on a plan yet"
-            if not snapshot.model:
-                reason = "no model is selected; load one with `meshd load MODEL`"
-            raise InferenceError(ErrorKind.NO_PLAN, f"no committed plan: {reason}")
+            if snapshot.refusal:
+                raise InferenceError(ErrorKind.NO_PLAN, f"no committed plan: {snapshot.refusal}")
+            if snapshot.model:
+                raise _PlanPending("the mesh has not agreed on a plan yet")
+            if time.monotonic() < self._hearing_until:
+                raise _PlanPending("this node has not yet heard which model the mesh runs")
+            raise InferenceError(
+                ErrorKind.NO_PLAN,
+                "no committed plan: no model is selected; load one with `meshd load MODEL`",
+            )
         if chosen not in snapshot.serving:
             raise InferenceError(
                 ErrorKind.NO_PLAN,
@@ -308,6 +344,10 @@ class RequestRouter:
                 )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(loaded.wait(), STAGE_LOADING_RETRY_S)
+
+
+class _PlanPending(Exception):
+    """No plan is committed here yet, but one is on its way (the text says why)."""
 
 
 def sampling_params(sampling: pb.Sampling) -> SamplingParams:
