@@ -112,11 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--nodes", type=int, default=3, help="number of local daemons (default 3)")
     demo.add_argument("--keep-state", type=Path, help="keep the daemons' state here")
     demo.add_argument("--timeout", type=float, default=60.0, help="give up after this many seconds")
+    from meshd.api.doctor import register as register_doctor
     from meshd.app.cli import register as register_app
     from meshd.service.cli import register as register_service
 
     register_service(sub)  # `meshd service ...`; each sets its own `handler`
     register_app(sub)  # `meshd app`
+    register_doctor(sub)  # `meshd doctor`
     return parser
 
 
