@@ -77,3 +77,20 @@ def test_malformed_requests_are_400_in_the_api_shape() -> None:
     reply = client.post("/api/generate", json={"prompt": "x", "options": {"top_p": "high"}})
     assert reply.status_code == 400 and "top_p" in reply.json()["error"]
     assert client.get("/v1/nothing-here").status_code == 404
+
+
+@pytest.mark.parametrize("depth", [65, 100_000])
+def test_deeply_nested_json_is_400_in_the_api_shape(depth: int) -> None:
+    """A body nested deeper than any schema needs (100,000 deep overflowed Python's parser,
+    answered 500 with a RecursionError traceback) is a client error in each API's shape."""
+    client = client_for("UNAVAILABLE")
+    nested = b'{"messages": ' + b"[" * depth + b"]" * depth + b"}"
+    for path in ("/v1/chat/completions", "/v1/messages", "/api/chat", "/api/generate"):
+        reply = client.post(path, content=nested, headers={"content-type": "application/json"})
+        assert reply.status_code == 400, (path, reply.status_code, reply.text[:200])
+        body = reply.json()
+        message = body["error"] if path.startswith("/api/") else body["error"]["message"]
+        assert "more than 64 deep" in message, (path, body)
+    shallow = [{"role": "user", "content": "x"}]  # 3 deep: refused only by the router here
+    reply = client.post("/v1/chat/completions", json={"messages": shallow})
+    assert reply.status_code == 503, reply.text

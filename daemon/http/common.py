@@ -25,6 +25,8 @@ STATUS_OF_KIND = {
     "unavailable": 503,
 }
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# Deeper nesting than any API's schema needs (tool parameters included): refused with 400.
+MAX_JSON_DEPTH = 64
 NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -37,9 +39,37 @@ async def read_json(request: Request) -> dict[str, Any]:
         data = json.loads(body or b"null")
     except (ValueError, UnicodeDecodeError) as exc:
         raise BackendError("bad_request", f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        data = None  # deeper than Python's parser goes: refused below, as any deep body
+        depth = MAX_JSON_DEPTH + 1
+    else:
+        depth = json_depth(data)
+    if depth > MAX_JSON_DEPTH:
+        raise BackendError(
+            "bad_request",
+            f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} deep",
+        )
     if not isinstance(data, dict):
         raise BackendError("bad_request", "the request body must be a JSON object")
     return data
+
+
+def json_depth(value: Any) -> int:
+    """How deep arrays and objects nest in ``value`` (a scalar is 0), without recursion: the
+    handlers and the chat templates that walk a body recursively never meet a deeper one."""
+    deepest = 0
+    pending: list[tuple[Any, int]] = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        pending.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def field(
