@@ -1,7 +1,8 @@
-"""The README's Node.js client of the local API, run against a real daemon: a client in
-another language written from proto/meshd.proto alone (keepCase, uint64 seeds as strings).
+"""The Node.js client of the local API in docs/clients.md, run against a real daemon: a
+client in another language written from proto/meshd.proto alone (keepCase, uint64 seeds as
+strings).
 
-Node.js comes from packaging/install.sh (Debian's nodejs), its two npm packages
+Node.js comes from `packaging/install.sh --dev` (Debian's nodejs), its two npm packages
 (examples/node-client/package.json, pinned in package-lock.json) from the npm registry: the
 installer puts them in examples/node-client/node_modules, and this test does when they are
 missing. Without Node.js the test is skipped.
@@ -27,16 +28,16 @@ LOOPBACK = ["--no-mdns", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 def node() -> str:
     node = shutil.which("node")
     if node is None:
-        pytest.skip("Node.js is not installed (bash packaging/install.sh installs it)")
+        pytest.skip("Node.js is not installed (bash packaging/install.sh --dev installs it)")
     if not (EXAMPLE / "node_modules" / "@grpc" / "proto-loader").is_dir():
         npm = shutil.which("npm")
-        assert npm, "npm is missing: run bash packaging/install.sh"
+        assert npm, "npm is missing: run bash packaging/install.sh --dev"
         subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=EXAMPLE, check=True, timeout=300)
     return node
 
 
-def test_the_readme_shows_the_example_that_runs() -> None:
-    assert (EXAMPLE / "client.js").read_text() in (ROOT / "README.md").read_text()
+def test_the_clients_guide_shows_the_example_that_runs() -> None:
+    assert (EXAMPLE / "client.js").read_text() in (ROOT / "docs" / "clients.md").read_text()
 
 
 def test_the_node_client_streams_text_and_reads_the_seed_exactly(

@@ -1,4 +1,4 @@
-// A meshd client in Node.js, written from proto/meshd.proto alone (README; tested by
+// A meshd client in Node.js, written from proto/meshd.proto alone (docs/clients.md; tested by
 // tests/test_node_client.py). Usage: node client.js unix:/path/to/api.sock "a prompt"
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
