@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import socket
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field, replace
@@ -31,7 +32,10 @@ from typing import Any, TypeVar
 
 import trio
 from zeroconf import (
+    DNSAddress,
+    DNSOutgoing,
     DNSText,
+    IPVersion,
     RecordUpdate,
     ServiceBrowser,
     ServiceInfo,
@@ -39,7 +43,7 @@ from zeroconf import (
     Zeroconf,
     current_time_millis,
 )
-from zeroconf.const import _CLASS_IN, _TYPE_TXT
+from zeroconf.const import _CLASS_IN, _FLAGS_AA, _FLAGS_QR_RESPONSE, _TYPE_A, _TYPE_TXT
 
 from meshd.mesh.announcement import SERVICE_TYPE, Announcement, MalformedAnnouncementError
 from meshd.mesh.interfaces import check_bind_addresses
@@ -102,6 +106,7 @@ class Discovery:
         resolve_timeout_s: float = 1.5,
         resolve_attempts: int = 3,
         shutdown_timeout_s: float = 3.0,
+        first_revision: int = 0,
     ) -> None:
         self._interfaces = check_bind_addresses(interfaces)
         self._own = self._with_addresses(announcement)
@@ -117,7 +122,7 @@ class Discovery:
         self._resolutions: dict[str, _Resolution] = {}
         self._nursery: trio.Nursery | None = None
         self._warned_duplicate = False
-        self._revision = 0
+        self._revision = first_revision
         self._announce_lock = trio.Lock()
         # time.monotonic() when the first announcement went out (for latency measurements).
         self.announced_at: float | None = None
@@ -126,6 +131,16 @@ class Discovery:
     def announcement(self) -> Announcement:
         """What this node currently announces."""
         return self._own
+
+    @property
+    def interfaces(self) -> tuple[str, ...]:
+        """The IPv4 addresses zeroconf is bound to."""
+        return tuple(self._interfaces)
+
+    @property
+    def revision(self) -> int:
+        """The TXT revision announced last; a Discovery that follows starts above it."""
+        return self._revision
 
     @property
     def peers(self) -> dict[str, Announcement]:
@@ -196,6 +211,21 @@ class Discovery:
         self._ignored.clear()
         for name in sorted(self._seen_names):
             self._schedule_resolution(name)
+
+    async def withdraw_quietly(self, addresses: Sequence[str] = ()) -> None:
+        """Stop without the service goodbye, before another Discovery takes over.
+
+        Used when this node moves to other interfaces but keeps at least one it announced on,
+        or when none of its old addresses exists any more (a goodbye could not leave): a
+        goodbye for the whole service would make every peer drop the node and find it again
+        a moment later. `addresses` (announced here, not by the next Discovery, still on this
+        machine) get a goodbye of their address record alone, so peers stop dialling them.
+        """
+        async with self._announce_lock:
+            if self._zc is None or self._registered is None:
+                return
+            info, self._registered = self._registered, None
+            await self._on_zeroconf_loop(_withdraw_quietly(self._zc, info, tuple(addresses)))
 
     # -- registration and shutdown --------------------------------------------------------
 
@@ -389,7 +419,27 @@ async def _request_service_info(zc: Zeroconf, name: str, timeout_ms: int) -> Ser
     if texts:
         newest = max(texts, key=lambda record: record.created)
         info.async_update_records(zc, now, [RecordUpdate(newest, None)])
+    _drop_flushed_addresses(zc, info, now)
     return info
+
+
+def _drop_flushed_addresses(zc: Zeroconf, info: ServiceInfo, now: float) -> None:
+    """Leave out the IPv4 addresses a peer no longer announces (runs on zeroconf's loop).
+
+    A peer that moved announces its new address with the cache-flush bit; zeroconf then keeps
+    the old address record for one more second (RFC 6762 10.2, its TTL set to 1), and a
+    resolution in that second would return both, the old one perhaps first.
+    """
+    if info.server_key is None:
+        return
+    records = [
+        record
+        for record in zc.cache.async_all_by_details(info.server_key, _TYPE_A, _CLASS_IN)
+        if isinstance(record, DNSAddress) and not record.is_expired(now)
+    ]
+    current = [record.address for record in records if record.ttl > 1]
+    if current and len(current) < len(records):
+        info.addresses = [*current, *info.addresses_by_version(IPVersion.V6Only)]
 
 
 async def _register_service(zc: Zeroconf, info: ServiceInfo) -> None:
@@ -404,6 +454,22 @@ async def _register_service(zc: Zeroconf, info: ServiceInfo) -> None:
 async def _update_service(zc: Zeroconf, info: ServiceInfo) -> None:
     """Runs on zeroconf's loop."""
     await (await zc.async_update_service(info))
+
+
+async def _withdraw_quietly(zc: Zeroconf, info: ServiceInfo, addresses: tuple[str, ...]) -> None:
+    """Runs on zeroconf's loop: goodbyes for `addresses`' records, then forget the service
+    without the goodbye `Zeroconf.close` would send for it.
+
+    The goodbyes go without the cache-flush bit: with it, a peer would flush this node's
+    other address records too (RFC 6762 10.2).
+    """
+    if addresses and info.server is not None:
+        out = DNSOutgoing(_FLAGS_QR_RESPONSE | _FLAGS_AA)
+        for ip in addresses:
+            record = DNSAddress(info.server, _TYPE_A, _CLASS_IN, 0, socket.inet_aton(ip))
+            out.add_answer_at_time(record, 0)
+        zc.async_send(out)
+    zc.registry.async_remove(info)
 
 
 async def _unregister(zc: Zeroconf, info: ServiceInfo) -> None:
