@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import trio
@@ -48,11 +49,20 @@ from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
 from meshd.runtime.rpc_guard import add_guarded_servicer
 from meshd.runtime.scratch import remove_orphaned_scratch
-from meshd.service.notify import notify_ready
+from meshd.service import logrotate
+from meshd.service.notify import notify_ready, notify_stopping
+from meshd.service.supervision import (
+    keep_service_manager_informed,
+    ping_watchdog,
+    service_state_line,
+)
 from meshd.state_lock import hold_state_dir
 from meshd.wire import dataplane_pb2_grpc as dataplane_rpc
 from meshd.wire import pb, rpc
 from partitioner.humanize import format_bytes, format_flops, format_rate
+
+if TYPE_CHECKING:
+    from meshd.mesh.discovery_follow import FollowingDiscovery
 
 log = logging.getLogger("meshd.node")
 
@@ -61,6 +71,7 @@ LEAVE_POLL_S = 0.05
 LEAVE_HAND_OVER_RESERVE_S = 2.0  # of the grace, kept for the hand-over (replays) at the end
 PARTS_DIR = "parts"  # model parts fetched from peers: per node, in the state directory
 DISCOVERY_PEER_SOURCE = "mdns"
+MOVED_PEER_WAIT_S = 10.0  # a moved peer's old session ends within peer_timeout_s; a bound
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,8 @@ class Node:
         )
         self.peer_port = 0
         self.lane_port = 0  # set once at start (0: no lanes); read by status on trio
+        self.mdns: FollowingDiscovery | None = None  # set when mDNS starts (not with --no-mdns)
+        self._mdns_dialled: dict[str, str] = {}  # node id -> the address mDNS had us dial
         self.http_url = ""
         self._channel_credentials = security.channel_credentials(self.credentials)
         self._remeasure_lock = trio.Lock()
@@ -407,6 +420,11 @@ class Node:
                         await nursery.start(self._discovery_task)
                     nursery.start_soon(self._housekeeping)
                     nursery.start_soon(self._watch_stalls)
+                    nursery.start_soon(
+                        keep_service_manager_informed,
+                        self._service_state_line,
+                        partial(self.bridge.run, ping_watchdog),
+                    )
                     self.events.add(
                         "node %s up: mesh %r, peers on port %d, API on %s, dashboard %s",
                         self.identity.node_id,
@@ -451,6 +469,7 @@ class Node:
         """
         grace = self.config.leave_grace_s
         deadline = trio.current_time() + grace
+        notify_stopping(grace)  # systemd: give the leave its grace before it kills us
         reason = f"node {self.identity.node_id} is leaving the mesh"
         await self.bridge.run(self.router.stop_taking_requests, reason + ": ask another node")
         self.membership.set_leaving()
@@ -531,12 +550,21 @@ class Node:
 
     async def _housekeeping(self) -> None:
         ticks = 0
+        log_file = logrotate.log_to_rotate()  # launchd's log file, which nothing else rotates
         while True:
             await trio.sleep(1)
             self.gate.check()  # who knocked on the peer port without the mesh's certificate
             ticks += 1
             if ticks % 10 == 0:
                 self.membership.forget_old()
+            if log_file is not None and ticks % logrotate.ROTATE_CHECK_S == 0:
+                await self._rotate_log(log_file)
+
+    async def _rotate_log(self, log_file: Path) -> None:
+        try:
+            await trio.to_thread.run_sync(logrotate.rotate_if_large, log_file)
+        except OSError as exc:
+            log.warning("cannot rotate the log file %s: %s", log_file, exc)
 
     async def _watch_stalls(self) -> None:
         """Say in the event log when a loop of this daemon did not run for a while (peers
@@ -562,53 +590,87 @@ class Node:
             if trace is not None:
                 trace.close()
 
+    def _service_state_line(self) -> str:
+        """What `systemctl status` shows: serving, loading, re-planning, no model, leaving."""
+        if self.membership.leaving:
+            return f"leaving the mesh (up to {self.config.leave_grace_s:g} s)"
+        return service_state_line(self.agreement.status_message(), self.plans.moving)
+
     def _stalled(self, message: str) -> None:
         self.events.add(message, level=logging.WARNING)
 
     async def _discovery_task(self, *, task_status: trio.TaskStatus[None]) -> None:
         from meshd.mesh import discovery
         from meshd.mesh.announcement import Announcement
-        from meshd.mesh.interfaces import resolve_interfaces
+        from meshd.mesh.discovery_follow import FollowingDiscovery
 
-        interfaces = resolve_interfaces(self.config.interfaces or None, self.config.skip_interfaces)
-        if not interfaces:
-            self.events.add(
-                "mDNS disabled: no usable interface (set --interface or use --peer)",
-                level=logging.WARNING,
-            )
-            task_status.started()
-            return
         own = Announcement(
             node_id=self.identity.node_id,
             mesh_name=self.secret.mesh_name,
             protocol_version=PROTOCOL_VERSION,
             grpc_port=self.peer_port,
             fingerprint=self.fingerprint,
-            addresses=tuple(interfaces),
         )
         send, receive = trio.open_memory_channel[discovery.DiscoveryEvent](256)
+        self.mdns = FollowingDiscovery(
+            own,
+            self.config.interfaces or None,
+            self.config.skip_interfaces,
+            send,
+            lambda text, level: self.events.add("%s", text, level=level),
+        )
         async with trio.open_nursery() as nursery:
             # Peers found while our own registration (~0.5 s) is still going out are dialled
             # at once; they learn of this node from the inbound call and dial back.
             nursery.start_soon(self._follow_discovery, receive)
-            await nursery.start(discovery.Discovery(own, interfaces, send).run)
+            await nursery.start(self.mdns.run)
             task_status.started()
 
     async def _follow_discovery(self, receive: trio.MemoryReceiveChannel) -> None:
-        async for event in receive:
-            self._on_discovery(event)
+        async with trio.open_nursery() as nursery:
+            async for event in receive:
+                self._on_discovery(event, nursery)
 
-    def _on_discovery(self, event: object) -> None:
+    def _on_discovery(self, event: object, nursery: trio.Nursery) -> None:
         from meshd.mesh import discovery
 
         if isinstance(event, discovery.PeerAppeared | discovery.PeerUpdated):
             ann = event.announcement
-            for host in ann.addresses[:1]:
-                address = f"[{host}]:{ann.grpc_port}" if ":" in host else f"{host}:{ann.grpc_port}"
+            hosts = [f"[{h}]" if ":" in h else h for h in ann.addresses]
+            dialled = self._mdns_dialled.get(ann.node_id)
+            announced = [f"{host}:{ann.grpc_port}" for host in hosts]
+            if not announced:
+                return
+            if dialled is None or dialled in announced:  # new, or still announced there
+                address = dialled or announced[0]
+                self._mdns_dialled[ann.node_id] = address
                 self.membership.want(address, DISCOVERY_PEER_SOURCE)
+                return
+            address = self._mdns_dialled[ann.node_id] = announced[0]
+            self.events.add(
+                "peer %s moved: mDNS announces it at %s, no longer at %s",
+                ann.node_id,
+                address,
+                dialled,
+            )
+            nursery.start_soon(self._dial_moved_peer, ann.node_id, dialled, address)
         elif isinstance(event, discovery.PeerGone):
             log.info("mDNS goodbye from %s (%s)", event.node_id, event.reason)
+            self._mdns_dialled.pop(event.node_id, None)
             self.membership.unwant_peer(event.node_id, "mDNS goodbye")
+
+    async def _dial_moved_peer(self, node_id: str, old: str, new: str) -> None:
+        """Dial a peer's new address once its session at the old one has ended: while that
+        session lives, membership would take the new address for a duplicate and drop it.
+        The old address, no longer announced, is not redialled."""
+        with self.membership.changes.subscribe() as changes, trio.move_on_after(MOVED_PEER_WAIT_S):
+            while (record := self.membership.peers.get(node_id)) and record.alive:
+                if record.address != old:
+                    break
+                await changes.receive()
+        if self._mdns_dialled.get(node_id) == new:  # else it moved again meanwhile
+            self.membership.unwant(old, f"{node_id} moved to {new}")
+            self.membership.want(new, DISCOVERY_PEER_SOURCE)
 
 
 async def _first_item_cancels(feed: trio.MemoryReceiveChannel, scope: trio.CancelScope) -> None:
