@@ -260,6 +260,19 @@ class Mesh:
         )
         _run(["ip", "-n", ns, "link", "set", device, state])
 
+    def remove_address(self, i: int) -> None:
+        """Take node i's address off its eth0 (the link stays up): a network that went away."""
+        node = self.nodes[i]
+        _run(["ip", "-n", node.ns, "addr", "del", f"{node.ip}/24", "dev", NODE_INTERFACE])
+
+    def add_address(self, i: int, host: int) -> str:
+        """Give node i's eth0 the address 10.77.<subnet>.<host> (a network that came up, or a
+        new lease); it becomes `nodes[i].ip`, which is returned."""
+        node = self.nodes[i]
+        node.ip = f"10.77.{self.subnet}.{host}"
+        _run(["ip", "-n", node.ns, "addr", "add", f"{node.ip}/24", "dev", NODE_INTERFACE])
+        return node.ip
+
     def limit_rate(self, i: int, rate: str = "100mbit", *, direction: Direction = "both") -> None:
         """Cap node i's link with a token bucket (`tbf`; this kernel has no netem)."""
         bits_per_s = parse_rate(rate)
