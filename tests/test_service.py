@@ -155,7 +155,8 @@ def test_user_unit_verifies_and_its_exec_start_serves_after_ready(
     assert argv[2:] == ["run", "--state-dir", str(state), *LOOPBACK_RUN_ARGS]
     state.mkdir()
     shutil.copyfile(profile_template, state / "profile.json")  # no profiling run in a test
-    env = {**os.environ, "NOTIFY_SOCKET": notify_socket.getsockname()}
+    # As systemd passes WatchdogSec=2 (WATCHDOG_PID is set by the test: it names the child).
+    env = {**os.environ, "NOTIFY_SOCKET": notify_socket.getsockname(), "WATCHDOG_USEC": "2000000"}
     with (tmp_path / "daemon.log").open("wb") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
@@ -172,15 +173,101 @@ def test_user_unit_verifies_and_its_exec_start_serves_after_ready(
             capture_output=True, text=True, timeout=30,
         )  # fmt: skip
         assert shown.returncode == 0 and status.node_id in shown.stdout, shown
-        notify_socket.settimeout(0.5)
-        with pytest.raises(TimeoutError):
-            notify_socket.recv(4096)  # READY is sent once
+        later = _notifications(notify_socket, seconds=3.0)
+        assert "READY=1" not in later, "READY is sent once"
+        assert "STATUS=no model: load one with `meshd load MODEL`" in later, later
+        assert later.count("WATCHDOG=1") >= 2, f"a ping every second: {later}"
         proc.send_signal(signal.SIGTERM)
+        stopping = _notifications(notify_socket, seconds=1.0)
+        assert "STOPPING=1" in stopping, stopping
+        # A leave of the default 10 s grace, and a margin, whatever TimeoutStopSec says.
+        assert f"EXTEND_TIMEOUT_USEC={int((10 + notify.STOP_MARGIN_S) * 1e6)}" in stopping
         assert proc.wait(20) == 0  # a stop is a clean exit: systemd does not restart it
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def _notifications(sock: socket.socket, seconds: float) -> list[str]:
+    """Every line the daemon sent within ``seconds``."""
+    lines: list[str] = []
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            lines += sock.recv(4096).decode().splitlines()
+        except TimeoutError:
+            break
+    return lines
+
+
+def test_units_outlast_the_leave_grace_and_rotate_the_launchd_log(home: Path, capsys) -> None:
+    """The stop timeout covers the configured leave grace (a 60 s grace was killed at 20 s),
+    from the run options or the state directory's meshd.toml; launchd's log is rotated."""
+    state = home / "state"
+    code, unit_text, err = _meshd(
+        capsys, "service", "install", "--dry-run", "--platform", "systemd",
+        "--state-dir", str(state), "--", "--leave-grace", "60",
+    )  # fmt: skip
+    assert code == 0, err
+    keys = _keys(unit_text)
+    assert keys["TimeoutStopSec"] == ["75"] and keys["WatchdogSec"] == [str(units.WATCHDOG_S)]
+    state.mkdir()
+    (state / "meshd.toml").write_text("leave_grace_s = 40\n")
+    code, out, err = _meshd(
+        capsys, "service", "install", "--dry-run", "--platform", "launchd",
+        "--state-dir", str(state),
+    )  # fmt: skip
+    assert code == 0, err
+    plist = plistlib.loads(out.encode())
+    assert plist["ExitTimeOut"] == 55
+    assert plist["EnvironmentVariables"]["MESHD_LOG_ROTATE"] == plist["StandardOutPath"]
+    code, unit_text, err = _meshd(
+        capsys, "service", "install", "--dry-run", "--platform", "systemd",
+        "--state-dir", str(home / "fresh"),
+    )  # fmt: skip
+    assert _keys(unit_text)["TimeoutStopSec"] == ["25"]  # the default 10 s grace + 15 s
+
+
+def test_the_log_is_rotated_by_copy_and_truncate_while_its_writer_appends(
+    tmp_path: Path,
+) -> None:
+    """As launchd writes it: one appending file descriptor that is never reopened."""
+    from meshd.service.logrotate import rotate_if_large
+
+    log = tmp_path / "meshd.log"
+    with log.open("ab", buffering=0) as writer:
+        for round_ in range(5):
+            writer.write(f"round {round_} ".encode() + b"x" * 1000 + b"\n")
+            assert rotate_if_large(log, max_bytes=500, keep=3)
+        writer.write(b"after\n")
+    assert log.read_bytes() == b"after\n", "the writer goes on at the start of the new file"
+    rotated = [log.with_name(f"meshd.log.{i}").read_bytes() for i in (1, 2, 3)]
+    assert [r.split(b" ")[0:2] for r in rotated] == [[b"round", str(i).encode()] for i in (4, 3, 2)]
+    assert not log.with_name("meshd.log.4").exists(), "only three are kept"
+    assert not rotate_if_large(log, max_bytes=500)
+    assert not rotate_if_large(tmp_path / "missing.log")
+
+
+def test_service_state_lines_say_what_systemctl_status_shows() -> None:
+    from meshd.service.supervision import service_state_line
+    from meshd.wire import pb
+
+    assert service_state_line(pb.AgreementStatus(), "") == (
+        "no model: load one with `meshd load MODEL`"
+    )
+    pending = pb.AgreementStatus(model="m", reason="waiting for confirmation from b")
+    assert service_state_line(pending, "") == ("re-planning m: waiting for confirmation from b")
+    refused = pb.AgreementStatus(model="m", refusal="not enough memory")
+    assert service_state_line(refused, "") == "refused: not enough memory"
+    active = pb.AgreementStatus(
+        model="m", active_plan_id="0123456789abcdef", members=["a", "b"], converged=True
+    )
+    assert service_state_line(active, "loading plan 0123: layers 0-9") == (
+        "loading m: loading plan 0123: layers 0-9"
+    )
+    assert service_state_line(active, "") == "serving m on 2 nodes, plan 0123456789ab"
 
 
 def test_notify_is_silent_without_systemd_and_reaches_abstract_sockets(

@@ -166,6 +166,20 @@ def _checked_run_args(run_args: list[str]) -> list[str]:
     return run_args
 
 
+def _leave_grace_s(state_dir: Path, run_args: list[str]) -> float:
+    """The leave grace the service's daemon will use (its options, the state directory's
+    meshd.toml, the defaults): the stop timeout must outlast it."""
+    from meshd.api.cli import build_parser
+    from meshd.config import ConfigError, flags_given, load_config
+
+    parsed, _ = build_parser().parse_known_args(["run", *run_args])
+    try:
+        config = load_config({**flags_given(parsed), "state_dir": state_dir}, env={})
+    except ConfigError as exc:
+        raise ServiceError(f"the daemon's configuration is not valid: {exc}") from exc
+    return config.leave_grace_s
+
+
 def cmd_install(args: argparse.Namespace) -> int:
     platform_name = args.platform or host_platform()
     if platform_name != host_platform_or_none() and not args.dry_run:
@@ -185,7 +199,8 @@ def cmd_install(args: argparse.Namespace) -> int:
             f"the system-wide unit keeps its state in {units.SYSTEM_STATE_DIR} (systemd's "
             "StateDirectory); drop --state-dir"
         )
-    command = units.this_installation(state_dir, _checked_run_args(args.run_args))
+    run_args = _checked_run_args(args.run_args)
+    command = units.this_installation(state_dir, run_args, _leave_grace_s(state_dir, run_args))
     if platform_name == "launchd":
         return _install_launchd(args, command)
     return _install_systemd(args, command)

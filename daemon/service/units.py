@@ -8,6 +8,7 @@ pure (no file is written here); `manager` writes and loads the files.
 
 from __future__ import annotations
 
+import math
 import os
 import plistlib
 import stat
@@ -22,9 +23,11 @@ UNIT_NAME = "meshd.service"
 SYSTEM_STATE_DIR = Path("/var/lib/meshd")  # systemd's StateDirectory=meshd
 DUPLICATE_NODE_EXIT = 3  # `meshd run`: duplicate node id / state directory in use
 RESTART_DELAY_S = 5  # systemd RestartSec and launchd ThrottleInterval
-STOP_TIMEOUT_S = 20  # SIGTERM, then SIGKILL after this long
+STOP_TIMEOUT_S = 20  # SIGTERM, then SIGKILL after this long, at the least
+STOP_MARGIN_S = 15  # beyond the leave grace: closing the servers and exiting
+WATCHDOG_S = 60  # systemd restarts a daemon whose loops did not ping for this long
 DOCUMENTATION = "https://pypi.org/project/meshd/"
-# A daemon waiting for work should block, not spin (field notes: idle OpenMP threads steal a
+# A daemon waiting for work should block, not spin (idle OpenMP threads would steal a
 # core); Python's output reaches the journal or the log file line by line.
 SERVICE_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
 
@@ -41,6 +44,13 @@ class DaemonCommand:
     entry: tuple[str, ...]  # the meshd script, or ("-m", "meshd") without one
     state_dir: Path
     run_args: tuple[str, ...] = ()
+    leave_grace_s: float = 10.0  # the daemon's `leave_grace_s` as this command configures it
+
+    @property
+    def stop_timeout_s(self) -> int:
+        """How long the service manager waits after SIGTERM: the leave grace (requests move
+        or finish) and a margin, so that a graceful leave is never killed half-way."""
+        return max(STOP_TIMEOUT_S, math.ceil(self.leave_grace_s + STOP_MARGIN_S))
 
     @property
     def argv(self) -> list[str]:
@@ -54,7 +64,9 @@ class DaemonCommand:
         ]
 
 
-def this_installation(state_dir: Path, run_args: Sequence[str] = ()) -> DaemonCommand:
+def this_installation(
+    state_dir: Path, run_args: Sequence[str] = (), leave_grace_s: float = 10.0
+) -> DaemonCommand:
     """The daemon command of the meshd that is running now.
 
     The interpreter is kept as invoked (a virtual environment's `bin/python` is a symlink
@@ -64,7 +76,8 @@ def this_installation(state_dir: Path, run_args: Sequence[str] = ()) -> DaemonCo
     interpreter = os.path.abspath(sys.executable)
     script = Path(interpreter).with_name("meshd")
     entry: tuple[str, ...] = (str(script),) if script.is_file() else ("-m", "meshd")
-    return DaemonCommand(interpreter, entry, state_dir.expanduser().absolute(), tuple(run_args))
+    state = state_dir.expanduser().absolute()
+    return DaemonCommand(interpreter, entry, state, tuple(run_args), leave_grace_s)
 
 
 # ---------------------------------------------------------------- systemd
@@ -162,7 +175,9 @@ def render_systemd_unit(unit: SystemdUnit) -> str:
         f"RestartSec={RESTART_DELAY_S}",
         # A duplicate node id (a copied state directory) exits with 3: a restart cannot help.
         f"RestartPreventExitStatus={DUPLICATE_NODE_EXIT}",
-        f"TimeoutStopSec={STOP_TIMEOUT_S}",
+        f"TimeoutStopSec={command.stop_timeout_s}",
+        # Pinged through both event loops (meshd.service.supervision): a hung daemon restarts.
+        f"WatchdogSec={WATCHDOG_S}",
         "KillMode=mixed",
         "SyslogIdentifier=meshd",
         *(f"Environment={systemd_quote(f'{k}={v}')}" for k, v in sorted(environment.items())),
@@ -191,6 +206,8 @@ class LaunchAgent:
     log_dir: Path
     log_name: str
     gui_only: bool = False  # the app: only in a graphical (Aqua) login session
+    exit_timeout_s: int = STOP_TIMEOUT_S
+    rotate_log: bool = False  # the program keeps its log file bounded (the daemon does)
 
     @property
     def log_path(self) -> Path:
@@ -205,6 +222,9 @@ def render_launchd_plist(agent: LaunchAgent) -> bytes:
     sends SIGTERM and the daemon exits 0). launchd has no per-exit-code rule: a daemon that
     exits 3 (duplicate node id) is retried every ThrottleInterval and says why in its log.
     """
+    environment = dict(SERVICE_ENVIRONMENT)
+    if agent.rotate_log:  # launchd never rotates StandardOutPath: the daemon does
+        environment["MESHD_LOG_ROTATE"] = str(agent.log_path)
     plist: dict[str, object] = {
         "Label": agent.label,
         "ProgramArguments": list(agent.program),
@@ -212,8 +232,8 @@ def render_launchd_plist(agent: LaunchAgent) -> bytes:
         "KeepAlive": {"SuccessfulExit": False},
         "ThrottleInterval": RESTART_DELAY_S,
         "ProcessType": "Interactive",
-        "ExitTimeOut": STOP_TIMEOUT_S,
-        "EnvironmentVariables": dict(SERVICE_ENVIRONMENT),
+        "ExitTimeOut": agent.exit_timeout_s,
+        "EnvironmentVariables": environment,
         "StandardOutPath": str(agent.log_path),
         "StandardErrorPath": str(agent.log_path),
     }
@@ -227,7 +247,14 @@ def macos_log_dir(home: Path | None = None) -> Path:
 
 
 def daemon_agent(command: DaemonCommand, home: Path | None = None) -> LaunchAgent:
-    return LaunchAgent(DAEMON_LABEL, tuple(command.argv), macos_log_dir(home), "meshd.log")
+    return LaunchAgent(
+        DAEMON_LABEL,
+        tuple(command.argv),
+        macos_log_dir(home),
+        "meshd.log",
+        exit_timeout_s=command.stop_timeout_s,
+        rotate_log=True,
+    )
 
 
 # ---------------------------------------------------------------- can a dynamic user run it?
