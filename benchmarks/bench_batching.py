@@ -706,7 +706,7 @@ def scaling_table(
     ``loop_sends_too``, again with every frame sent by the daemons' loops (``MESHD_LOOP_SENDS``,
     the path before decode steps' frames left from the compute thread); with
     ``stream_first_too``, the unpinned row again with ``MESHD_STREAM_FIRST`` (client streams
-    before the next step's graph, the order before stop 28); with ``hop_trace``, the
+    before the next step's graph, the earlier order); with ``hop_trace``, the
     multi-node rows' daemons trace their hops and each row prints where a hop's time went
     (the trace costs the hop a few microseconds)."""
     if not loopback:

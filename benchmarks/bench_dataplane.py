@@ -15,7 +15,7 @@ ignored so every run generates the same number of tokens:
 * aggregate throughput of 4 concurrent requests vs 1 request on 2 stages;
 * peak RSS per node vs the weights it holds.
 
-Goals (the issue's): 2 stages decode at >= 90% of one process; < 1 ms per hop on loopback;
+Goals: 2 stages decode at >= 90% of one process; < 1 ms per hop on loopback;
 4 concurrent requests >= 1.5x one request's throughput on 2 stages.
 
 Run: ``.venv/bin/python benchmarks/bench_dataplane.py [--store DIR] [--random-100m]

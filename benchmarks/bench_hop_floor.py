@@ -1,8 +1,8 @@
 """What a hop costs at the least on this machine, without a daemon: the floor under meshd's.
 
-Issue 11 asks for a hop (one stage's result reaching the next stage's compute) under 0.5 ms.
-Real daemons in network namespaces measure 0.6-0.8 ms over lanes since stop 30
-(``bench_batching.py --scaling --hop-trace``; 0.86-1.3 ms when this was written). This
+The goal for a hop (one stage's result reaching the next stage's compute) is 0.5 ms. Real
+daemons in network namespaces measure 0.5-0.8 ms over lanes on a 2-core x86_64 VM
+(``bench_batching.py --scaling --hop-trace``; docs/performance.md has the runs). This
 benchmark strips the daemon away to show what each
 data-plane design would cost here: two processes, each in its own network namespace (tests/netns.py:
 a bridge in its own namespace, nothing touches the machine's interfaces) and each pinned to
@@ -49,20 +49,19 @@ of hidden states, B -> A a token) and over both: compute done -> send, serialize
 ``SSLSocket.send`` (on a veth pair the sender's kernel also runs the receiver's TCP path),
 send -> the receiver's callback (wire, wake-up, decrypt, parse), and callback -> compute.
 
-Idle, not the forward pass (stop 35, this 2-core Firecracker VM, ``--runs 2 --malloc
-default``): with no compute anywhere, the lanes' hop grows with the time both sides wait
-before it: ``idle`` 0.06-0.10 ms, and with a gap of 0.2, 1, 5, 20 and 40 ms 0.12, 0.10, 0.25,
-0.48 and 0.48-0.54 ms. ``thread-gap`` (no forward pass, 40 ms asleep) took 0.64-0.68 ms
-against ``thread``'s 0.60-0.65 with SmolLM2 computing; plain TCP 0.24 ms either way
-(``raw``, ``raw-gap``), ``direct`` 0.39 against ``direct-gap`` 0.42. So what a hop pays here
-on top of its warm cost comes with the wait itself: after tens of milliseconds idle, the
-hop's code runs as on a cold core whether or not the stage computed meanwhile. Keeping the
-vCPUs from halting does not keep it warm: a lower-priority process spinning on both cores
-(``chrt --idle 0``) moved ``idle-gap`` only from 0.52 to 0.46 ms. Nor does touching the path
-shortly before the frame comes: a probe daemon that sent its peer a small frame ~0.7-2 ms
-before each step's end (the peer ran its fence check and woke its compute thread) left the
-traced hop at 0.51-0.58 ms against 0.51-0.60 without (4 interleaved rounds), so it was not
-kept.
+Idle, not the forward pass (a 2-core Firecracker VM, ``--runs 2 --malloc default``): with no
+compute anywhere, the lanes' hop grows with the time both sides wait before it: ``idle``
+0.06-0.10 ms, and with a gap of 0.2, 1, 5, 20 and 40 ms 0.12, 0.10, 0.25, 0.48 and 0.48-0.54
+ms. ``thread-gap`` (no forward pass, 40 ms asleep) took 0.64-0.68 ms against ``thread``'s
+0.60-0.65 with SmolLM2 computing; plain TCP 0.24 ms either way (``raw``, ``raw-gap``),
+``direct`` 0.39 against ``direct-gap`` 0.42. So what a hop pays here on top of its warm cost
+comes with the wait itself: after tens of milliseconds idle, the hop's code runs as on a cold
+core whether or not the stage computed meanwhile. Keeping the vCPUs from halting does not keep
+it warm: a lower-priority process spinning on both cores (``chrt --idle 0``) moved ``idle-gap``
+only from 0.52 to 0.46 ms. Nor does touching the path shortly before the frame comes: a probe
+daemon that sent its peer a small frame ~0.7-2 ms before each step's end (the peer ran its
+fence check and woke its compute thread) left the traced hop at 0.51-0.58 ms against 0.51-0.60
+without (4 interleaved rounds), so it was not kept.
 
 The allocator: each mode runs with glibc's default malloc and again with its fastbins off
 (``GLIBC_TUNABLES=glibc.malloc.mxfast=0``; ``--malloc`` picks one). Why: a forward pass frees
@@ -74,11 +73,11 @@ syscall and its ``write``. It lands on the hop wherever the thread that computed
 (``inline``, ``direct``); the daemon's loop thread sends from its own arena. The receive
 side has the same cost where the thread that computed parses the next frame: its first large
 ``bytes`` after the pass (the frame's data, 2.3 KB) sorts everything the pass freed, 0.5-0.8
-ms of ``inline``'s hop in stop 32 (0.82-0.93 ms against 0.46-0.48 for ``inline-settle``).
+ms of ``inline``'s hop (0.82-0.93 ms against 0.46-0.48 for ``inline-settle``).
 ``direct`` does not pay it on the hop because its ``recv`` of 64 KB allocates before it
 blocks. Both contexts here keep their record buffers
-(:func:`meshd.runtime.tls_buffers.keep_record_buffers`), as the daemon's lanes do since stop
-30, so a send no longer makes that allocation; a frame's own bytes still do.
+(:func:`meshd.runtime.tls_buffers.keep_record_buffers`), as the daemon's lanes do, so a
+send no longer makes that allocation; a frame's own bytes still do.
 
     sudo .venv/bin/python benchmarks/bench_hop_floor.py [--tokens 64] [--runs 2]
         [--modes thread inline inline-settle idle thread-poll raw raw-poll direct direct-poll

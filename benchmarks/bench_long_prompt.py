@@ -1,4 +1,4 @@
-"""A long prompt next to a short request, on real daemons serving SmolLM2-135M (issue 9).
+"""A long prompt next to a short request, on real daemons serving SmolLM2-135M.
 
 Measures, on a loopback mesh of ``--nodes`` daemons (the memory strategy splits the layers):
 

@@ -1,6 +1,6 @@
 """Planning time of the partitioner on synthetic meshes of 4 to 1000 nodes (not a test).
 
-Goal from the issue: under 100 ms at 64 nodes and under 2 s at 1000 nodes. Each mesh mixes
+Goal: under 100 ms at 64 nodes and under 2 s at 1000 nodes. Each mesh mixes
 Mac-like machines (8-192 GiB, 68-819 GB/s); meshes up to 16 nodes are fully linked, larger ones
 link every node to its 8 ring neighbours plus 4 random peers (a full 1000-node mesh would be a
 million measured links, which no daemon measures). The models are Llama 3.1 70B at 8 bits

@@ -10,7 +10,7 @@ strategy: a third of the layers each). Reports:
     request that moves in the background never stops: ``max_gap_after_s``, the longest gap
     between pieces after the disturbance, is its pause (``next_piece_s`` only the first).
   * churn: committed plans on a static mesh of --static-nodes (4) with link probes every 5 s
-    over --static-s seconds, after the first plan (goal: none; the issue's measure: 1 per 10
+    over --static-s seconds, after the first plan (goal: none; at most 1 per 10
     minutes), while a child process keeps a core busy and a short request goes to the next
     node every 2 s (goal: no failed request).
 

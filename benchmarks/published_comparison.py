@@ -10,7 +10,7 @@ bandwidth an M3 Ultra (exo, Qwen3-235B, 1 node) and an M5 Max (exo #2070, gpt-os
 
 Sources of the published figures: exo's README benchmark charts (Jeff Geerling, "15 TB VRAM on
 Mac Studio - RDMA over Thunderbolt 5"; exo Tensor/RDMA vs llama.cpp RPC/TCP on 1, 2 and 4
-M3 Ultra 512 GB) and exo issue #2070 (two M5 Max 128 GB, Thunderbolt 5).
+M3 Ultra 512 GB) and exo #2070 (two M5 Max 128 GB, Thunderbolt 5).
 
 Run: .venv/bin/python benchmarks/published_comparison.py
 """

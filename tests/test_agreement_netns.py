@@ -72,7 +72,7 @@ def test_hosts_commit_one_plan_and_replan_on_join_and_kill(
     fifth = start(daemons, mesh, 4, mesh_token, model_dir)
     plan5 = wait_same_plan([*first, fifth], 5, 30)
     # A plan's id is its layout, and a joiner that would not make the model materially faster
-    # leaves the layout alone: the fifth node becomes a member, nothing reloads (issue 10).
+    # leaves the layout alone: the fifth node becomes a member, nothing reloads.
     assert plan5 == plan4, "a joiner that adds no speed must not move the layout"
 
     # Kill a node that holds a stage: the survivors must commit a layout without it.
@@ -121,7 +121,7 @@ def test_partition_runs_only_where_the_model_fits_and_heals(
     mesh.link_up(cut)
     healed = wait_same_plan(nodes, 4, 30)
     # The healed node is a member again. A plan's id is its layout: the three-node layout is
-    # kept unless the four-node one is predicted materially faster (issue 10), then it is the
+    # kept unless the four-node one is predicted materially faster, then it is the
     # first layout again; nothing else may appear.
     assert set(nodes[0].status().agreement.members) == {d.status().node_id for d in nodes}
     assert healed in (side, whole), "healing must keep the incumbent or return to the whole"

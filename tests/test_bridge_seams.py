@@ -1,6 +1,6 @@
 """The trio/asyncio seam of a real daemon: what crosses it is owned, also when it fails.
 
-Regression tests for two bugs of the first layout (issue 8):
+Regression tests for two bugs of an earlier layout:
 * a malformed `Propose` from an authenticated member was scheduled onto trio as a bare
   callback; its `ValueError` became a `TrioInternalError` that killed the receiver;
 * a cancelled `WatchStatus` (a client going away, or the 5 s keepalive) left a trio task

@@ -258,7 +258,7 @@ def test_four_concurrent_requests_on_two_stages(mesh: Mesh, models: dict[str, Pa
 def test_a_long_prompt_does_not_hold_back_a_short_request(
     mesh: Mesh, models: dict[str, Path]
 ) -> None:
-    """Issue 9: a long prompt's prefill chunks interleave with other requests' steps on every
+    """A long prompt's prefill chunks interleave with other requests' steps on every
     stage, so a short request that arrives right after a long one gets all its tokens before
     the long one's first; both still get exactly what each would get alone."""
     model_dir = models["llama"]

@@ -1,4 +1,4 @@
-"""Exactness holds whichever OpenBLAS kernels this CPU runs (issue 9).
+"""Exactness holds whichever OpenBLAS kernels this CPU runs.
 
 OpenBLAS picks its matrix kernels per CPU type, and each rounds some matrix shapes its own
 way: on an AMD EPYC the mesh used to differ from mlx-lm by ~1e-6 where an Intel machine

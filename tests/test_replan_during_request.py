@@ -69,7 +69,7 @@ def test_running_request_drains_on_its_plan_while_the_mesh_replans(
     quick = pb.GenerateRequest(prompt="hello", sampling=pb.Sampling(max_tokens=4))
     done_new = [e.done for e in client.stream_generation(third.api, quick) if e.HasField("done")]
     # On the 3-node plan, not the draining one. A plan's id is its layout: link-measurement
-    # noise cannot commit the same layout again under another id meanwhile (issue 10).
+    # noise cannot commit the same layout again under another id meanwhile.
     assert done_new and done_new[0].plan_id == new_plan
 
     reader.join(300)

@@ -420,7 +420,7 @@ def test_a_catching_up_request_takes_known_tokens_from_its_origin_without_the_ro
 
 
 def test_a_long_prompt_takes_turns_with_a_short_request() -> None:
-    """Issue 9: round robin over requests whose input is ready, one step in flight each."""
+    """Round robin over requests whose input is ready, one step in flight each."""
     core = core_on("a", plan_of("p", "a"))
     long_prompt = tuple(range(1, 42))  # 20 chunks of 2, then the last token
     core.on_start(StartFrame("o", "p", "long", start_of(long_prompt)), None, T0)

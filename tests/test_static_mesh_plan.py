@@ -4,10 +4,10 @@ Three daemons in network namespaces serve the random llama with link probes ever
 second while a child process keeps a core busy (a loaded host's probes vary most: veth
 bandwidth measured 1.2-9.8 Gbit/s), for 15 s: 30 rounds of measurements per link, and the
 test checks that some of them moved enough to be re-published. Nothing joins, leaves or
-changes, so after the first plan no other may be committed (the issue's bound: at most one, a
-settling layout), and requests keep being answered all along. (Before plan ids were layouts
+changes, so after the first plan no other may be committed (at most one, a settling
+layout), and requests keep being answered all along. (Before plan ids were layouts
 and probes sender-timed, such a mesh committed a new plan id with the same layout every few
-seconds, each one reloading every stage; benchmarks/bench_resume.py measures the issue's 5 s
+seconds, each one reloading every stage; benchmarks/bench_resume.py measures 5 s
 probes over minutes. Before members were exempt from the peer port's bound on connections
 still in their handshake, these probes filled it within seconds and the gate shut a member's
 data-plane link, whose request then waited until its client gave up.)

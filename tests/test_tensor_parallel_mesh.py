@@ -14,7 +14,7 @@ all-reduces per layer).
 
 Failure: `kill -9` of a member's daemon mid-generation (its runner dies with it by the kernel's
 parent-death signal): the request ends within the heartbeat bound with UNAVAILABLE naming the
-lost member, or (the origin replaying its tokens, issue 10) completes on the next plan; the
+lost member, or (the origin replaying its tokens) completes on the next plan; the
 survivors' runners are gone by PID, and the mesh commits a new plan that serves again.
 """
 

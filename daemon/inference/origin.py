@@ -56,8 +56,8 @@ DEFAULT_RESUME_TIMEOUT_S = 60.0
 DEFAULT_CATCH_UP_TIMEOUT_S = 30.0  # a background move that has not caught up by then ends
 CATCH_UP_POLL_S = 0.1  # how often a waiting request looks for a newer plan to move to
 
-# "1": a token's client stream runs before the next step builds its graph (the order before
-# stop 28, kept as a benchmark's baseline: bench_batching.py --scaling --stream-first-too).
+# "1": a token's client stream runs before the next step builds its graph (an earlier order,
+# kept as a benchmark's baseline: bench_batching.py --scaling --stream-first-too).
 STREAM_FIRST_ENV = "MESHD_STREAM_FIRST"
 
 

@@ -79,8 +79,8 @@ from partitioner.cost import micro_batches
 
 log = logging.getLogger("meshd.dataplane")
 
-# "1": every frame goes through the loop, none from the compute thread (the path before
-# stop 27, kept as a benchmark's baseline: bench_batching.py --scaling --loop-sends-too).
+# "1": every frame goes through the loop, none from the compute thread (an earlier path,
+# kept as a benchmark's baseline: bench_batching.py --scaling --loop-sends-too).
 LOOP_SENDS_ENV = "MESHD_LOOP_SENDS"
 
 # Steps on the compute thread at once (running + waiting), each of another request: the next

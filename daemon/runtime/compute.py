@@ -6,7 +6,7 @@ stall behind a matrix multiplication. One thread, not a pool, because a node has
 worth of cores to give: two MLX evaluations at once only compete for them. Jobs run in
 submission order, so work submitted for one request runs in the order it was submitted.
 
-Why not ``concurrent.futures.ThreadPoolExecutor`` (what this was until stop 25): every job
+Why not ``concurrent.futures.ThreadPoolExecutor`` (an earlier design used one): every job
 of the data plane's hot path crosses here twice per hop, and the pool's bookkeeping is paid
 on a core whose caches the last forward pass has just flushed. Traced inside two pinned
 daemons (time marks around each step of a hop), the pool's ``submit`` took ~0.06 ms and the
@@ -21,7 +21,7 @@ Who goes first: a job the worker has just been woken for needs the GIL to build 
 before ``mx.eval`` releases it, and the loop that queued it usually has Python of its own to
 run at that moment (an origin's client stream: detokenize, build the event, write it, ~0.4 ms
 here). Left alone, the loop runs first and the step waits behind it: 0.34-0.5 ms of every
-token's hop when the origin is also the first stage (traced, issue 11). Work that can wait
+token's hop when the origin is also the first stage (traced). Work that can wait
 awaits :meth:`ComputeExecutor.let_start` first: the loop idles until the job has built its
 graph and handed it to MLX (the job calls :func:`computing`, between ``mx.async_eval`` and
 the ``mx.eval`` that waits for it without the GIL), or has ended. Not at the job's start:
@@ -176,7 +176,7 @@ class ComputeExecutor:
         waits behind it either way once the worker has it; what this changes is only who
         goes first. Without it the loop runs on until it sleeps in ``epoll`` (its callback's
         return, the next iteration, the client stream it woke up to its ``let_start``), and
-        the step waits that long: traced in 2 pinned daemons (issue 11), a step the token
+        the step waits that long: traced in 2 pinned daemons, a step the token
         queued at an origin that is also the first stage started 0.112-0.115 ms after its
         submission without this, 0.050-0.061 ms with it.
         """

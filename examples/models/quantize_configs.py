@@ -5,8 +5,8 @@ to `quantization_config`): the default bits and group size plus one entry per mo
 model's own `quant_predicate` quantizes differently (e.g. 8-bit routers of a 4-bit MoE). This
 script builds each model with mlx-lm's own class, lazily (nothing is materialised), runs
 mlx-lm's own `quantize_model` on it, and writes the resulting config, so the sections are
-exactly what mlx-lm 0.32.2 writes. The mlx-community checkpoints' own config files were not
-in the searchable index this was built from (examples/models/README.md).
+exactly what mlx-lm 0.32.2 writes, without downloading the mlx-community checkpoints' own
+config files.
 
 gpt-oss-120b-mxfp4-q8 follows the recipe its mlx-community name says: experts in MXFP4 (the
 original checkpoint's format), everything else 8-bit affine.

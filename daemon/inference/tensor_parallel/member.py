@@ -408,7 +408,7 @@ class TensorParallelMember:
 class RunnerSupervisor:
     """Every TP runner of one node: started per plan, stopped with it, killed on loss.
 
-    The integrator calls :meth:`start` when a plan with a TP stage holding this node is
+    The data plane calls :meth:`start` when a plan with a TP stage holding this node is
     installed, :meth:`stop_plan` when it is uninstalled, :meth:`member_lost` when the mesh's
     liveness reports a node lost, and shows :meth:`status`.
     """
