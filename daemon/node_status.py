@@ -46,6 +46,7 @@ def mesh_status(node: Node) -> pb.MeshStatus:
                 joined_at=rec.joined_at,
                 source=rec.source,
                 instance_id=rec.instance_id,
+                clock_offset_s=rec.clock_offset_s,
             )
         )
         if rec.alive and rec.state is not None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from meshd.api.launcher import alive_ids
 from meshd.config import load_config
 from tests.netns import Mesh, Node, require_root_and_netns
 from tests.support.ports import free_ports
@@ -228,3 +229,21 @@ def test_the_port_probe_names_the_listener_and_leaves_the_port_free() -> None:
         assert not state.bindable and state.reason == "in use"
         assert f"pid {os.getpid()}" in state.holder
     assert tcp_port_state("127.0.0.1", port).bindable
+
+
+def test_two_members_clocks_are_compared_from_their_beats(
+    daemons, netns_mesh, mesh_token: str, tmp_path: Path
+) -> None:
+    mesh: Mesh = netns_mesh(2)
+    members = [
+        daemons(["--interface", "eth0", "--join", mesh_token], netns=node.ns) for node in mesh.nodes
+    ]
+    other = members[1].wait_ready().node_id
+    members[0].wait_for(lambda s: other in alive_ids(s), 30, "the other member alive")
+    code, findings = doctor(
+        tmp_path, "--state-dir", str(members[0].state_dir), "--check", "clock", node=mesh.nodes[0]
+    )
+    (clock,) = only(findings, "clock skew")
+    assert code == 0 and clock["status"] == "ok", clock
+    offset = float(clock["detail"].split(f"{other} ")[1].split(" s")[0])
+    assert abs(offset) < 0.5  # one host, one clock: only the beat's one-way delay remains

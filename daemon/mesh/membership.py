@@ -78,6 +78,7 @@ class PeerRecord:
     lost_reason: str = ""
     state: pb.NodeState | None = None
     remote_version: int = 0
+    clock_offset_s: float = 0.0  # its wall clock minus ours, from its last beat (`meshd doctor`)
     state_wanted: trio.Event = field(default_factory=trio.Event)
 
 
@@ -473,12 +474,14 @@ class Membership:
     async def _heartbeat(self, stub: rpc.PeerStub, record: PeerRecord) -> None:
         """Run the beat stream until it breaks or goes silent; record why."""
 
-        def on_beat(beat: pb.Beat) -> None:
+        def on_beat(beat: pb.Beat, arrived_at: float) -> None:
             record.last_beat = time.monotonic()
+            if beat.sent_at:
+                record.clock_offset_s = beat.sent_at - arrived_at
             _want_newer_state(record, beat.state_version)
 
         def deliver(beat: pb.Beat) -> None:
-            self._bridge.call_soon_in_trio(on_beat, beat)
+            self._bridge.call_soon_in_trio(on_beat, beat, time.time())  # arrival, before the hop
 
         changed = asyncio.Event()  # set on the asyncio thread; bound to its loop when awaited
 

@@ -310,7 +310,7 @@ class FileChunk(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("profile", "address", "alive", "last_seen_s", "joined_at", "source", "instance_id")
+    __slots__ = ("profile", "address", "alive", "last_seen_s", "joined_at", "source", "instance_id", "clock_offset_s")
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +318,7 @@ class PeerStatus(_message.Message):
     JOINED_AT_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_OFFSET_S_FIELD_NUMBER: _ClassVar[int]
     profile: NodeProfile
     address: str
     alive: bool
@@ -325,7 +326,8 @@ class PeerStatus(_message.Message):
     joined_at: float
     source: str
     instance_id: str
-    def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., joined_at: _Optional[float] = ..., source: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    clock_offset_s: float
+    def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., joined_at: _Optional[float] = ..., source: _Optional[str] = ..., instance_id: _Optional[str] = ..., clock_offset_s: _Optional[float] = ...) -> None: ...
 
 class MeshStatus(_message.Message):
     __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at", "agreement", "memory", "http_url", "requests", "transitions", "tensor_parallel_groups", "tensor_parallel_runners", "lane_address")
