@@ -260,15 +260,20 @@ class Mesh:
         )
         _run(["ip", "-n", ns, "link", "set", device, state])
 
-    def remove_address(self, i: int) -> None:
-        """Take node i's address off its eth0 (the link stays up): a network that went away."""
+    def remove_address(self, i: int, ip: str | None = None) -> None:
+        """Take an address (default: `nodes[i].ip`) off node i's eth0, the link staying up: a
+        network that went away, or an old lease."""
         node = self.nodes[i]
-        _run(["ip", "-n", node.ns, "addr", "del", f"{node.ip}/24", "dev", NODE_INTERFACE])
+        _run(["ip", "-n", node.ns, "addr", "del", f"{ip or node.ip}/24", "dev", NODE_INTERFACE])
 
     def add_address(self, i: int, host: int) -> str:
         """Give node i's eth0 the address 10.77.<subnet>.<host> (a network that came up, or a
         new lease); it becomes `nodes[i].ip`, which is returned."""
         node = self.nodes[i]
+        # As systemd sets it: removing the first address then keeps this one (the kernel's
+        # default removes every other address of the subnet with it).
+        sysctl = f"net.ipv4.conf.{NODE_INTERFACE}.promote_secondaries=1"
+        _run(["ip", "netns", "exec", node.ns, "sysctl", "-q", "-w", sysctl])
         node.ip = f"10.77.{self.subnet}.{host}"
         _run(["ip", "-n", node.ns, "addr", "add", f"{node.ip}/24", "dev", NODE_INTERFACE])
         return node.ip

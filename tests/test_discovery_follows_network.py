@@ -92,3 +92,30 @@ def test_a_daemon_that_moves_is_lost_then_found_on_its_new_address(
         f"\nlost {lost_after:.2f} s after its address went; with the new one, alive again after "
         f"{found_after:.2f} s, its announcement seen after {announced_after:.2f} s"
     )
+
+
+def test_a_daemon_readdressed_in_place_is_followed_to_its_new_address(
+    daemons, netns_mesh, mesh_token
+) -> None:
+    """A new lease replaces the old address at once: the observer may hear the new
+    announcement before its session at the old address has timed out, and must still end up
+    dialling the new one."""
+    mesh = netns_mesh(2)
+    observer = start(daemons, mesh, 0, mesh_token, ["--interface", "eth0"])
+    mover = start(daemons, mesh, 1, mesh_token)
+    mover_id = mover.wait_ready().node_id
+    old = mesh.nodes[1].ip
+    observer.wait_for(lambda s: peer_address(s, mover_id).startswith(f"{old}:"), 20, "the mover")
+
+    new = mesh.add_address(1, 22)
+    mesh.remove_address(1, old)
+    readdressed_at = time.monotonic()
+    observer.wait_for(
+        lambda s: peer_address(s, mover_id).startswith(f"{new}:"),
+        SEEN_WITHIN_S,
+        f"the mover to be dialled at {new}",
+    )
+    print(
+        f"\nreaddressed: alive at the new address after {time.monotonic() - readdressed_at:.2f} s"
+    )
+    mover.wait_for(lambda s: any(f"withdrew from {old}" in e for e in s.events), 5, "words")
