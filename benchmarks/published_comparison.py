@@ -6,7 +6,7 @@ single-request decode speed beside the published one. Two constants per kind of 
 calibrated, each on one published row, and documented in the mesh files: the decode memory
 bandwidth an M3 Ultra (exo, Qwen3-235B, 1 node) and an M5 Max (exo #2070, gpt-oss-120b,
 1 machine) achieve, and the per-all-reduce overhead of MLX on Apple silicon (exo, Qwen3-235B,
-2 and 4 nodes). Everything else is a prediction. README.md discusses the rows that differ.
+2 and 4 nodes). Everything else is a prediction. docs/models.md discusses the rows that differ.
 
 Sources of the published figures: exo's README benchmark charts (Jeff Geerling, "15 TB VRAM on
 Mac Studio - RDMA over Thunderbolt 5"; exo Tensor/RDMA vs llama.cpp RPC/TCP on 1, 2 and 4

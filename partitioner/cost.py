@@ -91,7 +91,7 @@ INTERMEDIATE_BUFFERS = 3
 ALL_REDUCES_PER_LAYER = 2
 # Device synchronisation around one collective when a node does not report its own: MLX must
 # finish the queued kernels before an all_sum and resume after it. 60 us is what exo's published
-# 4 x M3 Ultra runs imply for MLX + JACCL (README, "Predictions against published figures").
+# 4 x M3 Ultra runs imply for MLX + JACCL (docs/models.md, "Predictions against published figures").
 DEFAULT_COLLECTIVE_OVERHEAD_S = 60e-6
 
 

@@ -1,10 +1,10 @@
 """Continuous batching: requests decode together, each gets what it would get alone.
 
-What batching changes (README, "Exactness"): a batched forward pass multiplies several rows
-at once, so OpenBLAS may sum in another order than for one row, and a request's caches are
-left-padded to the batch's length (padded positions are masked out). A request alone stays
-bit-identical to one mlx-lm process (tests/test_dataplane.py); in a batch, its logits stay
-within ``LOGIT_BOUND`` of mlx-lm's alone, and its greedy text is the same.
+What batching changes (docs/architecture.md, "Exactness"): a batched forward pass multiplies
+several rows at once, so OpenBLAS may sum in another order than for one row, and a request's
+caches are left-padded to the batch's length (padded positions are masked out). A request alone
+stays bit-identical to one mlx-lm process (tests/test_dataplane.py); in a batch, its logits
+stay within ``LOGIT_BOUND`` of mlx-lm's alone, and its greedy text is the same.
 
 Every architecture stages run keeps KV (``KVCache``), sliding-window (``RotatingKVCache``) or
 recurrent (``ArraysCache``) layer caches, and mlx-lm has a batch variant of each, so every

@@ -2,7 +2,8 @@
 Debian's chromedriver; nothing is downloaded) against three loopback daemons: the page shows
 the three nodes, their links and the plan, answers a chat, and shows a killed node gone
 within 3 s without a reload. Screenshots are kept under the test's tmp path (and copied to
-docs/ when MESHD_SCREENSHOTS_TO_DOCS=1, to refresh the README's pictures)."""
+docs/ when MESHD_SCREENSHOTS_TO_DOCS=1, to refresh the README's and docs/clients.md's
+pictures)."""
 
 from __future__ import annotations
 

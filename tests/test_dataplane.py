@@ -1,12 +1,12 @@
 """The data plane generates across real gRPC nodes exactly what one mlx-lm process generates.
 
-The guarantee (README, "Exactness"): a request that runs alone on the mesh gives the same
-tokens and bit-identical logits as mlx-lm's own ``generate_step`` in one process with
+The guarantee (docs/architecture.md, "Exactness"): a request that runs alone on the mesh gives
+the same tokens and bit-identical logits as mlx-lm's own ``generate_step`` in one process with
 ``prefill_step_size`` equal to the mesh's prefill chunk, on any CPU: the mesh runs mlx-lm's
-schedule (all but the last prompt token in chunks, then the last one alone, then one token
-per step), so every matrix multiplication has the shape mlx-lm's has, and OpenBLAS, whose
-rounding depends on the shape (the row count) and on the CPU's kernels, rounds alike. What
-changes the bits: a different prefill chunk size, or requests batched into one forward pass.
+schedule (all but the last prompt token in chunks, then the last one alone, then one token per
+step), so every matrix multiplication has the shape mlx-lm's has, and OpenBLAS, whose rounding
+depends on the shape (the row count) and on the CPU's kernels, rounds alike. What changes the
+bits: a different prefill chunk size, or requests batched into one forward pass.
 
 Each "node" is a real grpc.aio server on 127.0.0.1 with mutual TLS and its own DataPlane (see
 ``tests/support/dataplane_mesh.py``). Models are random float32 llama and qwen3 (tiny, so a

@@ -123,7 +123,7 @@ def _draw_badge(
 
 
 def contact_sheet(size: int = 64, padding: int = 12) -> Image.Image:
-    """Every icon on both bars, one row per theme (for the README and visual checks)."""
+    """Every icon on both bars, one row per theme (for docs/operations.md and visual checks)."""
     states = list(MeshState)
     width = padding + len(states) * (size + padding)
     height = padding + len(THEMES) * (size + padding)

@@ -390,7 +390,7 @@ class StageRuntime:
         first large allocation after the forward pass (OpenSSL's record buffer) and paid for
         glibc's coalescing of the blocks the pass freed (0.65-0.77 ms of CPU): its hop took
         1.27-1.68 ms against ~1.0-1.2 ms from the loop. With the buffers kept, 0.66-0.72 ms
-        (2 pinned daemons, interleaved rounds; README, "the token's hop").
+        (2 pinned daemons, interleaved rounds; docs/performance.md).
 
         Order: a request's frames on a link keep its steps' order. The compute thread sends
         in the order it computes, and the loop's sends of a step are made when its result

@@ -6,10 +6,9 @@ allocates them again for the next record. On a lane (:mod:`meshd.inference.lanes
 an allocation per frame, and with glibc's malloc it is an expensive one on the thread that
 just ran a forward pass: the pass freed thousands of small blocks into that thread's
 fastbins, and glibc coalesces them all before it serves the next large request (0.6-0.7 ms
-of CPU on this project's 2-core machines, ``perf record``). A token sent from a last stage's
+of CPU on a 2-core x86_64 VM, ``perf record``). A token sent from a last stage's
 compute thread paid exactly that in its ``send``. With the buffers kept, a token's send
-allocates nothing large, and the coalescing runs later (measured: README, "the token's
-hop").
+allocates nothing large, and the coalescing runs later (measured: docs/performance.md).
 
 How: Python has no API for the mode, so :func:`keep_record_buffers` clears the bit with
 ``SSL_CTX_ctrl(ctx, SSL_CTRL_CLEAR_MODE, SSL_MODE_RELEASE_BUFFERS)`` on the context's
