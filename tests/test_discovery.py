@@ -40,7 +40,13 @@ from meshd.mesh.discovery import (
     PeerGone,
     PeerUpdated,
 )
-from meshd.mesh.interfaces import InterfaceSelectionError, select_interface_addresses
+from meshd.mesh.discovery_follow import FollowingDiscovery
+from meshd.mesh.interfaces import (
+    InterfaceChoice,
+    InterfaceSelectionError,
+    choose_interfaces,
+    select_interface_addresses,
+)
 from tests.netns import Mesh, require_root_and_netns
 
 LOOPBACK = ["127.0.0.1"]
@@ -167,6 +173,18 @@ def test_interface_errors_list_what_is_available() -> None:
         select_interface_addresses(["eth9"], [], HOST_ADDRESSES, HOST_UP)
     with pytest.raises(InterfaceSelectionError, match="'veth12ab' has no IPv4"):
         select_interface_addresses(["veth12ab"], [], HOST_ADDRESSES, HOST_UP)
+
+
+def test_a_following_daemon_waits_for_a_named_interface_and_says_why() -> None:
+    spec = ["veth12ab", "eth0", "10.0.0.4", "eth9"]
+    choice = choose_interfaces(spec, [], HOST_ADDRESSES, HOST_UP)
+    assert choice.chosen == (("eth0", "192.168.1.20"),)
+    assert [reason.split(";")[0] for reason in choice.unavailable] == [
+        "interface 'veth12ab' has no IPv4 address",
+        "'10.0.0.4' is neither an interface name nor an IPv4 address of this machine",
+        "'eth9' is neither an interface name nor an IPv4 address of this machine",
+    ]
+    assert "10.0.0.5" in choice.present and choice.describe() == "eth0 192.168.1.20"
 
 
 def test_nothing_usable_is_an_empty_list_not_an_error() -> None:
@@ -336,6 +354,56 @@ def test_update_moves_a_node_between_meshes() -> None:
 
     trio.run(scenario)
     assert _zeroconf_threads() == [], "threads outlived Discovery.run"
+
+
+def test_following_discovery_says_goodbye_when_it_leaves_an_address_that_still_exists() -> None:
+    """Loopback stands in for a network the node stops using while it is still there (its
+    interface went down, say): the peers see the goodbye at once, and the node again when
+    the interface is back. The interface list is scripted; the mDNS traffic is real."""
+    mesh = _unique("lab")
+    observer = LoopbackNode.make(_announcement(_unique("a"), mesh))
+    on_loopback = InterfaceChoice((("lo", "127.0.0.1"),), present=frozenset(LOOPBACK))
+    lo_down = InterfaceChoice(present=frozenset(LOOPBACK))
+    script = [on_loopback]
+    said: list[str] = []
+    send, _ = trio.open_memory_channel[DiscoveryEvent](100)
+    mover = FollowingDiscovery(
+        _announcement(_unique("b"), mesh),
+        ["lo"],
+        [],
+        send,
+        lambda text, level: said.append(text),
+        poll_interval_s=0.1,
+        read=lambda spec, skip: script[-1],
+    )
+    mover_id = mover._announcement.node_id
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(observer.run)
+            await nursery.start(mover.run)
+            await observer.wait_for(_appeared(mover_id))
+            script.append(lo_down)
+            await observer.wait_for(_gone(mover_id), timeout=3)
+            with trio.fail_after(3):  # the goodbye leaves before the old zeroconf has closed
+                while mover.addresses:
+                    await trio.sleep(0.05)
+            observer.events.clear()
+            script.append(on_loopback)
+            await observer.wait_for(_appeared(mover_id), timeout=5)
+            assert mover.addresses == ("127.0.0.1",)
+            with trio.fail_after(3):  # said once its registration has gone out
+                while len(said) < 3:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+    trio.run(scenario)
+    assert said == [
+        "mDNS now on lo 127.0.0.1",
+        "mDNS paused: withdrew from 127.0.0.1; no usable interface now",
+        "mDNS now on lo 127.0.0.1",
+    ]
+    assert _zeroconf_threads() == [], "threads outlived FollowingDiscovery.run"
 
 
 def _zeroconf_threads() -> list[str]:
