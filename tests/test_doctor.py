@@ -247,3 +247,51 @@ def test_two_members_clocks_are_compared_from_their_beats(
     assert code == 0 and clock["status"] == "ok", clock
     offset = float(clock["detail"].split(f"{other} ")[1].split(" s")[0])
     assert abs(offset) < 0.5  # one host, one clock: only the beat's one-way delay remains
+
+
+def test_a_model_larger_than_this_nodes_budget_is_named_and_one_that_fits_passes(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    args = [*state_args(tmp_path), "--model", str(tiny_llama), "--check", "memory"]
+    code, findings = doctor(tmp_path, *args, "--memory-budget", "50MB")
+    (memory,) = only(findings, "memory")
+    assert code == 0 and memory["status"] == "warn", memory  # no daemon: peers may add the rest
+    assert "too little alone" in memory["detail"]
+    assert "this node's budget 47.68 MiB" in memory["detail"] and "--memory-budget" in memory["fix"]
+    code, findings = doctor(tmp_path, *args, "--memory-budget", "1GB")
+    assert code == 0 and only(findings, "memory")[0]["status"] == "ok", findings
+
+
+def test_the_reference_blas_fails_with_the_package_to_install(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    done = subprocess.run(
+        [MESHD, "doctor", "--json", *state_args(tmp_path), "--check", "blas"],
+        capture_output=True, text=True, timeout=DOCTOR_TIMEOUT_S, check=False,
+        env={**os.environ, "MESHD_BLAS": "reference", "HOME": str(home)},
+    )  # fmt: skip
+    (blas,) = json.loads(done.stdout)
+    assert done.returncode == 1 and blas["status"] == "fail", blas
+    assert "GFLOP/s" in blas["detail"]
+    assert "sudo apt install libopenblas0-pthread" in blas["fix"]
+
+
+def test_secret_and_key_readable_by_others_fail_with_chmod(tmp_path: Path) -> None:
+    from meshd.mesh import security
+
+    state = tmp_path / "state"
+    secret = security.create_mesh_secret("doctor-test")
+    security.save_secret(state, secret)
+    security.load_or_create_node_credentials(state, secret, "node-a")
+    args = [*state_args(tmp_path), "--check", "secret", "--check", "identity"]
+    code, findings = doctor(tmp_path, *args)
+    assert code == 0 and {f["status"] for f in findings} == {"ok"}, findings
+
+    (state / security.SECRET_FILE_NAME).chmod(0o640)
+    (state / security.NODE_KEY_FILE_NAME).chmod(0o644)
+    code, findings = doctor(tmp_path, *args)
+    by_check = {f["check"]: f for f in findings}
+    assert code == 1
+    assert by_check["mesh secret"]["fix"] == f"chmod 600 {state / security.SECRET_FILE_NAME}"
+    assert by_check["tls identity"]["fix"] == f"chmod 600 {state / security.NODE_KEY_FILE_NAME}"
+    assert "0644: others can read this node's private key" in by_check["tls identity"]["detail"]

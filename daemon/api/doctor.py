@@ -394,12 +394,16 @@ def check_memory(ctx: Context) -> list[Finding]:
     )
     if total >= need:
         return [Finding("memory", "ok", text)]
-    status: Status = "fail" if total < weights else "warn"
+    # Short on a live mesh: no plan can hold the model. Without a daemon only this machine is
+    # known, and members may make up the rest.
+    live = ctx.status is not None
+    status: Status = "fail" if live and total < weights else "warn"
+    short = "too little" if live else "too little alone; the mesh's members must add the rest"
     return [
         Finding(
             "memory",
             status,
-            text + " (too little for the weights and their KV cache)",
+            f"{text} ({short} for the weights and their KV cache)",
             "add members (`meshd token` here, `meshd join TOKEN` there), raise this node's "
             "budget (`--memory-budget 12GB`) if the machine has the memory, or choose a "
             "smaller model (`meshd load NAME`)",
