@@ -45,6 +45,7 @@ SETTINGS_READ = (
     "api",
     "model_store",
     "mdns",
+    "peers",
     "interfaces",
     "skip_interfaces",
     "peer_host",
