@@ -15,12 +15,14 @@ its client API (a Unix socket in the state directory, or --api).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from meshd.config import ConfigError, add_setting_flags, flags_given, load_config, settings
 
@@ -160,7 +162,7 @@ def _setup_logging(level: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(args: argparse.Namespace) -> NoReturn:
     import trio
 
     from meshd.mesh.membership import DuplicateNodeId
@@ -197,7 +199,28 @@ def cmd_run(args: argparse.Namespace) -> int:
         pass
     finally:
         hoptrace.stop()
-    return exit_code
+    _end_process(exit_code)
+
+
+def _end_process(exit_code: int) -> NoReturn:
+    """End `meshd run` once the node has stopped, without the interpreter's teardown.
+
+    The node has closed its servers, left the mesh and joined its compute thread by now. What
+    is left are threads meshd does not own (MLX's streams of worker threads that loaded or
+    measured, OpenBLAS, gRPC core) whose thread-local destructors race the interpreter's
+    finalization: 1 stop in about 15 of a whole mesh at once ended in SIGABRT ("terminate
+    called without an active exception", MLX's teardown taking the GIL from a finalizing
+    interpreter). So the output is flushed and the process exits at once, with its status.
+    """
+    if "mlx.core" in sys.modules:
+        import mlx.core as mx
+
+        mx.clear_streams()  # this thread's: as MLX asks of every thread that used it
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(exit_code)
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

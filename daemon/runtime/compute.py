@@ -47,6 +47,7 @@ import asyncio
 import contextlib
 import logging
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -219,15 +220,28 @@ class ComputeExecutor:
         (an awaiter's future is cancelled, a ``submit_then`` job is forgotten)."""
         _running_on.executor = self
         name_this_thread("meshd-compute")  # the OS's name, for top -H; MLX's threads inherit it
-        while (job := self._jobs.get()) is not None:
-            self._busy = True
-            outcome = self._run(job)
-            self._tell_computing()  # a job that never said so
-            # Idle before the hand-back: its socket write releases the GIL, and the loop it
-            # wakes may queue the next job and ask let_start about it at once.
-            self._busy = False
-            if outcome is not None:
-                _hand_back(job, outcome)
+        try:
+            while (job := self._jobs.get()) is not None:
+                self._busy = True
+                outcome = self._run(job)
+                self._tell_computing()  # a job that never said so
+                # Idle before the hand-back: its socket write releases the GIL, and the loop
+                # it wakes may queue the next job and ask let_start about it at once.
+                self._busy = False
+                if outcome is not None:
+                    _hand_back(job, outcome)
+        finally:
+            _release_mlx_streams()
+
+
+def _release_mlx_streams() -> None:
+    """A thread that used MLX destroys its streams itself before it ends, as MLX asks: left
+    to the thread's exit, their destructors may run while the interpreter finalizes and abort
+    the process."""
+    mx = sys.modules.get("mlx.core")
+    if mx is not None:
+        with contextlib.suppress(Exception):
+            mx.clear_streams()
 
     def _run(self, job: _Job) -> Outcome[Any] | None:
         """The job's outcome; None for a job nobody waits for any more."""
