@@ -95,5 +95,11 @@ if [ "$DEV" = 1 ]; then
   if command -v npm >/dev/null && [ ! -d examples/node-client/node_modules/@grpc/proto-loader ]; then
     npm ci --prefix examples/node-client --no-audit --no-fund --silent
   fi
+  # A Hub-compatible server for the model download tests (tests/support/local_hub.py): olah,
+  # in its own environment because it pins another web stack than the daemon's.
+  if [ ! -x .venv-olah/bin/python ] || ! .venv-olah/bin/python -c 'import olah' 2>/dev/null; then
+    python3 -m venv .venv-olah
+    .venv-olah/bin/python -m pip install -q --disable-pip-version-check olah==0.5.4
+  fi
 fi
 echo "meshd installed in .venv (run .venv/bin/meshd --help)"

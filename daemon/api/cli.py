@@ -93,10 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="models in this node's store, and the mesh's model")
     _add_common(models)
     models.add_argument("--json", action="store_true")
+    models.add_argument("action", nargs="?", choices=["rm"], help="rm NAME: free its space")
+    models.add_argument("name", nargs="?", help="a store name or ORG/NAME[@REVISION]")
 
     load = sub.add_parser("load", help="select the model the mesh runs")
     _add_common(load)
-    load.add_argument("model", help="a store name, a model directory or a .gguf file")
+    load.add_argument(
+        "model", help="a store name, a model directory, a .gguf file or ORG/NAME[@REVISION]"
+    )
     load.add_argument("--strategy", choices=["speed", "memory"])
     load.add_argument("--context-length", type=int)
     load.add_argument("--concurrency", type=int)
@@ -121,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     register_service(sub)  # `meshd service ...`; each sets its own `handler`
     register_app(sub)  # `meshd app`
     register_doctor(sub)  # `meshd doctor`
+    from meshd.api.hub_cli import register as register_pull
+
+    register_pull(sub)  # `meshd pull`
     return parser
 
 
@@ -414,6 +421,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     from meshd.api import client, render
 
+    if args.action == "rm":
+        from meshd.api.hub_cli import cmd_models_rm
+
+        if not args.name:
+            raise ConfigError("meshd models rm needs a NAME (a store name or ORG/NAME)")
+        return cmd_models_rm(args.name)
     models = client.list_models(_api(args))
     if args.json:
         from google.protobuf.json_format import MessageToDict

@@ -81,7 +81,7 @@ def load_stage_tensors(
     needed = {
         name: file_name
         for name, file_name in weight_map.items()
-        if _is_needed(name, start, end, keep_embedding=keep_embedding, keep_head=keep_head)
+        if stage_needs_tensor(name, start, end, keep_embedding=keep_embedding, keep_head=keep_head)
     }
     import mlx.core as mx
 
@@ -98,7 +98,9 @@ def load_stage_tensors(
     return weights
 
 
-def _is_needed(name: str, start: int, end: int, *, keep_embedding: bool, keep_head: bool) -> bool:
+def stage_needs_tensor(
+    name: str, start: int, end: int, *, keep_embedding: bool, keep_head: bool
+) -> bool:
     """Whether tensor ``name`` belongs to the stage: its layers, embedding or norm/head."""
     match = _LAYER_NAME.search(name)
     if match is not None:
