@@ -88,6 +88,7 @@ def _transitions(node: Node) -> pb.PlanTransitions:
     out = pb.PlanTransitions(
         moving=node.plans.moving if plane is not None else "",
         leaving=node.membership.leaving,
+        active_plan_loaded=_active_plan_loaded(node),
     )
     if plane is not None:
         loads = plane.loads
@@ -100,6 +101,22 @@ def _transitions(node: Node) -> pb.PlanTransitions:
         out.requests_moved_in_background = plane.origin.requests_moved_in_background
         out.last_pause_s = plane.origin.last_pause_s
     return out
+
+
+def _active_plan_loaded(node: Node) -> bool:
+    """Whether this node's stages of the active plan are loaded, so that it serves the plan.
+
+    A plan is committed before its stages are read from disk; the status app says "serving"
+    only from here on. A node that holds no stage of the plan has nothing to load.
+    """
+    active = node.agreement.core.active
+    if active is None:
+        return False
+    if active.plan_id in node.membership.loaded_plans:
+        return True
+    plan = node.agreement.plan_for(active.proposal)
+    node_id = node.identity.node_id
+    return plan is not None and not any(node_id in stage.nodes for stage in plan.stages)
 
 
 def _tensor_parallel_groups(node: Node) -> list[pb.TensorParallelGroup]:

@@ -384,7 +384,7 @@ class RequestStatus(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., started_at: _Optional[float] = ...) -> None: ...
 
 class PlanTransitions(_message.Message):
-    __slots__ = ("moving", "stage_loads", "layers_loaded", "layers_kept", "bytes_loaded", "last_install", "requests_resumed", "last_pause_s", "leaving", "requests_moved_in_background")
+    __slots__ = ("moving", "stage_loads", "layers_loaded", "layers_kept", "bytes_loaded", "last_install", "requests_resumed", "last_pause_s", "leaving", "requests_moved_in_background", "active_plan_loaded")
     MOVING_FIELD_NUMBER: _ClassVar[int]
     STAGE_LOADS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_LOADED_FIELD_NUMBER: _ClassVar[int]
@@ -395,6 +395,7 @@ class PlanTransitions(_message.Message):
     LAST_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_MOVED_IN_BACKGROUND_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_PLAN_LOADED_FIELD_NUMBER: _ClassVar[int]
     moving: str
     stage_loads: int
     layers_loaded: int
@@ -405,7 +406,8 @@ class PlanTransitions(_message.Message):
     last_pause_s: float
     leaving: bool
     requests_moved_in_background: int
-    def __init__(self, moving: _Optional[str] = ..., stage_loads: _Optional[int] = ..., layers_loaded: _Optional[int] = ..., layers_kept: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., last_install: _Optional[str] = ..., requests_resumed: _Optional[int] = ..., last_pause_s: _Optional[float] = ..., leaving: _Optional[bool] = ..., requests_moved_in_background: _Optional[int] = ...) -> None: ...
+    active_plan_loaded: bool
+    def __init__(self, moving: _Optional[str] = ..., stage_loads: _Optional[int] = ..., layers_loaded: _Optional[int] = ..., layers_kept: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., last_install: _Optional[str] = ..., requests_resumed: _Optional[int] = ..., last_pause_s: _Optional[float] = ..., leaving: _Optional[bool] = ..., requests_moved_in_background: _Optional[int] = ..., active_plan_loaded: _Optional[bool] = ...) -> None: ...
 
 class TensorParallelGroup(_message.Message):
     __slots__ = ("stage", "members", "addresses", "backend", "link", "layer_start", "layer_end")
