@@ -14,7 +14,9 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from meshd.api import cli
 from meshd.app import autostart, icons
@@ -122,9 +124,62 @@ def test_icons_differ_per_state_and_theme_and_have_transparent_corners() -> None
             assert image.size == (32, 32) and image.mode == "RGBA"
             assert image.getpixel((0, 31))[3] == 0  # a transparent corner: any bar shows through
             seen.add(image.tobytes())
-    assert len(seen) == 2 * len(MeshState)
+    assert len(seen) == len(icons.THEMES) * len(MeshState)
     with pytest.raises(ValueError, match="theme"):
         icons.icon_image(MeshState.READY, "blue")
+
+
+def _luminance(rgb: np.ndarray) -> np.ndarray:
+    """WCAG 2 relative luminance of sRGB pixels (0-255, last axis RGB)."""
+    c = rgb / 255.0
+    linear = np.where(c <= 0.04045, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
+    return linear @ np.array([0.2126, 0.7152, 0.0722])
+
+
+def _ink_contrast(icon: Image.Image, panel: tuple[int, int, int, int], region=None) -> float:
+    """The median WCAG contrast against the panel of the icon's opaque pixels (alpha >= 1/2),
+    as the bar shows them (the icon composited over the panel colour)."""
+    shown = Image.new("RGBA", icon.size, panel)
+    shown.alpha_composite(icon)
+    pixels = np.asarray(shown.convert("RGB"), dtype=np.float64)
+    ink = np.asarray(icon.getchannel("A")) >= 128
+    if region is not None:
+        ink &= region
+    lit, dark = np.maximum, np.minimum
+    panel_l = _luminance(np.array(panel[:3], dtype=np.float64))
+    ink_l = _luminance(pixels[ink])
+    ratios = (lit(ink_l, panel_l) + 0.05) / (dark(ink_l, panel_l) + 0.05)
+    assert ratios.size > 0, "the icon has no opaque pixels here"
+    return float(np.median(ratios))
+
+
+def _badge_region(size: int) -> np.ndarray:
+    scale = size / icons.CANVAS
+    cx, cy = (c * scale for c in icons.BADGE_CENTRE)
+    y, x = np.mgrid[0:size, 0:size] + 0.5
+    return (x - cx) ** 2 + (y - cy) ** 2 <= (icons.BADGE_RADIUS * scale) ** 2
+
+
+@pytest.mark.parametrize("size", [22, 32, 64])
+@pytest.mark.parametrize("theme", icons.THEMES)
+def test_every_icon_reads_at_3_to_1_on_the_bars_of_its_theme(theme: str, size: int) -> None:
+    """The whole icon and its state badge alone, for every state: >= 3:1 (WCAG 2's minimum
+    for graphics) against each bar the theme is for; `any` (the default where the desktop
+    does not say) against a light and a dark bar."""
+    found = {}
+    for panel in icons.PANELS[theme]:
+        for state in MeshState:
+            icon = icons.icon_image(state, theme, size)
+            found[(panel, state, "icon")] = _ink_contrast(icon, panel)
+            found[(panel, state, "badge")] = _ink_contrast(icon, panel, _badge_region(size))
+    low = {key: round(ratio, 2) for key, ratio in found.items() if ratio < 3.0}
+    assert not low, low
+
+
+def test_todays_light_on_light_mistake_is_what_the_contrast_check_catches() -> None:
+    """The check is not blind: a dark bar's icons on a light bar are far below 3:1."""
+    icon = icons.icon_image(MeshState.NO_MODEL, "dark", 32)
+    assert _ink_contrast(icon, icons.LIGHT_PANEL) < 1.5
 
 
 # ---------------------------------------------------------------- login items

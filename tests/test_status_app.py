@@ -299,3 +299,20 @@ def test_terminal_front_end_draws_the_node_and_stops_on_ctrl_c(daemons, mesh_tok
     assert node_id in text and "○ 1 · no model" in text, text
     assert proc.returncode == 0, err.decode()
     assert b"Traceback" not in err, err.decode()
+
+
+def test_a_committed_plan_is_loading_until_this_nodes_stages_are_loaded() -> None:
+    """A plan is committed seconds before its stages are read: serving means loaded here."""
+    status = _status(_committed(model="tiny"))
+    status.transitions.moving = "loading plan 4684ce85: layers 0-14"
+    status.transitions.active_plan_loaded = False
+    menu = sm.menu_from_status(status)
+    assert (menu.state, menu.title) == (sm.MeshState.LOADING, "◔ 2 · loading")
+    assert "loading plan 4684ce85: layers 0-14" in menu.items
+    status.transitions.active_plan_loaded = True
+    status.transitions.moving = ""
+    menu = sm.menu_from_status(status)
+    assert (menu.state, menu.title) == (sm.MeshState.READY, "◉ 2 · tiny")
+    assert not any(item.startswith("loading") for item in menu.items)
+    status.transitions.ClearField("active_plan_loaded")  # a daemon from before the field
+    assert sm.menu_from_status(status).state is sm.MeshState.READY

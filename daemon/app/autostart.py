@@ -79,7 +79,7 @@ def xdg_paths(env: Mapping[str, str]) -> tuple[Path, Path]:
 def install_xdg(argv: Sequence[str], env: Mapping[str, str], say: Say) -> Path:
     entry, icon = xdg_paths(env)
     icon.parent.mkdir(parents=True, exist_ok=True)
-    icon_image(MeshState.READY, "dark", ICON_SIZE).save(icon)
+    icon_image(MeshState.READY, "any", ICON_SIZE).save(icon)  # menus of any colour
     write_if_changed(entry, render_desktop_entry(argv, icon).encode(), say)
     say("the app starts at your next login; start it now with: meshd app &")
     return entry

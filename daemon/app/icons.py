@@ -7,13 +7,17 @@ colour; the badge at its lower right carries the state:
 | state       | badge                                   |
 |-------------|-----------------------------------------|
 | serving     | green disc                              |
+| loading     | teal disc with a quarter-filled clock   |
 | re-planning | blue disc with a turning arrow          |
 | converging  | amber disc with three dots              |
 | refused     | red disc with a bar (no entry)          |
 | no model    | an empty ring                           |
 | daemon down | grey disc with a cross, glyph faded     |
 
-`light` icons are for light bars (dark glyph), `dark` ones for dark bars (light glyph).
+`light` icons are for light bars (dark glyph), `dark` ones for dark bars (light glyph), and
+`any` ones (a mid-grey glyph) for a bar whose colour the desktop does not tell: each reads at
+a contrast of at least 3:1 (WCAG) on its bars. The badges' colours are mid-tones that read
+at 3:1 on light and dark bars alike, so a state is legible whichever icons are drawn.
 """
 
 from __future__ import annotations
@@ -25,17 +29,26 @@ from PIL import Image, ImageDraw
 
 from meshd.app.status_model import MeshState
 
-THEMES = ("light", "dark")
+THEMES = ("light", "dark", "any")
 CANVAS = 256  # drawing size before scaling down; coordinates below are on this canvas
 
-FOREGROUND = {"light": (31, 35, 40, 255), "dark": (240, 243, 246, 255)}
+FOREGROUND = {
+    "light": (31, 35, 40, 255),
+    "dark": (240, 243, 246, 255),
+    "any": (118, 118, 124, 255),  # relative luminance 0.18: 4.0:1 on #f0f0f0, 3.6:1 on #202020
+}
+# Relative luminance 0.15-0.23 each: at least 3.2:1 on #f0f0f0 and on #202020.
 BADGE_COLOURS: dict[MeshState, tuple[int, int, int, int]] = {
-    MeshState.READY: (46, 160, 67, 255),
+    MeshState.READY: (30, 140, 60, 255),
+    MeshState.LOADING: (0, 128, 150, 255),
     MeshState.UPDATING: (31, 111, 235, 255),
-    MeshState.CONVERGING: (210, 153, 34, 255),
-    MeshState.REFUSED: (207, 34, 46, 255),
+    MeshState.CONVERGING: (176, 120, 0, 255),
+    MeshState.REFUSED: (226, 56, 62, 255),
     MeshState.UNREACHABLE: (110, 118, 129, 255),
 }
+# A light bar's badges a shade darker, a dark bar's a shade lighter: the white marks inside
+# take a larger share of a small icon, and the disc around them must carry the contrast.
+BADGE_SHADE = {"light": -0.3, "dark": 0.15, "any": -0.08}
 WHITE = (255, 255, 255, 255)
 CLEAR = (0, 0, 0, 0)
 
@@ -65,7 +78,7 @@ def icon_image(state: MeshState, theme: str = "light", size: int = 64) -> Image.
     if state is MeshState.UNREACHABLE:
         alpha = canvas.getchannel("A").point(lambda a: int(a * FADED_ALPHA))
         canvas.putalpha(alpha)
-    _draw_badge(ImageDraw.Draw(canvas), state, foreground)
+    _draw_badge(ImageDraw.Draw(canvas), state, foreground, BADGE_SHADE[theme])
     return canvas.resize((size, size), Image.Resampling.LANCZOS)
 
 
@@ -86,15 +99,25 @@ def _draw_glyph(draw: ImageDraw.ImageDraw, colour: tuple[int, int, int, int]) ->
         _circle(draw, node, NODE_RADIUS, fill=colour)
 
 
+def _shaded(colour: tuple[int, int, int, int], shade: float) -> tuple[int, int, int, int]:
+    """`colour` mixed with black (shade < 0) or white (shade > 0) by |shade|."""
+    target = 255 if shade > 0 else 0
+    r, g, b, a = colour
+    return (*(round(c + (target - c) * abs(shade)) for c in (r, g, b)), a)
+
+
 def _draw_badge(
-    draw: ImageDraw.ImageDraw, state: MeshState, foreground: tuple[int, int, int, int]
+    draw: ImageDraw.ImageDraw,
+    state: MeshState,
+    foreground: tuple[int, int, int, int],
+    shade: float,
 ) -> None:
     cx, cy = BADGE_CENTRE
     r = BADGE_RADIUS
     if state is MeshState.NO_MODEL:
         _circle(draw, BADGE_CENTRE, r - 6, outline=foreground, width=16)
         return
-    _circle(draw, BADGE_CENTRE, r, fill=BADGE_COLOURS[state])
+    _circle(draw, BADGE_CENTRE, r, fill=_shaded(BADGE_COLOURS[state], shade))
     mark = 12  # stroke width of the white marks
     if state is MeshState.UPDATING:
         box = (cx - r * 0.55, cy - r * 0.55, cx + r * 0.55, cy + r * 0.55)
@@ -110,6 +133,11 @@ def _draw_badge(
             ],
             fill=WHITE,
         )
+    elif state is MeshState.LOADING:
+        inner = r * 0.58
+        box = (cx - inner, cy - inner, cx + inner, cy + inner)
+        draw.ellipse(box, outline=WHITE, width=mark - 2)
+        draw.pieslice(box, start=-90, end=0, fill=WHITE)
     elif state is MeshState.CONVERGING:
         for dx in (-0.5, 0.0, 0.5):
             _circle(draw, (round(cx + dx * r), cy), r * 0.14, fill=WHITE)
@@ -122,16 +150,21 @@ def _draw_badge(
         draw.line((cx - half, cy + half, cx + half, cy - half), fill=WHITE, width=mark + 2)
 
 
+LIGHT_PANEL = (240, 240, 240, 255)
+DARK_PANEL = (32, 32, 32, 255)
+PANELS = {"light": (LIGHT_PANEL,), "dark": (DARK_PANEL,), "any": (LIGHT_PANEL, DARK_PANEL)}
+
+
 def contact_sheet(size: int = 64, padding: int = 12) -> Image.Image:
-    """Every icon on both bars, one row per theme (for docs/operations.md and visual checks)."""
+    """Every icon on the bars it is drawn for, one row per theme and bar (visual checks)."""
     states = list(MeshState)
+    rows = [(theme, panel) for theme in THEMES for panel in PANELS[theme]]
     width = padding + len(states) * (size + padding)
-    height = padding + len(THEMES) * (size + padding)
+    height = padding + len(rows) * (size + padding)
     sheet = Image.new("RGBA", (width, height), (0, 0, 0, 0))
-    bars = {"light": (236, 236, 236, 255), "dark": (36, 36, 40, 255)}
-    for row, theme in enumerate(THEMES):
+    for row, (theme, panel) in enumerate(rows):
         top = padding // 2 + row * (size + padding)
-        sheet.paste(bars[theme], (0, top, width, top + size + padding))
+        sheet.paste(panel, (0, top, width, top + size + padding))
         for col, state in enumerate(states):
             icon = icon_image(state, theme, size)
             sheet.alpha_composite(icon, (padding + col * (size + padding), top + padding // 2))

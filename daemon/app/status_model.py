@@ -36,7 +36,8 @@ NO_MODEL_REASON = "no model selected"
 class MeshState(enum.Enum):
     """What the title says at a glance, from best to worst."""
 
-    READY = "ready"  # a committed plan, nothing pending: requests are served
+    READY = "ready"  # a committed plan whose stages are loaded here, nothing pending: serving
+    LOADING = "loading"  # a committed plan whose stages this node is still loading
     UPDATING = "updating"  # serving a committed plan while agreeing on a new one
     CONVERGING = "converging"  # no committed plan yet, agreement under way
     REFUSED = "refused"  # the model does not fit this mesh (or cannot be planned)
@@ -46,6 +47,7 @@ class MeshState(enum.Enum):
 
 TITLE_MARKS: dict[MeshState, str] = {
     MeshState.READY: "◉",
+    MeshState.LOADING: "◔",
     MeshState.UPDATING: "◐",
     MeshState.CONVERGING: "◌",
     MeshState.REFUSED: "⊘",
@@ -75,12 +77,12 @@ class Menu:
 
 def menu_from_status(status: pb.MeshStatus) -> Menu:
     """The menu for one status: title, mesh line, plan lines, node lines, recent events."""
-    state = mesh_state(status.agreement)
+    state = mesh_state(status.agreement, status.transitions)
     alive = sum(1 for node in status.nodes if node.alive)
     plan = _parse_plan(status.agreement.plan_json)
     sections = [
         [_mesh_line(status)],
-        _agreement_lines(status.agreement, state, plan),
+        [*_agreement_lines(status.agreement, state, plan), *_loading_lines(status, state)],
         [_node_line(node, _layers_by_node(plan)) for node in status.nodes],
         _memory_lines(status.memory),
         [f"recent: {line}" for line in status.events[-RECENT_EVENTS:]],
@@ -122,21 +124,37 @@ def menu_unreachable(error_text: str) -> Menu:
     )
 
 
-def mesh_state(view: pb.AgreementStatus) -> MeshState:
-    """Classify the agreement view; a refusal outranks a still-served older plan."""
+def mesh_state(
+    view: pb.AgreementStatus, transitions: pb.PlanTransitions | None = None
+) -> MeshState:
+    """Classify the agreement view; a refusal outranks a still-served older plan.
+
+    A committed plan serves only once this node's stages of it are loaded (seconds after the
+    commit, longer for a large model): until `transitions` says so, the state is LOADING. A
+    daemon that predates `active_plan_loaded` leaves it unset, and is taken at its plan.
+    """
     if not view.model:
         return MeshState.NO_MODEL
     if view.refusal:
         return MeshState.REFUSED
-    if view.active_plan_id:
-        return MeshState.READY if view.converged else MeshState.UPDATING
-    return MeshState.CONVERGING
+    if not view.active_plan_id:
+        return MeshState.CONVERGING
+    if _still_loading(transitions):
+        return MeshState.LOADING
+    return MeshState.READY if view.converged else MeshState.UPDATING
+
+
+def _still_loading(transitions: pb.PlanTransitions | None) -> bool:
+    if transitions is None or not transitions.HasField("active_plan_loaded"):
+        return False
+    return not transitions.active_plan_loaded
 
 
 def _title(state: MeshState, alive: int, model: str) -> str:
     mark = TITLE_MARKS[state]
     words = {
         MeshState.READY: _shorten(model, MAX_TITLE_MODEL_CHARS),
+        MeshState.LOADING: "loading",
         MeshState.UPDATING: "re-planning",
         MeshState.CONVERGING: "converging",
         MeshState.REFUSED: "refused",
@@ -166,6 +184,14 @@ def _agreement_lines(
     if view.draining:
         lines.append("draining: " + ", ".join(plan_id[:8] for plan_id in view.draining))
     return lines
+
+
+def _loading_lines(status: pb.MeshStatus, state: MeshState) -> list[str]:
+    """What this node is loading while the committed plan waits for its stages."""
+    if state is not MeshState.LOADING:
+        return []
+    moving = status.transitions.moving.strip()
+    return [moving or "loading this node's stages of the plan"]
 
 
 def _plan_line(view: pb.AgreementStatus, plan: dict[str, Any] | None) -> str:
