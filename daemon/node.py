@@ -10,6 +10,7 @@ socket is removed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from meshd.mesh.peer_service import PeerService
 from meshd.models.share import PartExporter
 from meshd.node_models import (
     check_model_type,
+    hub_model_spec_dir,
+    hub_snapshot_for,
     model_list,
     note_old_model_store,
     resolve_model_dir,
@@ -188,6 +191,7 @@ class Node:
             self.model_dir_for_selection,
             self.config.state_dir / PARTS_DIR,
             mesh_secret=self.secret.secret,
+            store_root=self.store_root,
         )
         plans = self.plans
         self.router = RequestRouter(self.plane, lambda: plans.snapshot, plans.progress)
@@ -281,12 +285,21 @@ class Node:
         """
         from meshd.models.info import read_model_spec
 
-        model_dir = await trio.to_thread.run_sync(
-            resolve_model_dir, self.store_root, model, self.events
+        hub_model = await trio.to_thread.run_sync(
+            hub_model_spec_dir, self.store_root, self.config.state_dir, model
         )
+        if hub_model is not None:  # ORG/NAME[@REV]: described from config and headers alone
+            model_dir, selection_path = hub_model
+        else:
+            model_dir = await trio.to_thread.run_sync(
+                resolve_model_dir, self.store_root, model, self.events
+            )
+            selection_path = str(model_dir)
         # Refuse an architecture stages cannot run before the mesh re-plans for it.
         await trio.to_thread.run_sync(check_model_type, model_dir)
         spec = await trio.to_thread.run_sync(read_model_spec, model_dir)
+        if hub_model is not None:
+            spec = dataclasses.replace(spec, name=model.split("@")[0])
         options = partitioner.PlanOptions(
             strategy=strategy or self.config.strategy,
             context_length=context_length or self.config.context_length,
@@ -297,7 +310,7 @@ class Node:
             spec,
             options,
             self.identity.node_id,
-            str(model_dir),
+            selection_path,
             startup_default=startup_default,
             after=None if startup_default else self.agreement.selection,
         )
@@ -351,6 +364,9 @@ class Node:
         (`meshd load DIR`, `--model DIR`), else its store (a peer's selection)."""
         from meshd.inference.installer import model_dir_for
 
+        snapshot = hub_snapshot_for(self.store_root, selection.path)
+        if snapshot is not None:  # hf:ORG/NAME@COMMIT, complete in this node's HF cache
+            return snapshot
         own = self.config.model
         if selection.set_by == self.identity.node_id and selection.path:
             own = selection.path

@@ -95,3 +95,33 @@ def check_model_type(model_dir: Path) -> None:
     from meshd.inference import shard
 
     shard.check_model_type(model_dir)
+
+
+HUB_SPECS_DIR = "hub-specs"
+
+
+def hub_model_spec_dir(store_root: Path, state_dir: Path, model: str) -> tuple[Path, str] | None:
+    """For ``ORG/NAME[@REVISION]`` (not a local path): a folder to read the model's
+    description from (config, index, tokenizer and the weights' headers, no weights) and the
+    selection's path ``hf:ORG/NAME@COMMIT``; None for any other model name."""
+    from meshd.models import hub
+
+    ref = hub.parse_repo_ref(model)
+    if ref is None:
+        return None
+    manifest, spec_dir = hub.prepare_selection(store_root, state_dir / HUB_SPECS_DIR, ref)
+    return spec_dir, hub.hub_path(manifest.repo_id, manifest.commit)
+
+
+def hub_snapshot_for(store_root: Path, path: str) -> Path | None:
+    """The complete local copy of a selection's ``hf:`` path (used in place), None when the
+    path names no repository; FileNotFoundError when the copy here is missing or partial."""
+    from meshd.models import hub
+
+    ref = hub.parse_hub_path(path)
+    if ref is None:
+        return None
+    snapshot = hub.complete_snapshot(store_root, ref)
+    if snapshot is None:
+        raise FileNotFoundError(f"{ref} is not complete in this node's HF cache")
+    return snapshot

@@ -104,3 +104,63 @@ def test_pull_names_a_missing_repository(hub: LocalHub, tmp_path: Path) -> None:
     result = _meshd(["pull", "test-org/no-such-model"], tmp_path, hub)
     assert result.returncode == 2
     assert "no repository test-org/no-such-model" in result.stderr
+
+
+def _in_process(hub: LocalHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """meshd.models.hub in this process, pointed at the server and a temp HF cache."""
+    from huggingface_hub import constants
+
+    from meshd.models import hub as hub_module
+
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)  # read at import: as HF_ENDPOINT does
+    monkeypatch.setattr(
+        constants,
+        "HUGGINGFACE_CO_URL_TEMPLATE",
+        hub.url + "/{repo_id}/resolve/{revision}/{filename}",
+    )
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("NO_PROXY", "*")
+    return hub_module
+
+
+def test_a_stage_downloads_only_its_files_after_a_header_only_spec(
+    hub: LocalHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshd.models.info import read_model_spec
+
+    h = _in_process(hub, tmp_path, monkeypatch)
+    ref = h.RepoRef(REPO)
+    manifest, spec_dir = h.prepare_selection(tmp_path / "store", tmp_path / "specs", ref)
+    assert manifest.commit == hub.commit
+    assert read_model_spec(spec_dir).layer_bytes == read_model_spec(hub.model).layer_bytes
+    snapshot = h.snapshot_dir(REPO, hub.commit)
+    assert not any(snapshot.glob("*.safetensors"))  # the spec needed no weights
+
+    before = hub.file_requests()
+    stage = h.StageRange(layer_start=2, layer_end=3)
+    h.fetch_stage_files(tmp_path / "store", h.hub_path(REPO, hub.commit), stage, "n1")
+    index = json.loads((hub.model / "model.safetensors.index.json").read_text())
+    wanted = {f for name, f in index["weight_map"].items() if ".layers.2." in name}
+    assert {p.name for p in snapshot.glob("*.safetensors")} == wanted
+    assert set(hub.file_requests() - before) == wanted
+    for name in wanted:
+        assert (snapshot / name).read_bytes() == (hub.model / name).read_bytes()
+
+
+def test_a_stage_that_does_not_fit_the_disk_is_refused_before_downloading(
+    hub: LocalHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil as shutil_module
+
+    h = _in_process(hub, tmp_path, monkeypatch)
+    h.prepare_selection(tmp_path / "store", tmp_path / "specs", h.RepoRef(REPO))
+    real = shutil_module.disk_usage
+    monkeypatch.setattr(
+        h.shutil, "disk_usage", lambda path: real(path)._replace(free=1000)
+    )  # a full disk, as the file system reports it
+    before = hub.file_requests()
+    with pytest.raises(h.HubError, match=r"node n1 needs .* GB more .* only 0\.00 GB are free"):
+        h.fetch_stage_files(
+            tmp_path / "store", h.hub_path(REPO, hub.commit), h.StageRange(0, 4, True, True), "n1"
+        )
+    assert hub.file_requests() == before

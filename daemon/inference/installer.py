@@ -44,6 +44,7 @@ from meshd.inference.fencing import CommittedPlans
 from meshd.inference.tensor_parallel.groups import spec_for_stage
 from meshd.inference.tensor_parallel.spec import TensorParallelSpec
 from meshd.mesh.membership import EventLog, Membership
+from meshd.models.hub import StageRange, fetch_stage_files, parse_hub_path
 from meshd.models.share import FETCH_TIMEOUT_S, PartSpec, mark_used, prune_parts, receive_part
 from meshd.runtime.bridge import AsyncioThread
 from meshd.wire import pb
@@ -115,6 +116,7 @@ class PlanInstaller:
         parts_root: Path,
         mesh_secret: bytes = b"",
         mlx_held: Callable[[], int] | None = None,
+        store_root: Path | None = None,
     ) -> None:
         self._membership = membership
         self._agreement = agreement
@@ -124,6 +126,7 @@ class PlanInstaller:
         self._committed = committed
         self._resolve_model_dir = resolve_model_dir
         self._parts_root = parts_root
+        self._store_root = store_root or parts_root  # where Hub manifests are kept
         self._mesh_secret = mesh_secret  # tensor-parallel groups derive their token from it
         self._plan_parts: dict[str, Path] = {}  # plan id -> the fetched part it runs on
         self._mlx_held = mlx_held or _mlx_active_bytes  # bytes MLX holds now (weights, caches)
@@ -381,6 +384,8 @@ class PlanInstaller:
             return await trio.to_thread.run_sync(self._resolve_model_dir, selection)
         except (UnknownModel, FileNotFoundError):
             pass
+        if parse_hub_path(selection.path) is not None:
+            return await self._fetch_from_hub(selection, plan)
         part = self._part_for(selection, plan)
         dest = self._parts_root / part.folder_name
         if dest.is_dir():
@@ -420,6 +425,39 @@ class PlanInstaller:
             + ")"
             + hint
         )
+
+    async def _fetch_from_hub(self, selection: pb.ModelSelection, plan: Any) -> Path:
+        """The files this node's stage needs of a Hub repository (`hf:ORG/NAME@COMMIT`),
+        into its HF cache: only those missing, checked against the Hub's hashes, after a
+        check of the free disk space (a worker thread: downloads and hashing block)."""
+        part = self._part_for(selection, plan)
+        stage = StageRange(part.layer_start, part.layer_end, part.has_embedding, part.has_head)
+        node = self._membership.identity.node_id
+        started = time.monotonic()
+        label = self.moving
+
+        def progress(done: int, total: int) -> None:  # a str replaced whole: read by status
+            elapsed = max(time.monotonic() - started, 1e-3)
+            rate = done / elapsed
+            left = (total - done) / rate if rate > 0 else 0.0
+            self.moving = (
+                f"{label}: downloading {done / 1e6:.1f}/{total / 1e6:.1f} MB of "
+                f"{selection.name} ({rate / 1e6:.1f} MB/s, {left:.0f} s left)"
+            )
+
+        try:
+            snapshot = await trio.to_thread.run_sync(
+                fetch_stage_files, self._store_root, selection.path, stage, node, progress
+            )
+        finally:
+            self.moving = label
+        self._events.add(
+            "have %s of %s from the Hub in %.1f s",
+            _describe_part(part),
+            selection.name,
+            time.monotonic() - started,
+        )
+        return snapshot
 
     async def _prune_parts(self) -> None:
         """Delete fetched parts no installed plan uses (see `meshd.models.share`).

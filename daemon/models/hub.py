@@ -692,3 +692,107 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, step_s: float = 
             return True
         time.sleep(step_s)
     return predicate()
+
+
+# ---------------------------------------------------------------------------- a node's files
+
+
+@dataclass(frozen=True)
+class StageRange:
+    """The part of the model a node serves (no layers: config and tokenizer only)."""
+
+    layer_start: int = 0
+    layer_end: int = 0
+    has_embedding: bool = False
+    has_head: bool = False
+
+
+def fetch_stage_files(
+    store_root: Path,
+    selection_path: str,
+    stage: StageRange,
+    node: str,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Make the snapshot hold what this node's stage needs, downloading only what is missing
+    (config and tokenizer, the weight files holding its tensors); returns the snapshot.
+
+    Each file already here is checked against the Hub's hash first (a damaged one is fetched
+    again), and the disk's free space against what is missing before anything is fetched.
+    ``progress(done, total)`` is told the bytes as they arrive. Blocking: a worker thread.
+    """
+    ref = parse_hub_path(selection_path)
+    if ref is None:
+        raise HubError(f"{selection_path!r} names no Hugging Face repository")
+    manifest = resolve_manifest(store_root, ref)
+    snapshot = snapshot_dir(manifest.repo_id, manifest.commit)
+    metadata = manifest.metadata_files()
+    verify_present(manifest, metadata)
+    for path in missing(manifest, metadata):
+        download_from_hub(manifest, path)
+    config = json.loads((snapshot / CONFIG_FILE).read_text())
+    needed = files_for_stage(
+        weight_map(snapshot, manifest),
+        metadata,
+        stage.layer_start,
+        stage.layer_end,
+        has_embedding=stage.has_embedding,
+        has_head=stage.has_head,
+        tied=bool(config.get("tie_word_embeddings", True)),
+    )
+    verify_present(manifest, needed)
+    todo = missing(manifest, needed)
+    check_free_space(manifest, todo, node)
+    total = sum(manifest.files[path].size for path in todo)
+    done = 0
+
+    def arrived(count: int) -> None:
+        nonlocal done
+        done += count
+        if progress is not None:
+            progress(done, total)
+
+    for path in todo:
+        download_from_hub(manifest, path, progress=arrived)
+    return snapshot
+
+
+def check_free_space(manifest: Manifest, paths: list[str], node: str) -> None:
+    """Refuse before downloading when the cache's disk cannot hold what is missing."""
+    needed = 0
+    for path in paths:
+        entry = manifest.files[path]
+        partial = partial_path(manifest.repo_id, entry)
+        needed += entry.size - (partial.stat().st_size if partial.exists() else 0)
+    folder = repo_cache_dir(manifest.repo_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise HubError(
+            f"node {node} needs {needed / 1e9:.2f} GB more for its part of {manifest.repo_id} "
+            f"in {folder}, but only {free / 1e9:.2f} GB are free: free space (meshd models rm "
+            "NAME) or point HF_HUB_CACHE to a larger disk"
+        )
+
+
+def prepare_selection(store_root: Path, spec_root: Path, ref: RepoRef) -> tuple[Manifest, Path]:
+    """What selecting a repository needs before any weights: its manifest (the revision
+    resolved to a commit), config, index and tokenizer, and a folder whose safetensors files
+    hold only the headers (read by range request), for the model's description.
+
+    Refuses at once what cannot run: a repository without config or safetensors, a
+    quantization MLX cannot load. Blocking: a worker thread.
+    """
+    manifest = resolve_manifest(store_root, ref)
+    for path in missing(manifest, manifest.metadata_files()):
+        download_from_hub(manifest, path)
+    snapshot = snapshot_dir(manifest.repo_id, manifest.commit)
+    check_quantization(json.loads((snapshot / CONFIG_FILE).read_text()), ref)
+    spec_dir = spec_root / f"{manifest.repo_id.replace('/', '--')}@{manifest.commit}"
+    if not (spec_dir / CONFIG_FILE).is_file():
+        temp = spec_dir.with_name(spec_dir.name + f".{os.getpid()}.tmp")
+        shutil.rmtree(temp, ignore_errors=True)
+        write_spec_dir(manifest, snapshot, temp)
+        shutil.rmtree(spec_dir, ignore_errors=True)
+        os.replace(temp, spec_dir)
+    return manifest, spec_dir
