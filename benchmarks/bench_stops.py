@@ -87,8 +87,9 @@ def main() -> int:
             problems = [f"round did not complete: {exc}"]
         if problems:
             failed += 1
-            if args.keep_failures:
-                shutil.copytree(root, args.keep_failures / root.name, dirs_exist_ok=True)
+            if args.keep_failures:  # the logs and state; not the sockets, which cannot be copied
+                ignore = shutil.ignore_patterns("*.sock", "*.lock")
+                shutil.copytree(root, args.keep_failures / root.name, ignore=ignore)
         shutil.rmtree(root, ignore_errors=True)
         print(
             f"round {number}: {'ABNORMAL ' + '; '.join(problems) if problems else 'clean'} "
