@@ -96,7 +96,7 @@ class LinkMeasurement(_message.Message):
     def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., tcp_rtt_s: _Optional[float] = ..., grpc_rtt_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., bandwidth: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., measured_at: _Optional[float] = ..., latency_bucket: _Optional[int] = ..., bandwidth_bucket: _Optional[int] = ..., trusted: _Optional[bool] = ..., trust_reason: _Optional[str] = ..., src_address: _Optional[str] = ..., dst_address: _Optional[str] = ...) -> None: ...
 
 class NodeState(_message.Message):
-    __slots__ = ("profile", "links", "version", "instance_id", "alive_peers", "model", "leaving", "tensor_parallel_port", "loaded_plans")
+    __slots__ = ("profile", "links", "version", "instance_id", "alive_peers", "model", "leaving", "tensor_parallel_port", "loaded_plans", "hub_access", "downloads")
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,8 @@ class NodeState(_message.Message):
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_PORT_FIELD_NUMBER: _ClassVar[int]
     LOADED_PLANS_FIELD_NUMBER: _ClassVar[int]
+    HUB_ACCESS_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOADS_FIELD_NUMBER: _ClassVar[int]
     profile: NodeProfile
     links: _containers.RepeatedCompositeFieldContainer[LinkMeasurement]
     version: int
@@ -115,7 +117,29 @@ class NodeState(_message.Message):
     leaving: bool
     tensor_parallel_port: int
     loaded_plans: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., version: _Optional[int] = ..., instance_id: _Optional[str] = ..., alive_peers: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelSelection, _Mapping]] = ..., leaving: _Optional[bool] = ..., tensor_parallel_port: _Optional[int] = ..., loaded_plans: _Optional[_Iterable[str]] = ...) -> None: ...
+    hub_access: bool
+    downloads: _containers.RepeatedCompositeFieldContainer[Download]
+    def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., version: _Optional[int] = ..., instance_id: _Optional[str] = ..., alive_peers: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelSelection, _Mapping]] = ..., leaving: _Optional[bool] = ..., tensor_parallel_port: _Optional[int] = ..., loaded_plans: _Optional[_Iterable[str]] = ..., hub_access: _Optional[bool] = ..., downloads: _Optional[_Iterable[_Union[Download, _Mapping]]] = ...) -> None: ...
+
+class Download(_message.Message):
+    __slots__ = ("node", "repo", "file", "done_bytes", "total_bytes", "rate_bytes_per_s", "seconds_left", "source")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REPO_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RATE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    repo: str
+    file: str
+    done_bytes: int
+    total_bytes: int
+    rate_bytes_per_s: float
+    seconds_left: float
+    source: str
+    def __init__(self, node: _Optional[str] = ..., repo: _Optional[str] = ..., file: _Optional[str] = ..., done_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., rate_bytes_per_s: _Optional[float] = ..., seconds_left: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
 
 class ModelSelection(_message.Message):
     __slots__ = ("name", "digest", "spec_json", "options_json", "set_at", "set_by", "path", "startup_default")
@@ -279,6 +303,20 @@ class ProbeSummary(_message.Message):
     chunks: int
     def __init__(self, bytes: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., chunks: _Optional[int] = ...) -> None: ...
 
+class HubFileRequest(_message.Message):
+    __slots__ = ("repo_id", "commit", "path", "offset", "manifest")
+    REPO_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    repo_id: str
+    commit: str
+    path: str
+    offset: int
+    manifest: bool
+    def __init__(self, repo_id: _Optional[str] = ..., commit: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., manifest: _Optional[bool] = ...) -> None: ...
+
 class ModelPartRequest(_message.Message):
     __slots__ = ("model_name", "model_digest", "layer_start", "layer_end", "has_embedding", "has_head")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -330,7 +368,7 @@ class PeerStatus(_message.Message):
     def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., joined_at: _Optional[float] = ..., source: _Optional[str] = ..., instance_id: _Optional[str] = ..., clock_offset_s: _Optional[float] = ...) -> None: ...
 
 class MeshStatus(_message.Message):
-    __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at", "agreement", "memory", "http_url", "requests", "transitions", "tensor_parallel_groups", "tensor_parallel_runners", "lane_address")
+    __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at", "agreement", "memory", "http_url", "requests", "transitions", "tensor_parallel_groups", "tensor_parallel_runners", "lane_address", "downloads")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_NAME_FIELD_NUMBER: _ClassVar[int]
     MESH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +387,7 @@ class MeshStatus(_message.Message):
     TENSOR_PARALLEL_GROUPS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_RUNNERS_FIELD_NUMBER: _ClassVar[int]
     LANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOADS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     mesh_name: str
     mesh_fingerprint: str
@@ -367,7 +406,8 @@ class MeshStatus(_message.Message):
     tensor_parallel_groups: _containers.RepeatedCompositeFieldContainer[TensorParallelGroup]
     tensor_parallel_runners: _containers.RepeatedCompositeFieldContainer[TensorParallelRunner]
     lane_address: str
-    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ..., agreement: _Optional[_Union[AgreementStatus, _Mapping]] = ..., memory: _Optional[_Union[RuntimeMemory, _Mapping]] = ..., http_url: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., transitions: _Optional[_Union[PlanTransitions, _Mapping]] = ..., tensor_parallel_groups: _Optional[_Iterable[_Union[TensorParallelGroup, _Mapping]]] = ..., tensor_parallel_runners: _Optional[_Iterable[_Union[TensorParallelRunner, _Mapping]]] = ..., lane_address: _Optional[str] = ...) -> None: ...
+    downloads: _containers.RepeatedCompositeFieldContainer[Download]
+    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ..., agreement: _Optional[_Union[AgreementStatus, _Mapping]] = ..., memory: _Optional[_Union[RuntimeMemory, _Mapping]] = ..., http_url: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., transitions: _Optional[_Union[PlanTransitions, _Mapping]] = ..., tensor_parallel_groups: _Optional[_Iterable[_Union[TensorParallelGroup, _Mapping]]] = ..., tensor_parallel_runners: _Optional[_Iterable[_Union[TensorParallelRunner, _Mapping]]] = ..., lane_address: _Optional[str] = ..., downloads: _Optional[_Iterable[_Union[Download, _Mapping]]] = ...) -> None: ...
 
 class RequestStatus(_message.Message):
     __slots__ = ("request_id", "plan_id", "prompt_tokens", "max_tokens", "started_at")
@@ -640,20 +680,26 @@ class GenerateEvent(_message.Message):
     def __init__(self, text: _Optional[str] = ..., done: _Optional[_Union[GenerationDone, _Mapping]] = ..., token: _Optional[_Union[TokenLogits, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "size_bytes", "layers", "source", "path")
+    __slots__ = ("name", "architecture", "size_bytes", "layers", "source", "path", "revision", "total_bytes", "partial")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     size_bytes: int
     layers: int
     source: str
     path: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., size_bytes: _Optional[int] = ..., layers: _Optional[int] = ..., source: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    revision: str
+    total_bytes: int
+    partial: bool
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., size_bytes: _Optional[int] = ..., layers: _Optional[int] = ..., source: _Optional[str] = ..., path: _Optional[str] = ..., revision: _Optional[str] = ..., total_bytes: _Optional[int] = ..., partial: _Optional[bool] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

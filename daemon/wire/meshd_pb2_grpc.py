@@ -69,6 +69,11 @@ class PeerStub:
                 request_serializer=meshd__pb2.ModelPartRequest.SerializeToString,
                 response_deserializer=meshd__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.FetchHubFile = channel.unary_stream(
+                '/meshd.v1.Peer/FetchHubFile',
+                request_serializer=meshd__pb2.HubFileRequest.SerializeToString,
+                response_deserializer=meshd__pb2.FileChunk.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -124,6 +129,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchHubFile(self, request, context):
+        """One file of a Hub repository this node downloads (or has): from `offset`, what is written
+        so far and then what arrives, until the file's end (see daemon/models/hub_share.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +173,11 @@ def add_PeerServicer_to_server(servicer, server):
             'FetchModelPart': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchModelPart,
                     request_deserializer=meshd__pb2.ModelPartRequest.FromString,
+                    response_serializer=meshd__pb2.FileChunk.SerializeToString,
+            ),
+            'FetchHubFile': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchHubFile,
+                    request_deserializer=meshd__pb2.HubFileRequest.FromString,
                     response_serializer=meshd__pb2.FileChunk.SerializeToString,
             ),
     }
@@ -351,6 +369,33 @@ class Peer:
             target,
             '/meshd.v1.Peer/FetchModelPart',
             meshd__pb2.ModelPartRequest.SerializeToString,
+            meshd__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchHubFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/meshd.v1.Peer/FetchHubFile',
+            meshd__pb2.HubFileRequest.SerializeToString,
             meshd__pb2.FileChunk.FromString,
             options,
             channel_credentials,
