@@ -1,6 +1,6 @@
 """`meshd app`: the status app (tray on Linux and Windows, menu bar on macOS, or a terminal).
 
-    meshd app [--state-dir DIR | --api ADDRESS] [--theme auto|light|dark]
+    meshd app [--state-dir DIR | --api ADDRESS] [--theme auto|light|dark|any]
     meshd app --terminal [--exit-after SECONDS]
     meshd app --install | --uninstall [--dry-run]     start it at login (or not)
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from meshd.service.manager import Launchd, Manager, Systemd
 from meshd.service.units import ServiceError
 
-THEMES = ("auto", "light", "dark")
+THEMES = ("auto", "light", "dark", "any")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,7 +37,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--theme",
         choices=THEMES,
         default="auto",
-        help="icons for a light or a dark bar (auto: macOS's appearance; dark elsewhere)",
+        help=(
+            "icons for a light or a dark bar, or for any bar (auto: macOS's appearance, the "
+            "Linux desktop's theme where it tells, else any)"
+        ),
     )
     app.add_argument("--terminal", action="store_true", help="draw the status in this terminal")
     app.add_argument(
@@ -114,8 +117,18 @@ def _run(args: argparse.Namespace) -> int:
             "no graphical session here (neither DISPLAY nor WAYLAND_DISPLAY is set); "
             "`meshd app --terminal` shows the status in this terminal"
         )
-    theme = "dark" if args.theme == "auto" else args.theme
-    return run_tray(api, theme=theme, service=app_service())
+    return run_tray(api, theme=_tray_theme(args.theme), service=app_service())
+
+
+def _tray_theme(requested: str) -> str:
+    """The icons' theme: as asked, else the desktop's, else icons that read on any bar."""
+    if requested != "auto":
+        return requested
+    from meshd.app.desktop_theme import desktop_theme
+
+    theme = desktop_theme(os.environ) or "any"
+    logging.getLogger("meshd.app").info("icons for %s bars (--theme to choose)", theme)
+    return theme
 
 
 def _login_item(args: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 
 On Linux pystray shows the icon through AppIndicator or GTK's XEmbed status icon (both need
 PyGObject and GTK, and a D-Bus session bus) and, without them, through plain Xlib with no
-menu; `PYSTRAY_BACKEND=appindicator|gtk|xorg` picks one. pystray runs its loop on the main
+menu; meshd.app.tray_backend picks the one this desktop has before pystray is imported
+(`PYSTRAY_BACKEND=appindicator|gtk|xorg` overrides it). pystray runs its loop on the main
 thread and its setters may be called from any thread, which is how the controller's threads
 redraw. This module only translates: what the menu holds is decided in menu_model.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from typing import Any
 
@@ -18,6 +20,7 @@ from meshd.app.controller import AppController
 from meshd.app.icons import icon_image
 from meshd.app.menu_model import Action, Entry
 from meshd.app.status_model import MeshState
+from meshd.app.tray_backend import NoTrayBackend, apply_backend, choose_backend
 from meshd.service.manager import Manager
 
 log = logging.getLogger("meshd.app")
@@ -41,7 +44,15 @@ def _name_the_program() -> None:
 
 
 def load_pystray() -> Any:
-    _name_the_program()
+    """pystray, with the backend this desktop has (see meshd.app.tray_backend)."""
+    try:
+        choice = choose_backend(os.environ)
+    except NoTrayBackend as exc:
+        raise AppError(str(exc)) from exc
+    apply_backend(choice)
+    log.info("tray backend: %s (%s)", choice.name, choice.reason)
+    if choice.name in ("appindicator", "gtk"):
+        _name_the_program()
     try:
         import pystray
     except ImportError as exc:
@@ -108,11 +119,20 @@ class Tray:
     def redraw(self) -> None:
         with self._lock:
             menu, entries = self.controller.snapshot()
-            if menu.state is not self._drawn_state:
+            changed = menu.state is not self._drawn_state
+            if changed:
                 self.icon.icon = icon_image(menu.state, self.theme, ICON_SIZE)
                 self._drawn_state = menu.state
-            self.icon.title = menu.title
+            self.icon.title = self._title(menu.title)
             self.icon.menu = self.pystray.Menu(*(self._item(entry) for entry in entries))
+            if changed:
+                log.info("the tray shows: %s", menu.state.value)
+
+    def _title(self, title: str) -> str:
+        """The tooltip; for the xorg backend in Latin-1, the only text Xlib's WM_NAME takes."""
+        if os.environ.get("PYSTRAY_BACKEND") != "xorg":
+            return title
+        return latin1_text(title)
 
     def _item(self, entry: Entry) -> Any:
         pystray = self.pystray
@@ -133,6 +153,12 @@ class Tray:
             self.quit()
         else:
             self.controller.perform(entry)
+
+
+def latin1_text(text: str) -> str:
+    """`text` without the characters Latin-1 lacks (the state marks), spaces collapsed."""
+    kept = text.encode("latin-1", "ignore").decode("latin-1")
+    return " ".join(kept.split()) or "meshd"
 
 
 def _fixed(value: bool, _item: Any) -> bool:
