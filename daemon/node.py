@@ -37,6 +37,7 @@ from meshd.mesh.gate import ConnectionGate
 from meshd.mesh.identity import Identity, load_or_create_node_id
 from meshd.mesh.membership import PROTOCOL_VERSION, Membership
 from meshd.mesh.peer_service import PeerService
+from meshd.models.hub_share import DownloadBoard, HubDownloads, HubFileServer
 from meshd.models.share import PartExporter
 from meshd.node_models import (
     check_model_type,
@@ -148,6 +149,9 @@ class Node:
         self.http_url = ""
         self._channel_credentials = security.channel_credentials(self.credentials)
         self._remeasure_lock = trio.Lock()
+        # Files of Hub repositories arriving here (status), and the Hub downloads shared by
+        # the plan installer and the peers that ask this node for a file.
+        self.hub_downloads = HubDownloads(DownloadBoard(self.identity.node_id))
         self.agreement = PlanAgreement(
             self.membership,
             self.bridge,
@@ -192,14 +196,23 @@ class Node:
             self.config.state_dir / PARTS_DIR,
             mesh_secret=self.secret.secret,
             store_root=self.store_root,
+            hub_downloads=self.hub_downloads,
         )
         plans = self.plans
         self.router = RequestRouter(self.plane, lambda: plans.snapshot, plans.progress)
 
     async def _start_peer_server(self) -> grpc.aio.Server:
         server = channels.peer_server(self.gate.server_options())
+        membership = self.membership
+        hub_files = HubFileServer(
+            self.store_root, self.hub_downloads, lambda: bool(membership.hub_access)
+        )
         service = PeerService(
-            self.membership, self.bridge, self.agreement, PartExporter(self._locate_model)
+            self.membership,
+            self.bridge,
+            self.agreement,
+            PartExporter(self._locate_model),
+            hub_files,
         )
         add_guarded_servicer(rpc.add_PeerServicer_to_server, service, server)
         add_guarded_servicer(
@@ -465,6 +478,7 @@ class Node:
                         await self.bridge.run(http_server.stop)
                     await self.bridge.run(_stop_servers, peer_server, api_server)
                     await self.bridge.run(self.plane.close)
+                    self.hub_downloads.close()
                     _remove_socket(self.config.api_address)
 
     async def leave(self) -> None:
@@ -475,7 +489,7 @@ class Node:
         while this node's stages keep serving the requests running through them. Once it is
         loaded, their origins move them to it in the background (the old attempt streams on
         through this node while the new one catches up, see
-        :mod:`meshd.inference.origin_moves`), and this node waits until none runs through its
+        :mod:`meshd.inference.origin_core`), and this node waits until none runs through its
         stages any more. Then the plans with a
         stage here are uninstalled: a request still running through it (its origin could not
         move it in time) ends here with a failure its origin moves it on by (a replay of its
@@ -564,12 +578,23 @@ class Node:
     async def _measure_profile_task(self) -> None:
         await self._measure_profile(remeasure=False)
 
+    def _publish_hub_state(self) -> None:
+        """Gossip the files arriving here (once a second at most) and whether this node's
+        last Hub request reached the Hub (peers split a repository's downloads by it)."""
+        from meshd.models.hub import hub_reachable
+
+        self.membership.set_downloads(self.hub_downloads.board.snapshot())
+        reachable = hub_reachable()
+        if reachable is not None:
+            self.membership.set_hub_access(reachable)
+
     async def _housekeeping(self) -> None:
         ticks = 0
         log_file = logrotate.log_to_rotate()  # launchd's log file, which nothing else rotates
         while True:
             await trio.sleep(1)
             self.gate.check()  # who knocked on the peer port without the mesh's certificate
+            self._publish_hub_state()
             ticks += 1
             if ticks % 10 == 0:
                 self.membership.forget_old()

@@ -35,6 +35,7 @@ def mesh_status(node: Node) -> pb.MeshStatus:
         )
     ]
     links = list(me.own_state.links)
+    downloads = list(node.hub_downloads.board.snapshot())
     for rec in sorted(me.peers.values(), key=lambda r: r.node_id):
         profile = rec.state.profile if rec.state else pb.NodeProfile(node_id=rec.node_id)
         nodes.append(
@@ -51,6 +52,7 @@ def mesh_status(node: Node) -> pb.MeshStatus:
         )
         if rec.alive and rec.state is not None:
             links.extend(m for m in rec.state.links if m.src == rec.node_id)
+            downloads.extend(rec.state.downloads)
     return pb.MeshStatus(
         node_id=node.identity.node_id,
         mesh_name=node.secret.mesh_name,
@@ -79,6 +81,7 @@ def mesh_status(node: Node) -> pb.MeshStatus:
         tensor_parallel_groups=_tensor_parallel_groups(node),
         tensor_parallel_runners=_tensor_parallel_runners(node),
         transitions=_transitions(node),
+        downloads=downloads,
     )
 
 

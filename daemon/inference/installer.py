@@ -41,10 +41,12 @@ from meshd.agreement.contract import PlanChange, PlanSource
 from meshd.inference.assignment import Assignment
 from meshd.inference.dataplane import DataPlane
 from meshd.inference.fencing import CommittedPlans
+from meshd.inference.hub_fetch import HubFetch
 from meshd.inference.tensor_parallel.groups import spec_for_stage
 from meshd.inference.tensor_parallel.spec import TensorParallelSpec
 from meshd.mesh.membership import EventLog, Membership
-from meshd.models.hub import StageRange, fetch_stage_files, parse_hub_path
+from meshd.models.hub import parse_hub_path
+from meshd.models.hub_share import HubDownloads
 from meshd.models.share import FETCH_TIMEOUT_S, PartSpec, mark_used, prune_parts, receive_part
 from meshd.runtime.bridge import AsyncioThread
 from meshd.wire import pb
@@ -117,6 +119,7 @@ class PlanInstaller:
         mesh_secret: bytes = b"",
         mlx_held: Callable[[], int] | None = None,
         store_root: Path | None = None,
+        hub_downloads: HubDownloads | None = None,
     ) -> None:
         self._membership = membership
         self._agreement = agreement
@@ -127,6 +130,11 @@ class PlanInstaller:
         self._resolve_model_dir = resolve_model_dir
         self._parts_root = parts_root
         self._store_root = store_root or parts_root  # where Hub manifests are kept
+        self._hub_fetch = (
+            HubFetch(membership, bridge, events, hub_downloads, self._store_root)
+            if hub_downloads is not None
+            else None
+        )
         self._mesh_secret = mesh_secret  # tensor-parallel groups derive their token from it
         self._plan_parts: dict[str, Path] = {}  # plan id -> the fetched part it runs on
         self._mlx_held = mlx_held or _mlx_active_bytes  # bytes MLX holds now (weights, caches)
@@ -428,36 +436,16 @@ class PlanInstaller:
 
     async def _fetch_from_hub(self, selection: pb.ModelSelection, plan: Any) -> Path:
         """The files this node's stage needs of a Hub repository (`hf:ORG/NAME@COMMIT`),
-        into its HF cache: only those missing, checked against the Hub's hashes, after a
-        check of the free disk space (a worker thread: downloads and hashing block)."""
-        part = self._part_for(selection, plan)
-        stage = StageRange(part.layer_start, part.layer_end, part.has_embedding, part.has_head)
-        node = self._membership.identity.node_id
-        started = time.monotonic()
+        into its HF cache, each file downloaded once per mesh (see `meshd.inference.hub_fetch`):
+        from the Hub, or from the peer that downloads it while it arrives."""
+        if self._hub_fetch is None:
+            raise RuntimeError("this node was started without Hub downloads")
         label = self.moving
-
-        def progress(done: int, total: int) -> None:  # a str replaced whole: read by status
-            elapsed = max(time.monotonic() - started, 1e-3)
-            rate = done / elapsed
-            left = (total - done) / rate if rate > 0 else 0.0
-            self.moving = (
-                f"{label}: downloading {done / 1e6:.1f}/{total / 1e6:.1f} MB of "
-                f"{selection.name} ({rate / 1e6:.1f} MB/s, {left:.0f} s left)"
-            )
-
+        self.moving = f"{label}: downloading {selection.name}"
         try:
-            snapshot = await trio.to_thread.run_sync(
-                fetch_stage_files, self._store_root, selection.path, stage, node, progress
-            )
+            return await self._hub_fetch.fetch(selection, plan)
         finally:
             self.moving = label
-        self._events.add(
-            "have %s of %s from the Hub in %.1f s",
-            _describe_part(part),
-            selection.name,
-            time.monotonic() - started,
-        )
-        return snapshot
 
     async def _prune_parts(self) -> None:
         """Delete fetched parts no installed plan uses (see `meshd.models.share`).

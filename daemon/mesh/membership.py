@@ -122,6 +122,8 @@ class Membership:
         self.model: pb.ModelSelection | None = None
         self.leaving = False
         self.loaded_plans: tuple[str, ...] = ()  # plans whose stage is loaded here
+        self.hub_access: bool | None = None  # unknown until this node asked the Hub once
+        self.downloads: tuple[pb.Download, ...] = ()  # files arriving here now
         self.version = 1
         # Wakes each peer's beat sender when this node's own state changes (trio thread).
         self._version_watchers: set[Callable[[], None]] = set()
@@ -186,6 +188,20 @@ class Membership:
             self.loaded_plans = plan_ids
             self._publish()
 
+    def set_hub_access(self, reachable: bool) -> None:
+        """Publish whether this node's last Hub request succeeded (peers split a
+        repository's downloads between the nodes that can reach the Hub)."""
+        if reachable != self.hub_access:
+            self.hub_access = reachable
+            self._publish()
+
+    def set_downloads(self, downloads: tuple[pb.Download, ...]) -> None:
+        """Publish the files arriving here (the caller limits how often: each change is
+        a new state version the peers fetch)."""
+        if downloads != self.downloads:
+            self.downloads = downloads
+            self._publish()
+
     def set_leaving(self) -> None:
         """Announce that this node is stopping: peers plan without it from now on."""
         if not self.leaving:
@@ -210,6 +226,8 @@ class Membership:
             leaving=self.leaving,
             tensor_parallel_port=self.tensor_parallel_port,
             loaded_plans=self.loaded_plans,
+            hub_access=self.hub_access,
+            downloads=self.downloads,
         )
 
     def _publish(self) -> None:

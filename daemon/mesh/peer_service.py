@@ -9,8 +9,8 @@ it never reaches trio as an unhandled error.
 
 Two services of other subsystems ride on the peer port without this package importing them
 (mesh sits below agreement and models): proposals go to a `ProposalReceiver` (the
-agreement) and model parts come from a `ModelPartSource` (model distribution); the node
-plugs both in.
+agreement) and model parts come from a `ModelPartSource` (model distribution), files of a
+Hub repository from a `HubFileSource`; the node plugs them in.
 """
 
 from __future__ import annotations
@@ -53,6 +53,18 @@ class ModelPartSource(Protocol):
     ) -> AsyncIterator[pb.FileChunk]: ...
 
 
+class HubFileSource(Protocol):
+    """Streams a file of a Hub repository this node downloads or has (asyncio thread).
+
+    Raises FileNotFoundError when this node neither has nor downloads the file, ValueError
+    when the request is malformed, TimeoutError when the file stopped growing.
+    """
+
+    def stream_file(
+        self, request: pb.HubFileRequest, caller: str | None
+    ) -> AsyncIterator[pb.FileChunk]: ...
+
+
 class PeerService(rpc.PeerServicer):
     """Peer RPC handlers bound to one daemon's membership."""
 
@@ -62,11 +74,13 @@ class PeerService(rpc.PeerServicer):
         bridge: AsyncioThread,
         agreement: ProposalReceiver | None = None,
         model_parts: ModelPartSource | None = None,
+        hub_files: HubFileSource | None = None,
     ) -> None:
         self._membership = membership
         self._bridge = bridge
         self._agreement = agreement
         self._model_parts = model_parts
+        self._hub_files = hub_files
 
     async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext):
         return await self._bridge.call_in_trio(
@@ -120,6 +134,23 @@ class PeerService(rpc.PeerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:
             log.warning("refused a malformed model part request from %s: %s", caller, exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def FetchHubFile(
+        self, request: pb.HubFileRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.FileChunk]:
+        caller = peer_node_id(context)
+        if self._hub_files is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node shares no Hub files")
+        try:
+            async for chunk in self._hub_files.stream_file(request, caller):
+                yield chunk
+        except FileNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except TimeoutError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ValueError as exc:
+            log.warning("refused a malformed Hub file request from %s: %s", caller, exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def Propose(self, request: pb.ProposalMessage, context: grpc.aio.ServicerContext):

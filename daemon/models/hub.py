@@ -185,7 +185,9 @@ def fetch_manifest(ref: RepoRef) -> Manifest:
     except HubError:
         raise
     except Exception as error:
+        note_hub_result(error)
         raise _hub_error(ref, error) from error
+    note_hub_result(None)
     manifest = Manifest(ref.repo_id, str(info.sha), files)
     check_loadable_files(manifest, ref)
     return manifest
@@ -239,6 +241,39 @@ def _hub_error(ref: RepoRef, error: Exception) -> HubError:
     if isinstance(error, (OfflineModeIsEnabled, LocalEntryNotFoundError)):
         return HubError(f"cannot reach the Hub for {ref} (HF_HUB_OFFLINE is set or no network)")
     return HubError(f"cannot read {ref} from the Hub ({endpoint()}): {error}")
+
+
+_last_hub_result: list[bool] = []  # this process's last Hub request: reached it or not
+
+
+def note_hub_result(error: Exception | None) -> None:
+    """Remember whether the last Hub request reached the Hub: it did when it succeeded or
+    the Hub answered with an HTTP error (a missing file, a gated repository), it did not
+    when the connection failed or HF_HUB_OFFLINE refused it."""
+    reached = error is None or getattr(error, "response", None) is not None
+    _last_hub_result[:] = [reached]
+
+
+def hub_reachable() -> bool | None:
+    """Whether this process's last Hub request reached the Hub; None before the first
+    (False at once with HF_HUB_OFFLINE: this node never asks the Hub)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
+        return False  # read as huggingface_hub reads it, without importing it every second
+    return _last_hub_result[0] if _last_hub_result else None
+
+
+def probe_hub(repo_id: str, commit: str, timeout_s: float = 10.0) -> bool:
+    """Ask the Hub for the repository's description (one small API request): whether
+    this node can download from it. Blocking: a worker thread."""
+    if hub_offline():
+        return False
+    try:
+        hub_api().model_info(repo_id, revision=commit, timeout=timeout_s)
+    except Exception as error:
+        note_hub_result(error)
+        return bool(hub_reachable())
+    note_hub_result(None)
+    return True
 
 
 def endpoint() -> str:
@@ -448,7 +483,9 @@ def download_from_hub(manifest: Manifest, path: str, progress: Progress | None =
         except HubError:
             raise
         except Exception as error:
+            note_hub_result(error)
             raise _hub_error(ref, error) from error
+        note_hub_result(None)
     return finish_partial(manifest, path)
 
 
