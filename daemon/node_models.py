@@ -6,6 +6,7 @@ node's components: a store root, the event log for what the user should hear, a 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,7 +34,42 @@ def model_list(store_root: Path, selected: str) -> pb.ModelList:
         )
         for entry in ModelStore(store_root).list_models()
     ]
-    return pb.ModelList(models=models, selected=selected)
+    return pb.ModelList(models=models + hub_cache_models(store_root), selected=selected)
+
+
+def hub_cache_models(store_root: Path) -> list[pb.ModelInfo]:
+    """The repositories in the HF cache, one entry per revision: what this node holds of
+    it, its whole size and whether it is complete here (a node of a mesh holds only its
+    stage's files: partial). A cache that cannot be read lists nothing (and says why in the
+    daemon's log): the store's models are still listed."""
+    from meshd.models import hub
+
+    try:
+        cached = hub.list_cached(store_root)
+    except Exception as error:  # huggingface_hub's scan of a damaged cache folder
+        logging.getLogger("meshd").warning("cannot list the HF cache: %s", error)
+        return []
+    return [
+        pb.ModelInfo(
+            name=revision.repo_id,
+            architecture=_cached_architecture(revision.path),
+            size_bytes=revision.size_bytes,
+            source="hf-cache",
+            path=str(revision.path),
+            revision=revision.commit,
+            total_bytes=revision.total_bytes,
+            partial=not revision.complete,
+        )
+        for revision in cached
+    ]
+
+
+def _cached_architecture(snapshot: Path) -> str:
+    try:
+        config = json.loads((snapshot / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return str(config.get("model_type", "")) if isinstance(config, dict) else ""
 
 
 def note_old_model_store(state_dir: Path, store_root: Path, events: EventLog) -> None:

@@ -211,6 +211,12 @@ def test_each_file_comes_over_the_internet_once_per_mesh(
         )
         assert not [m for m in log if m["ip"] == mesh.nodes[OFFLINE].ip]
 
+        listed = [m for m in client.list_models(daemons[OFFLINE].api).models if m.name == REPO]
+        assert [(m.source, m.partial, m.revision) for m in listed] == [
+            ("hf-cache", True, _snapshot(daemons[OFFLINE]).name)
+        ]
+        assert 0 < listed[0].size_bytes < listed[0].total_bytes
+
         # The offline node restarts with one file damaged and another cut short: both come
         # again from its peers (the damaged one whole, the other from where it stopped).
         offline = daemons[OFFLINE]

@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "pipeline", "tensor", "hybrid"],
         help="kind of layout (default: the daemon's setting, auto)",
     )
+    load.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="for ORG/NAME: return at once instead of showing each node's download",
+    )
 
     from meshd.http.keys_cli import register as register_api_key
 
@@ -452,6 +457,10 @@ def cmd_load(args: argparse.Namespace) -> int:
         ),
     )
     print(f"{reply.model} ({reply.digest}): {reply.message}")
+    from meshd.api.hub_cli import follow_hub_load, names_repository
+
+    if names_repository(args.model) and not args.no_wait:
+        return follow_hub_load(_api(args), reply.model)
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +90,72 @@ def cmd_models_rm(name: str) -> int:
         return 2
     print(f"removed {name} from the model store")
     return 0
+
+
+LOAD_FOLLOW_S = 3600.0  # how long `meshd load ORG/NAME` shows the mesh's downloads at most
+LOAD_POLL_S = 0.5
+BAR_WIDTH = 24
+
+
+def names_repository(model: str) -> bool:
+    """Whether `meshd load MODEL` names a Hugging Face repository (not a local path)."""
+    from meshd.models.hub import parse_repo_ref
+
+    return parse_repo_ref(model) is not None
+
+
+def follow_hub_load(api: str, model: str, out: Any = None) -> int:
+    """After `meshd load ORG/NAME`: a progress bar per node while the mesh downloads the
+    repository, until the mesh serves it (0), the plan is refused (1), or Ctrl-C (the load
+    goes on in the daemons; `meshd status` shows it).
+
+    On a terminal the bars are redrawn in place; elsewhere one line per node every 5 s.
+    """
+    from meshd.api import client
+    from meshd.api.render import downloads_by_node
+
+    out = out or sys.stderr
+    tty = bool(getattr(out, "isatty", lambda: False)())
+    reader = client.StatusReader(api)
+    drawn, last_print = 0, 0.0
+    deadline = time.monotonic() + LOAD_FOLLOW_S
+    try:
+        while time.monotonic() < deadline:
+            status = reader.status()
+            agreement = status.agreement
+            if agreement.model == model and agreement.refusal:
+                print(f"the mesh cannot run {model}: {agreement.refusal}", file=out)
+                return 1
+            if _serving(status, model):
+                if tty and drawn:
+                    out.write(f"\x1b[{drawn}F\x1b[J")
+                print(f"the mesh serves {model}", file=out)
+                return 0
+            lines = [_bar(node) for node in downloads_by_node(status.downloads)]
+            if tty:
+                clear = f"\x1b[{drawn}F\x1b[J" if drawn else ""
+                out.write(clear + "".join(f"{line}\n" for line in lines))
+                out.flush()
+                drawn = len(lines)
+            elif lines and time.monotonic() - last_print > 5.0:
+                print("\n".join(lines), file=out, flush=True)
+                last_print = time.monotonic()
+            time.sleep(LOAD_POLL_S)
+    except KeyboardInterrupt:
+        print("\nthe mesh goes on loading; `meshd status` shows it", file=out)
+        return 0
+    print(f"{model} is not served after {LOAD_FOLLOW_S:.0f} s; see `meshd status`", file=out)
+    return 1
+
+
+def _serving(status: Any, model: str) -> bool:
+    agreement = status.agreement
+    loaded = status.transitions.HasField("active_plan_loaded")
+    ready = status.transitions.active_plan_loaded if loaded else True
+    planned = agreement.model == model and bool(agreement.active_plan_id)
+    return planned and ready and not status.downloads
+
+
+def _bar(node: Any) -> str:
+    filled = round(node.fraction * BAR_WIDTH)
+    return f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {node.line()}"

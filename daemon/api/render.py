@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
@@ -160,8 +162,71 @@ def status_text(status: pb.MeshStatus) -> str:
     if groups:
         plan += "\n" + groups
     plan += "\n" + transitions_text(status.transitions)
+    downloads = downloads_text(status)
+    if downloads:
+        plan += "\n" + downloads
     requests = requests_text(status)
     return f"{head}\n\n{peers_table(status)}\n\n{plan}\n\n{requests}\n\nrecent events:\n{recent}"
+
+
+@dataclass(frozen=True)
+class NodeDownloads:
+    """What one node is downloading now, summed over its files."""
+
+    node: str
+    files: int
+    done_bytes: int
+    total_bytes: int
+    rate_bytes_per_s: float
+    seconds_left: float
+    sources: tuple[str, ...]
+
+    @property
+    def fraction(self) -> float:
+        return self.done_bytes / self.total_bytes if self.total_bytes else 0.0
+
+    def line(self) -> str:
+        """'node: 41% of 1.2 GB, 3 files, 22.1 MB/s, 32 s left (hub, peer n2)'."""
+        left = f", {self.seconds_left:.0f} s left" if self.seconds_left else ""
+        return (
+            f"{self.node}: {self.fraction:.0%} of {format_bytes(self.total_bytes)}, "
+            f"{self.files} file(s), {format_bytes(int(self.rate_bytes_per_s))}/s{left} "
+            f"({', '.join(self.sources)})"
+        )
+
+
+def downloads_by_node(downloads: Iterable[pb.Download]) -> list[NodeDownloads]:
+    """The files each node is downloading, summed per node (nodes sorted)."""
+    grouped: dict[str, list[pb.Download]] = {}
+    for item in downloads:
+        grouped.setdefault(item.node, []).append(item)
+    return [
+        NodeDownloads(
+            node=node,
+            files=len(items),
+            done_bytes=sum(item.done_bytes for item in items),
+            total_bytes=sum(item.total_bytes for item in items),
+            rate_bytes_per_s=sum(item.rate_bytes_per_s for item in items),
+            seconds_left=max(item.seconds_left for item in items),
+            sources=tuple(sorted({item.source for item in items})),
+        )
+        for node, items in sorted(grouped.items())
+    ]
+
+
+def downloads_text(status: pb.MeshStatus) -> str:
+    """The files the nodes are downloading now, one line per file (empty: none)."""
+    if not status.downloads:
+        return ""
+    lines = ["downloading:"]
+    for item in sorted(status.downloads, key=lambda d: (d.node, d.file)):
+        left = f", {item.seconds_left:.0f} s left" if item.seconds_left else ""
+        lines.append(
+            f"  {item.node}  {item.file}  {format_bytes(item.done_bytes)}/"
+            f"{format_bytes(item.total_bytes)}, {format_bytes(int(item.rate_bytes_per_s))}/s"
+            f"{left}, from {item.source}"
+        )
+    return "\n".join(lines)
 
 
 def transitions_text(moves: pb.PlanTransitions) -> str:
@@ -204,6 +269,14 @@ def status_to_json(status: pb.MeshStatus) -> dict[str, Any]:
     )
 
 
+def _model_size(model: pb.ModelInfo) -> str:
+    """Its size; for a repository of the HF cache that this node holds in part (its stage's
+    files), what it holds of the whole."""
+    if model.partial:
+        return f"{format_bytes(model.size_bytes)} of {format_bytes(model.total_bytes)} (partial)"
+    return format_bytes(model.size_bytes)
+
+
 def profile_text(profile: Any) -> str:
     d = profile.to_dict()
     lines = [f"{key:18} {value}" for key, value in d.items() if key != "versions"]
@@ -218,9 +291,9 @@ def models_table(models: pb.ModelList) -> str:
         [
             m.name + (" *" if m.name == models.selected else ""),
             m.architecture,
-            str(m.layers),
-            format_bytes(m.size_bytes),
-            m.source,
+            str(m.layers) if m.layers else "",
+            _model_size(m),
+            m.source + (f" @{m.revision[:12]}" if m.revision else ""),
         ]
         for m in models.models
     ]

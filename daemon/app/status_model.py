@@ -191,7 +191,25 @@ def _loading_lines(status: pb.MeshStatus, state: MeshState) -> list[str]:
     if state is not MeshState.LOADING:
         return []
     moving = status.transitions.moving.strip()
-    return [moving or "loading this node's stages of the plan"]
+    return [moving or "loading this node's stages of the plan", *_download_lines(status)]
+
+
+def _download_lines(status: pb.MeshStatus) -> list[str]:
+    """One line for the whole mesh while it downloads a Hub repository: how far, how fast,
+    how long yet, over how many nodes."""
+    if not status.downloads:
+        return []
+    done = sum(item.done_bytes for item in status.downloads)
+    total = sum(item.total_bytes for item in status.downloads)
+    rate = sum(item.rate_bytes_per_s for item in status.downloads)
+    left = max(item.seconds_left for item in status.downloads)
+    nodes = len({item.node for item in status.downloads})
+    share = f"{100 * done // total}%" if total else "0%"
+    tail = f", {left:.0f} s left" if left else ""
+    return [
+        f"downloading {share} of {format_bytes(total)} on {nodes} node(s), "
+        f"{format_bytes(int(rate))}/s{tail}"
+    ]
 
 
 def _plan_line(view: pb.AgreementStatus, plan: dict[str, Any] | None) -> str:

@@ -271,6 +271,29 @@ function drawTensorParallel(status) {
   }
 }
 
+// ------------------------------------------------------------------ downloads
+
+// One line per node while the mesh downloads a Hub repository: its files summed, where
+// they come from (the Hub, or the peer that downloads them), its rate and time left.
+function drawDownloads(status) {
+  const box = $("plan-downloads");
+  const byNode = new Map();
+  for (const d of status.downloads || []) {
+    const sum = byNode.get(d.node) || { done: 0, total: 0, rate: 0, left: 0, files: 0, sources: new Set() };
+    sum.done += num(d.done_bytes); sum.total += num(d.total_bytes); sum.rate += num(d.rate_bytes_per_s);
+    sum.left = Math.max(sum.left, num(d.seconds_left)); sum.files += 1; sum.sources.add(d.source);
+    byNode.set(d.node, sum);
+  }
+  const mb = (b) => `${(b / 1e6).toFixed(1)} MB`;
+  box.replaceChildren(...[...byNode.entries()].sort().map(([node, s]) => {
+    const pct = s.total ? Math.round((100 * s.done) / s.total) : 0;
+    const left = s.left ? `, ${Math.round(s.left)} s left` : "";
+    const bar = el("progress", { max: 100, value: pct });
+    return el("div", {}, bar, ` ${node}: ${pct}% of ${mb(s.total)} (${s.files} files, ` +
+      `${mb(s.rate)}/s${left}, from ${[...s.sources].sort().join(", ")})`);
+  }));
+}
+
 // ------------------------------------------------------------------ events, header
 
 function drawEvents(status) {
@@ -295,6 +318,7 @@ function render(status) {
   drawGraph(status);
   drawNodeTable(status);
   drawPlan(status);
+  drawDownloads(status);
   drawEvents(status);
 }
 
