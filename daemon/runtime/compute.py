@@ -233,16 +233,6 @@ class ComputeExecutor:
         finally:
             _release_mlx_streams()
 
-
-def _release_mlx_streams() -> None:
-    """A thread that used MLX destroys its streams itself before it ends, as MLX asks: left
-    to the thread's exit, their destructors may run while the interpreter finalizes and abort
-    the process."""
-    mx = sys.modules.get("mlx.core")
-    if mx is not None:
-        with contextlib.suppress(Exception):
-            mx.clear_streams()
-
     def _run(self, job: _Job) -> Outcome[Any] | None:
         """The job's outcome; None for a job nobody waits for any more."""
         if job.cancelled:
@@ -310,3 +300,13 @@ def _drop_if_cancelled(future: asyncio.Future[Any], job: _Job) -> None:
 def _log_failure(outcome: Outcome[Any]) -> None:
     if outcome.error is not None:
         log.error("a compute job failed", exc_info=outcome.error)
+
+
+def _release_mlx_streams() -> None:
+    """A thread that used MLX destroys its streams itself before it ends, as MLX asks: left
+    to the thread's exit, their destructors may run while the interpreter finalizes and abort
+    the process."""
+    mx = sys.modules.get("mlx.core")
+    if mx is not None:
+        with contextlib.suppress(Exception):
+            mx.clear_streams()
