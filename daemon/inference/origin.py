@@ -7,11 +7,25 @@ sends back into :class:`TokenEvent`s (detokenized, stop strings applied by
 way out (finished, stopped, cancelled, the client gone, failed) it sends End to every stage,
 so they free the request's caches.
 
-Requests move, exactly, from a plan that cannot carry them on to the next one, by replay or
-in the background while the old plan still serves: :mod:`meshd.inference.origin_moves`. The
-state of one request is :mod:`meshd.inference.origin_request`; what a client gets,
-:mod:`meshd.inference.generation_events`. When the origin itself dies, its clients lose their
-connection: the one loss nothing can undo.
+Where a request runs and when it ends is decided by its pure core,
+:class:`meshd.inference.origin_core.OriginCore`: starts, tokens taken or ignored, moves to the
+next plan by replay or in the background, retries on the same plan after a broken link, and
+every way a request fails. This module only does the I/O around it: it turns frames, lost
+links, withdrawn plans and the passing of time into the core's events, and carries its
+decisions out (links opened, frames sent, the client's events). The client's side of a
+request (text, stop strings, timing) is :mod:`meshd.inference.origin_request`; what a client
+gets, :mod:`meshd.inference.generation_events`. When the origin itself dies, its clients lose
+their connection: the one loss nothing can undo.
+
+Requests move, exactly. The origin holds the prompt and every token generated so far, and
+the request's seed: a new attempt (on the next plan, or on the same one after a broken link)
+starts with those tokens (:attr:`meshd.inference.stage_events.RequestStart.generated`), the
+new stages prefill the prompt as the first run did and replay each generated token alone,
+and the last stage's sampler resumes at the same position of the same seed, so the text goes
+on exactly where it was. A move in the background (``catch_up``) runs a second attempt on the
+plan served next while the first streams on, and switches over once it has caught up. Each
+attempt has its own request id on the wire (``<id>~<n>``), so a late frame of an earlier
+attempt is never taken for one of this.
 
 Errors never hang a client: a request that cannot be served raises
 :class:`meshd.inference.errors.InferenceError` from its event iterator: when it cannot move
@@ -32,17 +46,40 @@ import numpy as np
 
 from meshd.inference.errors import ErrorKind, InferenceError
 from meshd.inference.fencing import FenceCheck, ServedSource
-from meshd.inference.frames import failure_from_proto
-from meshd.inference.generation_events import FinalEvent, GenerationEvent, TokenEvent
+from meshd.inference.frames import failure_from_proto, finish_from_proto
+from meshd.inference.generation_events import FinalEvent, GenerationEvent
 from meshd.inference.installed import InstalledPlan
-from meshd.inference.origin_moves import OriginMoves
+from meshd.inference.origin_core import (
+    DELIVER,
+    JUST_DELIVER,
+    NO_PLAN_VIEW,
+    Attempt,
+    Connect,
+    Decisions,
+    DroppedCandidate,
+    Failed,
+    FeedToken,
+    Finished,
+    Moving,
+    OriginCore,
+    PlanRef,
+    PlanState,
+    PlanView,
+    Report,
+    Resumed,
+    SendEnd,
+    SendStart,
+    Timeouts,
+)
 from meshd.inference.origin_request import (
-    MOVABLE_FAILURES,
-    RETRY_SAME_PLAN,
-    Interrupted,
+    NOT_A_FRAME,
+    Cancelled,
+    Connected,
+    LinkLost,
+    LocalEvent,
     OriginRequest,
+    PlanRemoved,
     RequestOptions,
-    Stop,
 )
 from meshd.inference.sampling import MAX_SEED, SamplingParams
 from meshd.inference.transport import Transport
@@ -54,15 +91,15 @@ DEFAULT_PREFILL_CHUNK = 256
 MAX_REQUEST_ID_CHARS = 128
 DEFAULT_RESUME_TIMEOUT_S = 60.0
 DEFAULT_CATCH_UP_TIMEOUT_S = 30.0  # a background move that has not caught up by then ends
-CATCH_UP_POLL_S = 0.1  # how often a waiting request looks for a newer plan to move to
 
 # "1": a token's client stream runs before the next step builds its graph (an earlier order,
 # kept as a benchmark's baseline: bench_batching.py --scaling --stream-first-too).
 STREAM_FIRST_ENV = "MESHD_STREAM_FIRST"
 
 
-class Origin(OriginMoves):
-    """The requests this node is the origin of (asyncio thread)."""
+class Origin:
+    """The requests this node is the origin of (asyncio thread): each one's core decides,
+    this carries the decisions out."""
 
     def __init__(
         self,
@@ -88,30 +125,35 @@ class Origin(OriginMoves):
         (:meth:`meshd.runtime.compute.ComputeExecutor.let_start`)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1 token, got {prefill_chunk}")
-        super().__init__(
-            node_id,
-            transport,
-            plans,
-            served=served,
-            resume_timeout_s=resume_timeout_s,
-            catch_up_timeout_s=catch_up_timeout_s,
-            report=report,
-        )
+        self.node_id = node_id
+        self._transport = transport
+        self._plans = plans
+        self._served = served
+        self._report = report or (lambda text: log.info("%s", text))
         self._check_serving = check_serving
         self._yield_to_compute = yield_to_compute
         self.prefill_chunk = prefill_chunk
         self.first_token_timeout_s = first_token_timeout_s
         self.token_timeout_s = token_timeout_s
+        self.resume_timeout_s = resume_timeout_s
+        self.catch_up_timeout_s = catch_up_timeout_s
         self._requests: dict[str, OriginRequest] = {}  # by the client's request id
+        # Running attempts by wire id: their request and the attempt (frames are routed here).
+        self._by_wire: dict[str, tuple[OriginRequest, Attempt]] = {}
+        self._refs: dict[str, tuple[InstalledPlan, PlanRef]] = {}  # the core's view of plans
         self.tokens_delivered = 0  # tokens this node's clients received (live tokens/s)
+        self.requests_resumed = 0  # requests that moved to another plan and went on
+        self.requests_moved_in_background = 0  # ...of them, moved while the old plan served
+        self.catch_ups_abandoned = 0  # background moves that ended without switching over
+        self.last_pause_s = 0.0
 
     def count(self, plan_id: str) -> int:
         """Requests running on ``plan_id`` here (a background move's new attempt included)."""
         return sum(
             1
             for request in self._requests.values()
-            if request.plan_id == plan_id
-            or (request.candidate is not None and request.candidate.plan.plan_id == plan_id)
+            if any(attempt.plan.plan_id == plan_id for attempt in request.core.attempts())
+            or request.core.attempt.plan.plan_id == plan_id
         )
 
     @property
@@ -144,64 +186,44 @@ class Origin(OriginMoves):
         request = self._requests.get(request_id)
         if request is None:
             return False
-        request.deliver(Stop(None))
+        request.deliver(Cancelled())
         return True
 
     # ------------------------------------------------------------ frames and losses
 
     def on_token(self, sender: str, frame: dp.Frame) -> bool:
         """Deliver a sampled token to its request's stream; whether one took it."""
-        request = self._by_wire.get(frame.request_id)
-        if request is None:
+        entry = self._by_wire.get(frame.request_id)
+        if entry is None:
             return False
-        candidate = request.candidate
-        if frame.request_id == request.wire_id:
-            plan_id, last = request.plan_id, request.last_stage.node_id
-        elif candidate is not None and frame.request_id == candidate.wire_id:
-            plan_id, last = candidate.plan.plan_id, candidate.last_node
-        else:
-            return False
-        if plan_id == frame.plan_id and sender == last:
-            request.deliver(frame)
+        request, attempt = entry
+        plan = attempt.plan
+        if plan.plan_id == frame.plan_id and sender == plan.nodes[-1]:
+            request.deliver(frame, attempt.number)
             return True
         return False
 
     def on_failure(self, sender: str, frame: dp.Frame) -> None:
-        request = self._by_wire.get(frame.request_id)
-        if request is None:
+        entry = self._by_wire.get(frame.request_id)
+        if entry is None:
             return
-        candidate = request.candidate
-        if frame.request_id == request.wire_id:
-            plan_id, nodes = request.plan_id, request.nodes
-        elif candidate is not None and frame.request_id == candidate.wire_id:
-            plan_id, nodes = candidate.plan.plan_id, candidate.nodes
-        else:
-            return
-        if plan_id == frame.plan_id and (sender in nodes or sender == self.node_id):
-            request.deliver(frame)
+        request, attempt = entry
+        plan = attempt.plan
+        if plan.plan_id == frame.plan_id and (sender in plan.nodes or sender == self.node_id):
+            request.deliver(frame, attempt.number)
 
     def on_peer_lost(self, peer: str, reason: str) -> None:
         for request in list(self._requests.values()):
-            attempts = [(request.attempt, request.plan, request.nodes)]
-            if request.candidate is not None:
-                candidate = request.candidate
-                attempts.append((candidate.number, candidate.plan, candidate.nodes))
-            for number, plan, nodes in attempts:
-                if peer in nodes:
-                    address = plan.assignment.address_of(peer)
+            for attempt in request.core.attempts():
+                if peer in attempt.plan.nodes:
+                    address = request.plan_of(attempt).assignment.address_of(peer)
                     where = f" at {address}" if address else ""
-                    message = f"stage {peer}{where} unreachable: {reason}"
-                    error = InferenceError(ErrorKind.UNAVAILABLE, message)
-                    request.deliver(Stop(error, number, movable=True))
+                    request.deliver(LinkLost(peer, f"stage {peer}{where} unreachable: {reason}"))
+                    break
 
     def on_plan_removed(self, plan_id: str, reason: str) -> None:
         for request in list(self._requests.values()):
-            error = InferenceError(ErrorKind.UNAVAILABLE, reason)
-            if request.plan_id == plan_id:
-                request.deliver(Stop(error, request.attempt, movable=True))
-            candidate = request.candidate
-            if candidate is not None and candidate.plan.plan_id == plan_id:
-                request.deliver(Stop(error, candidate.number, movable=True))
+            request.deliver(PlanRemoved(plan_id, reason))
 
     # ------------------------------------------------------------ internals
 
@@ -247,48 +269,306 @@ class Origin(OriginMoves):
         request_id: str,
         options: RequestOptions,
     ) -> AsyncIterator[GenerationEvent]:
-        self._transport.bind_loop()
+        loop = self._transport.bind_loop()
         plan = await self._plan_for_request(plan_id)
         seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
-        request = OriginRequest(request_id, plan, prompt, params, seed)
+        timeouts = Timeouts(
+            first_token_s=self.first_token_timeout_s,
+            token_s=self.token_timeout_s,
+            resume_s=self.resume_timeout_s,
+            catch_up_s=self.catch_up_timeout_s,
+        )
+        core = OriginCore(
+            request_id, self._ref(plan), loop.time(), timeouts=timeouts, resume=options.resume
+        )
+        request = OriginRequest(request_id, plan, core, prompt, params, seed, options)
         self._requests[request_id] = request
-        self._by_wire[request.wire_id] = request
         try:
-            while True:
-                try:
-                    async for event in self._attempt(request, params, seed, options):
-                        yield event
-                    return
-                except Interrupted as interruption:
-                    if not options.resume:
-                        raise request.failed(interruption.error) from None
-                    await self._move(request, interruption)
+            await self._carry_out(request, core.begin(), None, 0.0)
+            async for event in self._events(request, loop):
+                yield event
         finally:
             self._requests.pop(request_id, None)
-            self._by_wire.pop(request.wire_id, None)
-            self._end_everywhere(request.plan, request.wire_id, request.end_reason)
-            if request.candidate is not None:
-                self._drop_candidate(request, request.end_reason, abandoned=False)
-            if request.connecting is not None:
-                request.connecting[1].cancel()
+            self._end(request)
 
-    async def _attempt(
-        self, request: OriginRequest, params: SamplingParams, seed: int, options: RequestOptions
+    async def _events(
+        self, request: OriginRequest, loop: asyncio.AbstractEventLoop
     ) -> AsyncIterator[GenerationEvent]:
-        """One attempt on the request's current plan: Start, then its events; raises
-        :class:`Interrupted` when the plan cannot carry the request on."""
-        plan = request.plan
+        """Feed the core the request's frames, local events and the passing of time (a tick
+        at its next deadline, and at least every ``poll_s``: the plans served here change
+        without an event), and yield the client's events it decides, until the final one."""
+        core = request.core
+        inbox = request.inbox
+        next_tick = loop.time()
+        while True:
+            now = loop.time()
+            if now >= next_tick:
+                decisions = core.on_tick(now, self._view(request))
+                for event in await self._carry_out(request, decisions, None, 0.0):
+                    yield event
+                    if isinstance(event, FinalEvent):
+                        return
+                now = loop.time()
+                next_tick = min(core.wake_at(now), now + core.poll_s)
+            if inbox.empty():
+                try:
+                    async with asyncio.timeout_at(next_tick):
+                        arrived_at, item, number = await inbox.get()
+                except TimeoutError:
+                    continue
+            else:
+                arrived_at, item, number = inbox.get_nowait()
+            if number != NOT_A_FRAME and self._yield_to_compute is not None:
+                await self._yield_to_compute()  # the next step first, this stream meanwhile
+            now = loop.time()
+            if number == NOT_A_FRAME:
+                assert not isinstance(item, dp.Frame)
+                decisions = self._local(request, item, now)
+                frame = None
+            else:
+                assert isinstance(item, dp.Frame)
+                frame = item
+                if frame.WhichOneof("body") == "token":
+                    token = frame.token
+                    finish = finish_from_proto(token.finish)
+                    decisions = core.on_token(number, token.index, token.token_id, finish, now)
+                    if decisions is JUST_DELIVER:  # the hot path: one token to the client
+                        self.tokens_delivered += 1
+                        request.arrived(token, arrived_at)
+                        for event in request.events_of(token):
+                            yield event
+                            if isinstance(event, FinalEvent):
+                                return
+                        continue
+                else:
+                    failure = frame.failure
+                    kind = failure_from_proto(failure.kind)
+                    decisions = core.on_failure(number, kind, failure.message, now)
+            for event in await self._carry_out(request, decisions, frame, arrived_at):
+                yield event
+                if isinstance(event, FinalEvent):
+                    return
+            next_tick = min(next_tick, core.wake_at(now), now + core.poll_s)
+
+    def _local(self, request: OriginRequest, item: LocalEvent, now: float) -> Decisions:
+        core = request.core
+        if isinstance(item, Cancelled):
+            return core.cancel()
+        if isinstance(item, LinkLost):
+            return core.on_link_lost(item.node, item.message, now)
+        if isinstance(item, PlanRemoved):
+            return core.on_plan_removed(item.plan_id, item.reason, now)
+        request.connecting.pop(item.number, None)
+        return core.on_connected(item.number, item.error, now)
+
+    async def _carry_out(
+        self,
+        request: OriginRequest,
+        decisions: Decisions,
+        frame: dp.Frame | None,
+        arrived_at: float,
+    ) -> list[GenerationEvent]:
+        """Do what the core decided; the client's events (InferenceError when it failed)."""
+        events: list[GenerationEvent] = []
+        resumed: Resumed | None = None
+        for decision in decisions:
+            if decision is DELIVER:
+                assert frame is not None
+                self.tokens_delivered += 1
+                paused = request.arrived(frame.token, arrived_at)
+                if paused:
+                    self.last_pause_s = paused
+                if not any(isinstance(event, FinalEvent) for event in events):
+                    events += request.events_of(frame.token)
+            elif isinstance(decision, SendEnd):
+                self._send_end(request, decision.attempt, decision.reason)
+            elif isinstance(decision, Connect):
+                events += await self._connect(request, decision.attempt)
+            elif isinstance(decision, SendStart):
+                events += await self._send_start(request, decision.attempt)
+            elif isinstance(decision, FeedToken):
+                events += await self._feed(request, decision)
+            elif isinstance(decision, Finished):
+                if decision.reason == "eos" and frame is not None:
+                    paused = request.arrived(frame.token, arrived_at)
+                    if paused:
+                        self.last_pause_s = paused
+                if not any(isinstance(event, FinalEvent) for event in events):
+                    events.append(request.final(decision.reason))  # type: ignore[arg-type]
+            elif isinstance(decision, Failed):
+                raise request.failed(InferenceError(decision.kind, decision.message))
+            elif isinstance(decision, Moving):
+                request.interrupted()
+                log.info(
+                    "request %s moves on after %d tokens: %s",
+                    request.request_id,
+                    len(request.core.tokens),
+                    decision.reason,
+                )
+            elif isinstance(decision, Resumed):
+                resumed = decision
+            elif isinstance(decision, DroppedCandidate):
+                self.catch_ups_abandoned += 1
+                log.info(
+                    "request %s: background move ended (%s); it stays on plan %s",
+                    request.request_id,
+                    decision.reason,
+                    request.core.attempt.plan.plan_id[:12],
+                )
+            elif isinstance(decision, Report):
+                log.error("%s", decision.text)
+                self._report(decision.text)
+        if resumed is not None:
+            self._resumed(request, resumed)
+        return events
+
+    async def _connect(self, request: OriginRequest, attempt: Attempt) -> list[GenerationEvent]:
+        """Open the links of an attempt's plan: at once for the request's own attempt, in a
+        task for a background one (the stream goes on meanwhile)."""
+        plan = self._installed(request, attempt)
+        self._by_wire[attempt.wire_id] = (request, attempt)
         stages = [(spec.node_id, spec.address) for spec in plan.assignment.stages]
+        if attempt.catch_up:
+            task = asyncio.create_task(self._connect_in_background(request, attempt, stages))
+            request.connecting[attempt.number] = task
+            return []
         error = await self._transport.connect(stages)
-        if error is not None:
-            raise Interrupted(InferenceError(ErrorKind.UNAVAILABLE, error))
-        start = request.start_frame(self.node_id, params, seed, options)
+        now = asyncio.get_running_loop().time()
+        decisions = request.core.on_connected(attempt.number, error, now)
+        return await self._carry_out(request, decisions, None, 0.0)
+
+    async def _connect_in_background(
+        self, request: OriginRequest, attempt: Attempt, stages: list[tuple[str, str]]
+    ) -> None:
+        error = await self._transport.connect(stages)
+        request.deliver(Connected(attempt.number, error))
+
+    async def _send_start(self, request: OriginRequest, attempt: Attempt) -> list[GenerationEvent]:
+        plan = request.plan_of(attempt)
         first = plan.stage(0)
-        if not self._transport.send(first.node_id, first.address, start):
-            message = f"stage {first.node_id} at {first.address} is lost"
-            raise Interrupted(InferenceError(ErrorKind.UNAVAILABLE, message))
-        async for event in self._events(request, params, seed, options):
-            yield event
+        start = request.start_frame(self.node_id, attempt)
+        if self._transport.send(first.node_id, first.address, start):
+            if attempt.catch_up:
+                log.info(
+                    "request %s moves to plan %s in the background after %d tokens",
+                    request.request_id,
+                    plan.plan_id[:12],
+                    attempt.from_tokens,
+                )
+            return []
+        return await self._send_failed(request, attempt, first.node_id, first.address)
+
+    async def _feed(self, request: OriginRequest, feed: FeedToken) -> list[GenerationEvent]:
+        """Send a background attempt's first stage a token the client has (its next input)."""
+        attempt = feed.attempt
+        plan = request.plan_of(attempt)
+        first = plan.stage(0)
+        frame = dp.Frame(
+            plan_id=plan.plan_id,
+            request_id=attempt.wire_id,
+            token=dp.Token(token_id=feed.token_id, index=feed.index),
+        )
+        if self._transport.send(first.node_id, first.address, frame, open_new=False):
+            return []
+        return await self._send_failed(request, attempt, first.node_id, first.address)
+
+    async def _send_failed(
+        self, request: OriginRequest, attempt: Attempt, node: str, address: str
+    ) -> list[GenerationEvent]:
+        now = asyncio.get_running_loop().time()
+        message = f"stage {node} at {address} is lost"
+        decisions = request.core.on_send_failed(attempt.number, message, now)
+        return await self._carry_out(request, decisions, None, 0.0)
+
+    def _send_end(self, request: OriginRequest, attempt: Attempt, reason: str) -> None:
+        """Tell every stage the attempt is over (existing links only: no reconnect storms)."""
+        if self._by_wire.get(attempt.wire_id, (None,))[0] is request:
+            del self._by_wire[attempt.wire_id]
+        task = request.connecting.pop(attempt.number, None)
+        if task is not None:
+            task.cancel()
+        plan = request.plan_of(attempt)
+        frame = dp.Frame(
+            plan_id=plan.plan_id, request_id=attempt.wire_id, end=dp.End(reason=reason)
+        )
+        for spec in plan.assignment.stages:
+            self._transport.send(spec.node_id, spec.address, frame, open_new=False)
+
+    def _end(self, request: OriginRequest) -> None:
+        """The request is over, however it ended: every attempt still running ends on its
+        stages, and nothing of it stays registered."""
+        core = request.core
+        for decision in core.finish(request.end_reason):
+            if isinstance(decision, SendEnd):
+                self._send_end(request, decision.attempt, decision.reason)
+        # Its last attempt again: an End may have been lost with a link that broke.
+        self._send_end(request, core.attempt, request.end_reason)
+        for task in request.connecting.values():
+            task.cancel()
+        request.connecting.clear()
+        for wire_id in [w for w, (r, _) in self._by_wire.items() if r is request]:
+            del self._by_wire[wire_id]
+
+    def _resumed(self, request: OriginRequest, resumed: Resumed) -> None:
+        """The first token after a move arrived: count it and say so in the event log."""
+        self.requests_resumed += 1
+        background = resumed.background
+        if background is None:
+            how = ""
+        else:
+            self.requests_moved_in_background += 1
+            took = asyncio.get_running_loop().time() - background.started_at
+            how = (
+                f" in the background (it caught up from token {background.from_tokens} in "
+                f"{took:.2f} s)"
+            )
+        self._report(
+            f"request {request.request_id} moved to plan {resumed.plan_id[:12]}{how} and "
+            f"resumed after {resumed.after_tokens} tokens, paused {self.last_pause_s:.2f} s "
+            f"({resumed.reason})"
+        )
+
+    # ------------------------------------------------------------ plans as the core sees them
+
+    def _ref(self, plan: InstalledPlan) -> PlanRef:
+        cached = self._refs.get(plan.plan_id)
+        if cached is not None and cached[0] is plan:
+            return cached[1]
+        ref = PlanRef(plan.plan_id, tuple(plan.assignment.node_ids))
+        self._refs = {
+            plan_id: entry for plan_id, entry in self._refs.items() if plan_id in self._plans
+        }
+        self._refs[plan.plan_id] = (plan, ref)
+        return ref
+
+    def _installed(self, request: OriginRequest, attempt: Attempt) -> InstalledPlan:
+        """The installed plan an attempt runs on (remembered with the request, so that it
+        still gets its Ends once withdrawn here)."""
+        plan_id = attempt.plan.plan_id
+        plan = request.installed.get(plan_id)
+        if plan is None:
+            plan = self._refs[plan_id][0]
+            request.installed[plan_id] = plan
+        return plan
+
+    def _view(self, request: OriginRequest) -> PlanView:
+        """The plans served here, as the request's core reads them."""
+        if self._served is None:
+            return NO_PLAN_VIEW
+        view = self._served()
+        plan = self._plans.get(view.active) if view.active else None
+        if plan is None:
+            return PlanView(None, PlanState.MISSING, refusal="" if view.active else view.refusal)
+        ready = plan.ready
+        if not ready.done():
+            state = PlanState.LOADING
+        elif ready.cancelled() or ready.exception() is not None:
+            state = PlanState.FAILED
+        else:
+            state = PlanState.READY
+        params = request.params
+        fits = plan.assignment.context_error(len(request.prompt), params.max_tokens) is None
+        return PlanView(self._ref(plan), state, fits)
 
     async def _plan_for_request(self, plan_id: str) -> InstalledPlan:
         """The installed, committed, loaded plan; InferenceError when a request cannot start."""
@@ -312,107 +592,3 @@ class Origin(OriginMoves):
                 f"plan {plan_id} could not be loaded on node {self.node_id}: {error}",
             ) from None
         return plan
-
-    async def _events(
-        self, request: OriginRequest, params: SamplingParams, seed: int, options: RequestOptions
-    ) -> AsyncIterator[GenerationEvent]:
-        """Turn the attempt's incoming frames into events until the final one; meanwhile
-        start a background move when a newer plan is ready
-        (:mod:`meshd.inference.origin_moves`)."""
-        loop = asyncio.get_running_loop()
-        waited_since = loop.time()
-        while True:
-            if options.resume:
-                self._catch_up_step(request, params, seed, options)
-            first = request.awaiting_token
-            timeout = self.first_token_timeout_s if first else self.token_timeout_s
-            wait = min(timeout - (loop.time() - waited_since), CATCH_UP_POLL_S)
-            try:
-                async with asyncio.timeout(max(0.0, wait) if options.resume else timeout):
-                    arrived_at, item = await request.inbox.get()
-            except TimeoutError:
-                if options.resume and loop.time() - waited_since < timeout:
-                    continue  # a poll for a newer plan, not the token timeout
-                stage = request.last_stage
-                message = (
-                    f"no token from the mesh for {timeout:g} s (plan {request.plan_id[:12]}, "
-                    f"last stage {stage.node_id} at {stage.address}); giving up"
-                )
-                raise request.failed(InferenceError(ErrorKind.UNAVAILABLE, message)) from None
-            waited_since = loop.time()
-            if self._yield_to_compute is not None:
-                await self._yield_to_compute()  # the next step first, this stream meanwhile
-            for event in self._events_of(request, item, arrived_at):
-                if request.report_pending and isinstance(event, TokenEvent | FinalEvent):
-                    request.report_pending = False
-                    self._resumed(request)
-                yield event
-                if isinstance(event, FinalEvent):
-                    return
-
-    def _events_of(
-        self, request: OriginRequest, item: dp.Frame | Stop, arrived_at: float
-    ) -> list[GenerationEvent]:
-        candidate = request.candidate
-        if isinstance(item, Stop):
-            if candidate is not None and item.attempt == candidate.number:
-                assert item.error is not None
-                self._drop_candidate(request, str(item.error))
-                return []
-            if item.attempt is not None and item.attempt != request.attempt:
-                return []  # a stop meant for an attempt already over
-            if item.error is None:
-                return [request.final("cancelled")]
-            if item.movable:
-                if candidate is not None:  # the new attempt is part of the way already
-                    self._switch_over(request, str(item.error))
-                    return []
-                raise Interrupted(item.error)
-            raise request.failed(item.error)
-        if candidate is not None and item.request_id == candidate.wire_id:
-            if not self._candidate_frame(request, candidate, item, arrived_at):
-                return []
-            # It switched over: the frame is the request's current attempt's now.
-            return self._delivered(request, item, arrived_at)
-        if item.request_id != request.wire_id:
-            return []
-        if item.WhichOneof("body") == "failure":
-            kind = failure_from_proto(item.failure.kind)
-            error = request.error_of(item.failure)
-            if kind in MOVABLE_FAILURES:
-                if candidate is not None:
-                    self._switch_over(request, str(error))
-                    return []
-                raise Interrupted(error, same_plan=kind in RETRY_SAME_PLAN)
-            raise request.failed(error)
-        return self._delivered(request, item, arrived_at)
-
-    def _delivered(
-        self, request: OriginRequest, frame: dp.Frame, arrived_at: float
-    ) -> list[GenerationEvent]:
-        """A token of the request's current attempt: its events; a background move under way
-        gets it as a known input."""
-        token = frame.token
-        if token.index < request.generated:
-            # An attempt that took over while it caught up gives the client's tokens first.
-            if token.token_id == request.tokens[token.index]:
-                return []
-            message = (
-                f"DEFECT: plan {request.plan_id[:12]} gave token {token.token_id} at position "
-                f"{token.index} of request {request.request_id}, where the client got "
-                f"{request.tokens[token.index]} (please report this)"
-            )
-            log.error("%s", message)
-            self._report(message)
-            raise request.failed(InferenceError(ErrorKind.INTERNAL, message))
-        self.tokens_delivered += 1
-        before = request.paused_s
-        events = request.on_token(frame.token, arrived_at)
-        if request.paused_s != before:
-            self.last_pause_s = request.paused_s - before
-        candidate = request.candidate
-        if candidate is not None and not any(isinstance(e, FinalEvent) for e in events):
-            self._feed(request, candidate, frame.token)
-        return events
-
-    # ------------------------------------------------------------ background moves

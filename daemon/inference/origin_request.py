@@ -1,9 +1,9 @@
-"""One request the origin holds for a client (:mod:`meshd.inference.origin`): its prompt and
-tokens so far, the attempt it runs now, a background move's second attempt, and how a
-stage's failure reads to the client.
+"""One request the origin holds for a client (:mod:`meshd.inference.origin`): the client's
+side of it (stop strings, text, timing, the final event's usage), its inbox of frames and
+local events, and its :class:`meshd.inference.origin_core.OriginCore`, which decides where
+the request runs and when it ends.
 
-State and bookkeeping, no I/O, so the origin's flow of attempts and moves
-(:mod:`meshd.inference.origin_moves`) reads apart from what a request remembers.
+State and bookkeeping, no I/O: the origin carries the core's decisions out.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from meshd.inference.errors import ErrorKind, InferenceError
-from meshd.inference.frames import failure_from_proto, finish_from_proto, start_to_proto
+from meshd.inference.errors import InferenceError
+from meshd.inference.frames import start_to_proto
 from meshd.inference.generation_events import (
     FinalEvent,
     FinishReason,
@@ -24,33 +24,12 @@ from meshd.inference.generation_events import (
     Usage,
 )
 from meshd.inference.installed import InstalledPlan
+from meshd.inference.origin_core import Attempt, OriginCore
 from meshd.inference.sampling import SamplingParams, StopChecker
-from meshd.inference.stage_events import FailureKind, Finish, RequestStart
+from meshd.inference.stage_events import RequestStart
 from meshd.wire import dataplane_pb2 as dp
 
 MAX_ACTIVATION_BYTES = 32 << 20  # a prefill chunk is cut so its activation stays below this
-
-
-# How a stage's Failure reads to the client when the request cannot move. A stage still
-# loading, or one that moved to another plan, is worth a retry only while no token was
-# generated (the router retries those); after that either is UNAVAILABLE (see error_of).
-_FAILURE_KINDS: dict[FailureKind, ErrorKind] = {
-    FailureKind.FENCED: ErrorKind.NO_PLAN,  # the stage has moved to another plan
-    FailureKind.NOT_LOADED: ErrorKind.LOADING,
-    FailureKind.OVERLOADED: ErrorKind.OVERLOADED,
-    FailureKind.UNREACHABLE: ErrorKind.UNAVAILABLE,
-    FailureKind.INTERNAL: ErrorKind.INTERNAL,
-    FailureKind.BAD_REQUEST: ErrorKind.UNAVAILABLE,  # the stage's view of the plan differs
-    # Not retried here: the client decides (429 / RESOURCE_EXHAUSTED), it knows its deadline.
-    FailureKind.QUEUE_FULL: ErrorKind.OVERLOADED,
-}
-# Failures another attempt can get past: on the next plan, or on this one shortly (a stage
-# still loading or full, or one that has not committed the plan yet or already left it: the
-# origin asks again until its own view moves on).
-MOVABLE_FAILURES = frozenset(
-    {FailureKind.FENCED, FailureKind.NOT_LOADED, FailureKind.OVERLOADED, FailureKind.UNREACHABLE}
-)
-RETRY_SAME_PLAN = frozenset({FailureKind.FENCED, FailureKind.NOT_LOADED, FailureKind.OVERLOADED})
 
 
 @dataclass(frozen=True)
@@ -63,152 +42,102 @@ class RequestOptions:
     resume: bool
 
 
-@dataclass(frozen=True)
-class Stop:
-    """A local decision that ends an attempt: cancelled (``error`` None) or failed;
-    ``movable`` when the request may go on on another plan (a stage lost, the plan removed)."""
-
-    error: InferenceError | None
-    attempt: int | None = None  # None: whichever attempt runs (a cancellation)
-    movable: bool = False
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    """The client cancelled the request."""
 
 
-class Interrupted(Exception):
-    """The plan a request runs on cannot carry it on; another attempt may
-    (:mod:`meshd.inference.origin_moves`)."""
+@dataclass(frozen=True, slots=True)
+class LinkLost:
+    """The link to ``node`` broke (``message`` says which stage, where, and why)."""
 
-    def __init__(self, error: InferenceError, *, same_plan: bool = False) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.same_plan = same_plan  # a stage still loading or full: this plan may, shortly
+    node: str
+    message: str
 
 
-@dataclass(eq=False)
-class Candidate:
-    """A second attempt of a request on a newer plan, catching up in the background."""
+@dataclass(frozen=True, slots=True)
+class PlanRemoved:
+    plan_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Connected:
+    """A background attempt's links opened (``error`` None) or did not."""
 
     number: int
-    plan: InstalledPlan
-    wire_id: str
-    started_at: float  # loop time
-    from_tokens: int  # tokens the request had delivered when it started
-    reached: int = 0  # tokens it has given so far (each equal to the delivered one)
-    first_token: tuple[float, int] | None = None  # (loop time, index) of its first token
+    error: str | None
 
-    def seconds_to_close(self, delivered: int, now: float) -> float | None:
-        """How long it would take, at the pace it has kept since its first token while it
-        shared the stages' cores with the old attempt, to give the ``delivered`` tokens it
-        lacks; None before that pace is known. Alone it goes faster: this bounds the pause."""
-        if self.first_token is None:
-            return None
-        since, first_index = self.first_token
-        if self.reached - first_index < 2 or now <= since:
-            return None
-        pace = (self.reached - first_index) / (now - since)
-        return (delivered - self.reached) / pace
 
-    @property
-    def nodes(self) -> frozenset[str]:
-        return frozenset(self.plan.assignment.node_ids)
-
-    @property
-    def last_node(self) -> str:
-        return self.plan.assignment.stages[-1].node_id
+LocalEvent = Cancelled | LinkLost | PlanRemoved | Connected
+NOT_A_FRAME = -1  # the attempt number of an inbox item that is not a frame
 
 
 class OriginRequest:
-    """A request this node holds for a client: its prompt and tokens so far, the plan it runs
-    on now, and the incoming frames of its current attempt -> events."""
+    """A request this node holds for a client: the client's side of it, its inbox, the plans
+    its attempts run on, and its core."""
 
     def __init__(
         self,
         request_id: str,
         plan: InstalledPlan,
+        core: OriginCore,
         prompt: tuple[int, ...],
         params: SamplingParams,
         seed: int,
+        options: RequestOptions,
     ) -> None:
         self.request_id = request_id
+        self.core = core
         self.prompt = prompt
-        self.tokens: list[int] = []  # every token delivered so far, in order
+        self.params = params
+        self.seed = seed
+        self.options = options
         self._checker = StopChecker(plan.tokenizer, params.stop)
-        self._seed = seed
         self._started = time.perf_counter()
         self._first_at: float | None = None
         self._last_at: float | None = None
         self._decode_compute_s = 0.0
-        self.generated = 0
-        self.end_reason = "the client went away"
-        self.attempt = 0
-        self.resumes = 0
         self.paused_s = 0.0
         self.interrupted_at: float | None = None  # set while a move is under way
-        self.moving_since: float | None = None  # loop time the current streak of moves began
-        self.interruption = ""
-        self.report_pending = False  # a move to another plan: say so at its first token
-        self.attempts_made = 0
-        self.candidate: Candidate | None = None  # a background move under way
-        self.moved_in_background: Candidate | None = None  # the last move, until reported
-        self.catch_up_deadlines: dict[str, float] = {}  # plan id -> give up catching up then
-        self.catch_up_not_before = 0.0  # loop time of the next try after a transient refusal
-        # Links to a newer plan's stages being opened for a background move (task owned here).
-        self.connecting: tuple[InstalledPlan, asyncio.Task[str | None]] | None = None
-        # Frames of every attempt, told apart by wire id (a stop by attempt number).
-        self.inbox: asyncio.Queue[tuple[float, dp.Frame | Stop]] = asyncio.Queue()
-        self.bind(plan, 0)
+        self.end_reason = "the client went away"
+        # The installed plans of its attempts, by plan id (a withdrawn one still gets Ends).
+        self.installed: dict[str, InstalledPlan] = {plan.plan_id: plan}
+        # Links being opened for background attempts, by attempt number (tasks owned here).
+        self.connecting: dict[int, asyncio.Task[None]] = {}
+        # Frames (with their attempt's number) and local events, stamped with their arrival.
+        self.inbox: asyncio.Queue[tuple[float, dp.Frame | LocalEvent, int]] = asyncio.Queue()
 
-    def new_attempt(self) -> tuple[int, str]:
-        """The number and wire id of a new attempt (never one used before)."""
-        self.attempts_made += 1
-        number = self.attempts_made
-        return number, f"{self.request_id}~{number}"
+    def deliver(self, item: dp.Frame | LocalEvent, number: int = NOT_A_FRAME) -> None:
+        """Queue a frame of attempt ``number``, or a local event, stamped with its arrival
+        (timing is measured at arrival, not when the client gets round to reading it)."""
+        self.inbox.put_nowait((time.perf_counter(), item, number))
 
-    def bind(self, plan: InstalledPlan, number: int) -> None:
-        """Run attempt ``number`` (wire id ``<id>~<number>``, the first plain) on ``plan``."""
-        self.attempt = number
-        self.plan = plan
-        self.plan_id = plan.plan_id
-        self.nodes = frozenset(plan.assignment.node_ids)
-        self.last_stage = plan.assignment.stages[-1]
-        self.wire_id = self.request_id if number == 0 else f"{self.request_id}~{number}"
-        self.awaiting_token = True
+    def plan_of(self, attempt: Attempt) -> InstalledPlan:
+        return self.installed[attempt.plan.plan_id]
 
-    def interrupted(self, reason: str, loop_time: float) -> None:
+    def interrupted(self) -> None:
         """An attempt ended early; the pause runs from the last token (or now) on."""
         if self.interrupted_at is None:
             self.interrupted_at = self._last_at or time.perf_counter()
-            self.moving_since = loop_time
-        self.interruption = reason
 
-    def deliver(self, item: dp.Frame | Stop) -> None:
-        """Queue a frame or a local stop, stamped with its arrival (timing is measured at
-        arrival, not when the client gets round to reading it)."""
-        self.inbox.put_nowait((time.perf_counter(), item))
-
-    def on_token(self, token: dp.Token, arrived_at: float) -> list[GenerationEvent]:
-        """Events for one Token frame: the token's text, and the final event if it ends."""
-        if token.index != self.generated:
-            raise self.failed(
-                InferenceError(
-                    ErrorKind.INTERNAL,
-                    f"token {token.index} arrived, expected {self.generated} (plan "
-                    f"{self.plan_id[:12]}, last stage {self.last_stage.node_id})",
-                )
-            )
-        self.awaiting_token = False
+    def arrived(self, token: dp.Token, arrived_at: float) -> float:
+        """Timing of a token the core took; the pause it ended (0 when none)."""
         if self._first_at is None:
             self._first_at = arrived_at
         else:
             self._decode_compute_s += token.compute_s
+        paused = 0.0
         if self.interrupted_at is not None:
-            self.paused_s += arrived_at - self.interrupted_at
-            self.interrupted_at = self.moving_since = None
+            paused = arrived_at - self.interrupted_at
+            self.paused_s += paused
+            self.interrupted_at = None
         self._last_at = arrived_at
-        self.generated += 1
-        finish = finish_from_proto(token.finish)
-        if finish is Finish.EOS:
-            return [self.final("eos")]
-        self.tokens.append(token.token_id)
+        return paused
+
+    def events_of(self, token: dp.Token) -> list[GenerationEvent]:
+        """The client's events for a token the core delivers: its text, and the final event
+        when a stop string ends the request."""
         logits = np.frombuffer(token.logits, dtype=np.float32) if token.logits else None
         update = self._checker.add_token(token.token_id)
         events: list[GenerationEvent] = [
@@ -216,15 +145,7 @@ class OriginRequest:
         ]
         if update.stopped:
             events.append(self.final("stop"))
-        elif finish is Finish.LENGTH:
-            events.append(self.final("length"))
         return events
-
-    def error_of(self, failure: dp.Failure) -> InferenceError:
-        kind = _FAILURE_KINDS[failure_from_proto(failure.kind)]
-        if kind in (ErrorKind.LOADING, ErrorKind.NO_PLAN) and self.generated > 0:
-            kind = ErrorKind.UNAVAILABLE  # mid-stream, the mesh became unavailable
-        return InferenceError(kind, failure.message)
 
     def failed(self, error: InferenceError) -> InferenceError:
         self.end_reason = str(error)
@@ -237,40 +158,35 @@ class OriginRequest:
         first = self._first_at
         usage = Usage(
             prompt_tokens=len(self.prompt),
-            completion_tokens=self.generated,
+            completion_tokens=self.core.generated,
             ttft_s=(first - self._started) if first is not None else 0.0,
             decode_s=(self._last_at - first) if first is not None and self._last_at else 0.0,
             total_s=now - self._started,
             decode_compute_s=self._decode_compute_s,
-            seed=self._seed,
-            resumes=self.resumes,
+            seed=self.seed,
+            resumes=self.core.resumes,
             paused_s=self.paused_s,
-            plan_id=self.plan_id,
+            plan_id=self.core.attempt.plan.plan_id,
         )
         return FinalEvent(reason, usage, flushed)
 
-    def start_frame(
-        self,
-        origin: str,
-        params: SamplingParams,
-        seed: int,
-        options: RequestOptions,
-        candidate: Candidate | None = None,
-    ) -> dp.Frame:
-        """The Start of the current attempt, or of ``candidate`` (a background move, which is
-        fed the tokens delivered from then on); ``origin`` is this node."""
-        plan = candidate.plan if candidate is not None else self.plan
-        wire_id = candidate.wire_id if candidate is not None else self.wire_id
+    def start_frame(self, origin: str, attempt: Attempt) -> dp.Frame:
+        """The Start of ``attempt`` (a background one is fed the tokens delivered from then
+        on); ``origin`` is this node."""
+        plan = self.plan_of(attempt)
+        options = self.options
         chunk = max(1, min(options.prefill_chunk, MAX_ACTIVATION_BYTES // (4 * plan.hidden_size)))
         start = RequestStart(
             origin=origin,
             prompt=self.prompt,
             prompt_length=len(self.prompt),
-            sampling=replace(params, seed=seed, stop=()),
+            sampling=replace(self.params, seed=self.seed, stop=()),
             eos_ids=frozenset() if options.ignore_eos else frozenset(plan.tokenizer.eos_token_ids),
             prefill_chunk=chunk,
             return_logits=options.return_logits,
-            generated=tuple(self.tokens),
-            catch_up=candidate is not None,
+            generated=tuple(self.core.tokens[: attempt.from_tokens]),
+            catch_up=attempt.catch_up,
         )
-        return dp.Frame(plan_id=plan.plan_id, request_id=wire_id, start=start_to_proto(start))
+        return dp.Frame(
+            plan_id=plan.plan_id, request_id=attempt.wire_id, start=start_to_proto(start)
+        )

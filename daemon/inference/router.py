@@ -8,7 +8,7 @@ chat), and streams the data plane's events, first announcing the plan that serve
 request (:class:`Routed`). A request started on a plan finishes on it even when a newer plan
 is committed meanwhile (the old one drains). A request whose plan cannot carry it on (a stage
 lost or leaving, the plan withdrawn) moves to the next plan and goes on exactly where it was
-(the origin does this, see :mod:`meshd.inference.origin_moves`), unless the client named
+(the origin does this, see :mod:`meshd.inference.origin_core`), unless the client named
 the plan. Before its first token, a request that meets a stage still loading its layers, or
 one that has moved to a newer plan, is also started again here (a few times at most).
 
