@@ -180,7 +180,7 @@ def test_a_stage_that_cannot_batch_decodes_each_request_alone(
 ) -> None:
     """An architecture whose recipe says ``batched=False``: concurrent requests still all
     finish, each bit-identical to mlx-lm alone, and no step ran batched."""
-    monkeypatch.setitem(shard.ARCHITECTURES, "llama", StageRecipe(batched=False))
+    monkeypatch.setitem(shard.STAGE_RECIPES, "llama", StageRecipe(batched=False))
     model_dir = make_random_model_dir(
         tmp_path_factory.mktemp("models") / "llama",
         "llama",

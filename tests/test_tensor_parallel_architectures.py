@@ -65,10 +65,11 @@ JOBS = [f"{name}-whole" for name in MODELS] + [f"{name}-split" for name in MODEL
 JOBS.append("qwen3_moe-none-on-rank0")
 
 
-def test_every_verified_architecture_is_probed() -> None:
-    """Nothing is listed as verified that this file does not run."""
+def test_every_probed_architecture_is_verified_by_the_table() -> None:
+    """What this file probes more deeply (expert placements, 6 layers) is in the measured
+    table (meshd.models.architecture_table, tests/test_architecture_coverage.py)."""
     probed = {"mistral": "llama", "llama-sliding": "llama"}
-    assert set(TENSOR_PARALLEL_ARCHITECTURES) == {probed.get(name, name) for name in MODELS}
+    assert {probed.get(name, name) for name in MODELS} <= set(TENSOR_PARALLEL_ARCHITECTURES)
 
 
 @pytest.fixture(scope="module")

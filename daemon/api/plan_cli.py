@@ -51,7 +51,7 @@ from typing import Any, TextIO, TypeVar
 
 import networkx as nx
 
-from meshd.models.info import ModelInfoError, read_model_spec
+from meshd.models.info import ModelInfoError, architecture_refusal, read_model_spec
 from partitioner import (
     PARALLELISMS,
     InsufficientMemory,
@@ -303,6 +303,11 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
     except (PlanInputError, ModelInfoError, ModelSpecError, PlanOptionsError, MeshError) as error:
         print(f"meshd plan: {error}", file=err)
         return EXIT_BAD_INPUT
+    # The daemon refuses a model of an unverified architecture with these words; so does plan.
+    refusal = architecture_refusal(args.model) if args.model is not None else None
+    if refusal is not None:
+        print(f"meshd plan: {refusal}", file=err)
+        return EXIT_REFUSED
     try:
         if args.strategy == "both":
             outcomes = _both(mesh, model, options)

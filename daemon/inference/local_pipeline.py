@@ -31,12 +31,26 @@ class LocalPipeline:
         self.stages = list(stages)
 
     @classmethod
-    def load(cls, model_dir: Path, ranges: Sequence[tuple[int, int]]) -> LocalPipeline:
-        """Load one stage per range; the first gets the embedding, the last the head."""
+    def load(
+        cls,
+        model_dir: Path,
+        ranges: Sequence[tuple[int, int]],
+        *,
+        refuse_unverified: bool = True,
+    ) -> LocalPipeline:
+        """Load one stage per range; the first gets the embedding, the last the head.
+        (``refuse_unverified``: see :func:`load_stage`.)"""
         last = len(ranges) - 1
         return cls(
             [
-                load_stage(model_dir, start, end, has_embedding=index == 0, has_head=index == last)
+                load_stage(
+                    model_dir,
+                    start,
+                    end,
+                    has_embedding=index == 0,
+                    has_head=index == last,
+                    refuse_unverified=refuse_unverified,
+                )
                 for index, (start, end) in enumerate(ranges)
             ]
         )

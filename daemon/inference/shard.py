@@ -18,8 +18,9 @@ it: ``KVCache`` -> full causal attention, ``RotatingKVCache`` -> sliding window 
 caches by position in the whole model (``cache[self.fa_idx]``); a stage finds its own first layer
 of each kind instead, which is what mlx-lm's ``pipeline()`` does for the models that have one.
 Chained stages therefore compute the same floating-point operations as one mlx-lm process:
-logits are bit-identical (tests/test_architectures.py). :data:`ARCHITECTURES` lists the
-architectures verified this way; anything else is refused with the reason.
+logits are bit-identical (tests/test_architectures.py). :mod:`meshd.models.architectures`
+says which architectures were verified this way (by running each); anything else is refused
+with the reason.
 
 Chunked prefill and the data plane (see :func:`prefill_chunks`): the prompt is cut into chunks;
 stage 1 embeds chunk *i* and runs its layers; the resulting hidden states ``(1, n_i, hidden)``
@@ -49,7 +50,7 @@ from meshd.runtime.scratch import scratch_directory
 # lock (concurrent first imports fail with "deadlock detected by _ModuleLock").
 import_model_runtime()
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from mlx_lm.utils import MODEL_REMAPPING, load_model  # noqa: E402
+from mlx_lm.utils import _get_classes, load_model  # noqa: E402
 
 from meshd.inference.stage_model import (  # noqa: E402
     StageLoadError,
@@ -58,51 +59,30 @@ from meshd.inference.stage_model import (  # noqa: E402
     UnsupportedModel,
     _TextModel,
 )
+from meshd.models.architectures import (  # noqa: E402
+    model_refusal,
+    pipeline_refusal,
+    unsupported_model_message,
+)
 from meshd.models.safetensors import ModelInfoError, load_stage_tensors  # noqa: E402
 
 # Files next to config.json that mlx-lm's load_model reads besides the weights.
 _CONFIG_FILES = ("config.json", "generation_config.json", "hf_quant_config.json")
 
 
-# mlx-lm model modules (``mlx_lm.models.<name>``) whose inner loop is "embed_tokens -> layers
-# (hidden, mask, cache) with the mask of the layer's kind -> norm" and whose head is lm_head or
-# the tied embedding: verified by tests/test_architectures.py and tests/test_shard_exactness.py.
-ARCHITECTURES: dict[str, StageRecipe] = {
-    "llama": StageRecipe(),  # also mistral and others mlx-lm maps to llama
-    "qwen2": StageRecipe(),
-    "qwen3": StageRecipe(),
-    "mixtral": StageRecipe(),
-    "qwen3_moe": StageRecipe(),
-    "qwen3_next": StageRecipe(),
-    "qwen3_5": StageRecipe(),
-    "qwen3_5_moe": StageRecipe(),
-    "deepseek_v3": StageRecipe(full_mask_as_array=True),  # also kimi_k2
-    "gpt_oss": StageRecipe(),
-    "glm4_moe": StageRecipe(),
-}
-
-
-# config.json model types accepted: the modules above and mlx-lm's aliases for them.
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset(ARCHITECTURES) | frozenset(
-    alias for alias, target in MODEL_REMAPPING.items() if target in ARCHITECTURES
-)
-
-
-# Architectures whose inner loop does more than a stage replays, and what exactly.
-NOT_SLICEABLE: dict[str, str] = {
-    "gemma3_text": (
-        "its inner model multiplies the embeddings by sqrt(hidden_size) after embed_tokens, "
-        "which a first stage's embedding does not do"
-    ),
-    "gemma3n": (
-        "its layers take per-layer inputs computed from the token ids, some layers reuse other "
-        "layers' KV caches, and AltUp carries several hidden streams: what passes between "
-        "stages would be more than one (1, n, hidden) tensor"
-    ),
-    "deepseek_v32": (
-        "each layer keeps a CacheList (the attention cache and the sparse-attention indexer's "
-        "keys), a cache kind whose mask a stage does not know how to build"
-    ),
+# What a stage must do differently for an architecture, beyond what mlx-lm's objects say (the
+# architectures that run at all are measured: meshd.models.architectures).
+# full_mask_as_array: the model's own inner loop builds its full-attention mask as an array
+# (multi-head latent attention adds it to its scores, or the layer scales or combines it).
+STAGE_RECIPES: dict[str, StageRecipe] = {
+    name: StageRecipe(full_mask_as_array=True)
+    for name in (
+        "deepseek_v3",  # also kimi_k2
+        "glm4_moe_lite",
+        "kimi_k25",
+        "kimi_linear",
+        "kimi_vl",
+    )
 }
 
 
@@ -115,6 +95,7 @@ def load_stage(
     has_head: bool,
     prepare: Callable[[nn.Module, list[nn.Module]], None] | None = None,
     donors: list[StageModel] | None = None,
+    refuse_unverified: bool = True,
 ) -> StageModel:
     """Load layers ``[layer_start, layer_end)`` of the model in ``model_dir`` as one stage.
 
@@ -134,12 +115,16 @@ def load_stage(
     the rest is read from disk (an incremental re-plan). The list is emptied before the new
     tensors are read, so what only the donor held can be freed first: a node that moves a
     boundary never holds the old and the new stage whole at once.
+
+    ``refuse_unverified=False`` loads an architecture the table does not list as verified: only
+    the verification that makes the table (tests/support/arch_verify.py) asks for that.
     """
     model_dir = Path(model_dir)
-    check_model_type(model_dir)
+    if refuse_unverified:
+        check_model_type(model_dir)
     with _config_only_view(model_dir) as view:
         skeleton = _build(view, model_dir)
-        architecture = _architecture_of(skeleton, model_dir)
+        architecture = _architecture_of(skeleton, model_dir, refuse_unverified)
         text = _TextModel.of(skeleton, architecture)
         num_layers = len(text.inner.layers)
         _check_range(layer_start, layer_end, num_layers)
@@ -180,7 +165,7 @@ def load_stage(
         empty_caches=empty_caches,
         num_model_layers=num_layers,
         architecture=architecture,
-        recipe=ARCHITECTURES.get(architecture, StageRecipe()),
+        recipe=STAGE_RECIPES.get(architecture, StageRecipe()),
     )
     stage.adopted_layers, stage.adopted_bytes = adopted
     return stage
@@ -223,10 +208,11 @@ def only_stage_layers(model: nn.Module, layer_range: tuple[int, int]) -> Iterato
 
 
 def check_model_type(model_dir: Path) -> None:
-    """Refuse, with the reason, a model whose config names a type stages cannot run.
+    """Refuse, with the reason, a model whose architecture stages cannot run.
 
     Reads only ``config.json``: cheap enough to call before a model is proposed to the mesh.
-    Raises :class:`UnsupportedModel` or :class:`StageLoadError`.
+    The verdict is :func:`meshd.models.architectures.model_refusal`'s, the one `meshd plan`
+    gives too. Raises :class:`UnsupportedModel` or :class:`StageLoadError`.
     """
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
@@ -236,22 +222,14 @@ def check_model_type(model_dir: Path) -> None:
             "(import the model into the model store first)."
         )
     try:
-        model_type = json.loads(config_path.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError) as error:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as error:
         raise StageLoadError(f"{config_path} is not a readable JSON object: {error}") from error
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel(_unsupported_message(str(model_type), str(model_type), model_dir))
-
-
-def _unsupported_message(model_type: str, architecture: str, model_dir: Path) -> str:
-    reason = NOT_SLICEABLE.get(architecture)
-    if reason is not None:
-        return f"Model type {model_type!r} in {model_dir} cannot run as pipeline stages: {reason}."
-    return (
-        f"Model type {model_type!r} in {model_dir} (mlx-lm's {architecture}) has not been "
-        "verified to run as pipeline stages; verified: "
-        f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}."
-    )
+    if not isinstance(config, dict):
+        raise StageLoadError(f"{config_path} is not a readable JSON object")
+    refusal = model_refusal(config)
+    if refusal is not None:
+        raise UnsupportedModel(f"{model_dir}: {refusal}")
 
 
 @contextmanager
@@ -279,9 +257,10 @@ def _build(
     Returns the model alone when no ``get_model_classes`` is given (a lazily initialized
     skeleton: no parameter memory is touched), else ``(model, config)``.
     """
-    extra = {} if get_model_classes is None else {"get_model_classes": get_model_classes}
     try:
-        model, config = load_model(view, lazy=True, strict=False, **extra)
+        model, config = load_model(
+            view, lazy=True, strict=False, get_model_classes=get_model_classes or skeleton_classes
+        )
     except (StageLoadError, UnsupportedModel):
         raise
     except ValueError as error:  # mlx-lm: unknown model type, quantization it cannot load
@@ -294,13 +273,35 @@ def _build(
     return model if get_model_classes is None else (model, config)
 
 
-def _architecture_of(model: nn.Module, model_dir: Path) -> str:
+def _architecture_of(model: nn.Module, model_dir: Path, refuse_unverified: bool) -> str:
     """The mlx-lm model module of ``model``, which must be one stages are verified for."""
     architecture = type(model).__module__.rsplit(".", 1)[-1]
-    if architecture not in ARCHITECTURES:
+    reason = pipeline_refusal(architecture) if refuse_unverified else None
+    if reason is not None:
         model_type = str(getattr(model, "model_type", architecture))
-        raise UnsupportedModel(_unsupported_message(model_type, architecture, model_dir))
+        message = unsupported_model_message(model_type, architecture, reason)
+        raise UnsupportedModel(f"{model_dir}: {message}")
     return architecture
+
+
+def skeleton_classes(config: dict[str, Any]) -> tuple[type, type]:
+    """mlx-lm's classes for ``config``, the model's ``sanitize`` skipped for no weights.
+
+    ``load_model`` on a directory without weights (a skeleton, to learn the model's layers)
+    calls ``sanitize({})``; several wrappers' sanitize cannot take an empty dict (they
+    unflatten it, or read a tensor by name), so mlx-lm itself could not build them that way.
+    """
+    base, args_class = _get_classes(config)
+    if not hasattr(base, "sanitize"):
+        return base, args_class
+
+    class Skeleton(base):  # type: ignore[misc, valid-type]
+        def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+            return weights if not weights else base.sanitize(self, weights)
+
+    Skeleton.__module__ = base.__module__  # the architecture is read from the module
+    Skeleton.__qualname__ = f"{base.__qualname__}[skeleton]"
+    return Skeleton, args_class
 
 
 class _StageCheckpoint:

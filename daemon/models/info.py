@@ -66,6 +66,7 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
+from meshd.models.architectures import model_refusal
 from meshd.models.safetensors import (
     INDEX_FILE,
     ModelInfoError,
@@ -188,6 +189,13 @@ def read_model_spec(
         supports_tensor_parallel=supports_tensor_parallel(str(config.get("model_type", ""))),
         architecture=str(config.get("model_type", "")),
     )
+
+
+def architecture_refusal(model_dir: Path) -> str | None:
+    """Why the model in ``model_dir`` cannot run as stages (its architecture), in the words the
+    daemon refuses it with, or None when it can (see meshd.models.architectures)."""
+    refusal = model_refusal(_read_config(Path(model_dir)))
+    return None if refusal is None else f"{model_dir}: {refusal}"
 
 
 # ---- config ---------------------------------------------------------------------------------

@@ -9,34 +9,18 @@ here, below both, so that the model store does not import the data plane.
 
 from __future__ import annotations
 
-# mlx-lm model modules whose ``shard(group)`` runs on a pipeline stage's layers (see
-# meshd.inference.shard.ARCHITECTURES) and whose tensor-parallel stages are verified against one
-# mlx-lm process by tests/test_tensor_parallel_architectures.py. Values: the attribute of an MoE
-# layer's block that holds its routed experts (a SwitchGLU), for expert placement; None for
-# dense-only families.
-TENSOR_PARALLEL_ARCHITECTURES: dict[str, str | None] = {
-    "llama": None,  # also mistral and the other families mlx-lm maps to llama
-    "qwen2": None,
-    "qwen3": None,
-    "qwen3_moe": "switch_mlp",
-    "deepseek_v3": "switch_mlp",  # also kimi_k2
-    "glm4_moe": "switch_mlp",
-    "gpt_oss": "experts",
-}
-# Architectures stages run whose tensor parallelism is refused, and why.
-NOT_TENSOR_PARALLEL: dict[str, str] = {
-    "mixtral": "mlx-lm's mixtral model has no shard(group)",
-    "qwen3_next": "mlx-lm's qwen3_next model has no shard(group)",
-    "qwen3_5": (
-        "mlx-lm's qwen3_5 shard(group) also splits the LM head over the vocabulary and gathers "
-        "the logits inside the model's own call, which a pipeline stage's head does not make"
-    ),
-    "qwen3_5_moe": (
-        "mlx-lm's qwen3_5_moe shard(group) also splits the LM head over the vocabulary and "
-        "gathers the logits inside the model's own call, which a pipeline stage's head does not "
-        "make"
-    ),
-}
+from meshd.models.architectures import tensor_parallel_architectures
+from meshd.models.architectures import (
+    tensor_parallel_refusal as architecture_tensor_parallel_refusal,
+)
+
+# mlx-lm model modules whose ``shard(group)`` runs on a pipeline stage's layers and whose
+# tensor-parallel stages equal one mlx-lm process: measured (meshd.models.architectures).
+TENSOR_PARALLEL_ARCHITECTURES: frozenset[str] = frozenset(tensor_parallel_architectures())
+# The attribute of an MoE layer's block that holds its routed experts (a SwitchGLU), for
+# expert placement, where it is not mlx-lm's usual ``switch_mlp``.
+EXPERTS_ATTRIBUTES: dict[str, str] = {"gpt_oss": "experts"}
+DEFAULT_EXPERTS_ATTRIBUTE = "switch_mlp"
 
 
 def architecture_of(model_type: str) -> str:
@@ -52,14 +36,12 @@ def architecture_of(model_type: str) -> str:
 def tensor_parallel_refusal(model_type: str) -> str | None:
     """Why ``model_type`` cannot run as a tensor-parallel stage, or None when it can."""
     architecture = architecture_of(model_type)
-    if architecture in TENSOR_PARALLEL_ARCHITECTURES:
+    reason = architecture_tensor_parallel_refusal(architecture)
+    if reason is None:
         return None
-    reason = NOT_TENSOR_PARALLEL.get(architecture)
-    if reason is not None:
-        return reason
     return (
-        f"mlx-lm's {architecture} has not been verified to run as a tensor-parallel stage; "
-        f"verified: {', '.join(sorted(TENSOR_PARALLEL_ARCHITECTURES))}"
+        f"mlx-lm's {architecture}: {reason}; tensor-parallel stages are verified for "
+        f"{', '.join(sorted(TENSOR_PARALLEL_ARCHITECTURES))} (docs/architectures.md)"
     )
 
 

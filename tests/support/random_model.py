@@ -34,6 +34,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import load_model
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from meshd.inference.shard import skeleton_classes
 from meshd.models.safetensors import write_sharded_safetensors
 
 Architecture = Literal["llama", "qwen2", "qwen3"]
@@ -392,11 +393,14 @@ def build_model(config: dict[str, Any]) -> nn.Module:
 
     ``mlx_lm.utils.load_model`` on a directory that holds only ``config.json`` (lazy, non-strict)
     is mlx-lm's public way to go from a config to its model class, aliases included (mlx-lm's own
-    ``sharded_load`` does the same before it knows which weights a rank needs).
+    ``sharded_load`` does the same before it knows which weights a rank needs); with the stage
+    loader's :func:`skeleton_classes`, as wrappers cannot sanitize an empty checkpoint.
     """
     with tempfile.TemporaryDirectory(prefix="meshd-config-") as folder:
         (Path(folder) / "config.json").write_text(json.dumps(config))
-        model, _ = load_model(Path(folder), lazy=True, strict=False)
+        model, _ = load_model(
+            Path(folder), lazy=True, strict=False, get_model_classes=skeleton_classes
+        )
     return model
 
 

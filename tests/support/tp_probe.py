@@ -10,6 +10,9 @@ greedy decode steps; rank 0 writes the logits and tokens to ``OUT_DIR/<job name>
 A job: ``{"name", "model_dir", "stages": [[start, end], ...], "expert_ranges": [[s, e], ...]
 (optional, per rank), "prompt": [ids], "steps": n}``. Stages are chained in the job's order, the
 first with the embedding and the last with the head: a pipeline of tensor-parallel stages.
+``"unverified": true`` loads architectures the table does not list as tensor-parallel yet, and
+``"keep_going": true`` writes ``OUT_DIR/<job name>.error`` for a job that fails to load or run
+instead of stopping (tests/support/arch_verify.py verifies every architecture this way).
 """
 
 # ruff: noqa: E402
@@ -32,8 +35,18 @@ def main(jobs_path: str, out_dir: str) -> int:
     group = mx.distributed.init(backend="ring", strict=True)
     rank, size = group.rank(), group.size()
     for job in json.loads(Path(jobs_path).read_text()):
-        stages = _load(job, rank, size, group)
-        tokens, logits = _generate(stages, job, group)
+        try:
+            stages = _load(job, rank, size, group)
+            tokens, logits = _generate(stages, job, group)
+        except Exception as error:
+            if not job.get("keep_going"):
+                raise
+            # Loading fails alike on every rank (the same config, the same code), so the ranks
+            # stay in step and go on to the next job.
+            if rank == 0:
+                text = f"{type(error).__name__}: {error}"
+                (Path(out_dir) / f"{job['name']}.error").write_text(text)
+            continue
         if rank == 0:
             np.savez(Path(out_dir) / f"{job['name']}.npz", tokens=np.array(tokens), **logits)
         del stages
@@ -59,6 +72,7 @@ def _load(job: dict, rank: int, size: int, group) -> list:
             ),
             rank,
             group,
+            refuse_unverified=not job.get("unverified", False),
         )
         for index, (start, end) in enumerate(job["stages"])
     ]

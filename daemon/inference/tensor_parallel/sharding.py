@@ -33,11 +33,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 from meshd.inference.shard import load_stage, only_stage_layers
 from meshd.inference.stage_model import StageModel
 from meshd.inference.tensor_parallel.spec import (
-    TENSOR_PARALLEL_ARCHITECTURES,
     TensorParallelSpec,
     TensorParallelUnsupported,
     check_tensor_parallel,
+    tensor_parallel_refusal,
 )
+from meshd.models.tensor_parallel_support import DEFAULT_EXPERTS_ATTRIBUTE, EXPERTS_ATTRIBUTES
 
 
 class ExpertRange(nn.Module):
@@ -66,14 +67,19 @@ class ExpertRange(nn.Module):
         return y * mx.expand_dims(held, -1).astype(y.dtype)
 
 
-def load_rank_stage(spec: TensorParallelSpec, rank: int, group: Any) -> StageModel:
+def load_rank_stage(
+    spec: TensorParallelSpec, rank: int, group: Any, *, refuse_unverified: bool = True
+) -> StageModel:
     """Rank ``rank``'s part of the stage (``group`` = this rank's ``mx.distributed`` group, or
-    None for a group of one, which runs the stage unsharded)."""
-    check_tensor_parallel(spec.model_dir, spec.size, spec.expert_ranges)
+    None for a group of one, which runs the stage unsharded). ``refuse_unverified=False`` only
+    for the verification that makes meshd.models.architecture_table."""
+    check_tensor_parallel(
+        spec.model_dir, spec.size, spec.expert_ranges, refuse_unverified=refuse_unverified
+    )
 
     def prepare(model: nn.Module, layers: list[nn.Module]) -> None:
         if group is not None and spec.size > 1:
-            shard_stage(model, spec, rank, group)
+            shard_stage(model, spec, rank, group, refuse_unverified=refuse_unverified)
         for layer in layers:  # one layer's whole tensors at a time
             mx.eval(layer.parameters())
 
@@ -84,19 +90,27 @@ def load_rank_stage(spec: TensorParallelSpec, rank: int, group: Any) -> StageMod
         has_embedding=spec.has_embedding,
         has_head=spec.has_head and rank == 0,
         prepare=prepare,
+        refuse_unverified=refuse_unverified,
     )
 
 
-def shard_stage(model: nn.Module, spec: TensorParallelSpec, rank: int, group: Any) -> None:
+def shard_stage(
+    model: nn.Module,
+    spec: TensorParallelSpec,
+    rank: int,
+    group: Any,
+    *,
+    refuse_unverified: bool = True,
+) -> None:
     """mlx-lm's ``shard(group)`` on the stage's layers, then expert placement if the spec has
     one. Weights stay lazy."""
     architecture = _architecture(model)
-    if architecture not in TENSOR_PARALLEL_ARCHITECTURES or not hasattr(model, "shard"):
-        raise TensorParallelUnsupported(
-            f"mlx-lm's {architecture} cannot run as a tensor-parallel stage "
-            "(see meshd.inference.tensor_parallel.spec.TENSOR_PARALLEL_ARCHITECTURES)"
-        )
-    experts_attr = TENSOR_PARALLEL_ARCHITECTURES[architecture]
+    refusal = tensor_parallel_refusal(architecture) if refuse_unverified else None
+    if refusal is None and not hasattr(model, "shard"):
+        refusal = f"mlx-lm's {architecture} model has no shard(group)"
+    if refusal is not None:
+        raise TensorParallelUnsupported(refusal)
+    experts_attr = EXPERTS_ATTRIBUTES.get(architecture, DEFAULT_EXPERTS_ATTRIBUTE)
     with only_stage_layers(model, spec.layer_range) as layers:
         placed: list[_PlacedExperts] = []
         if spec.expert_ranges:

@@ -35,9 +35,6 @@ from typing import Any
 # Which architectures may run tensor-parallel is a fact about models, which the model
 # description (meshd.models.info) carries to the planner; re-exported here for the runner side.
 from meshd.models.tensor_parallel_support import (
-    NOT_TENSOR_PARALLEL as NOT_TENSOR_PARALLEL,
-)
-from meshd.models.tensor_parallel_support import (
     TENSOR_PARALLEL_ARCHITECTURES as TENSOR_PARALLEL_ARCHITECTURES,
 )
 from meshd.models.tensor_parallel_support import architecture_of as architecture_of
@@ -366,12 +363,18 @@ def backend_files_and_env(spec: TensorParallelSpec, rank: int) -> tuple[dict[str
 
 
 def check_tensor_parallel(
-    model_dir: str | Path, group_size: int, expert_ranges: Sequence[tuple[int, int]] = ()
+    model_dir: str | Path,
+    group_size: int,
+    expert_ranges: Sequence[tuple[int, int]] = (),
+    *,
+    refuse_unverified: bool = True,
 ) -> None:
     """Refuse, with the reason, a model that cannot be split over ``group_size`` ranks.
 
     mlx-lm divides the attention and KV heads, the MLP's hidden width and each expert's width
     by the group size, evenly; expert placement must cover every routed expert.
+    ``refuse_unverified=False``: the architecture need not be verified yet (only the
+    verification that makes meshd.models.architecture_table asks for that).
     """
     config_path = Path(model_dir) / "config.json"
     try:
@@ -381,7 +384,7 @@ def check_tensor_parallel(
     if not isinstance(config, dict):
         raise TensorParallelUnsupported(f"{config_path} is not a JSON object")
     model_type = str(config.get("model_type"))
-    refusal = tensor_parallel_refusal(model_type)
+    refusal = tensor_parallel_refusal(model_type) if refuse_unverified else None
     if refusal is not None:
         raise TensorParallelUnsupported(f"model type {model_type!r}: {refusal}")
     text = config.get("text_config") or config
