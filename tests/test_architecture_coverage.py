@@ -59,3 +59,38 @@ def test_a_refusal_names_the_architecture_the_reason_and_what_to_use() -> None:
     )
     assert model_refusal({"model_type": "kimi_k2"}) is None  # mlx-lm's alias of deepseek_v3
     assert "not among the architectures" in str(model_refusal({"model_type": "no_such_model"}))
+
+
+def test_plan_and_the_daemon_refuse_an_unverified_architecture_with_the_same_words(
+    tmp_path: Path,
+) -> None:
+    """`meshd plan --model DIR` and the check `meshd load` runs (the stage loader's) give one
+    message, from meshd.models.architectures."""
+    import argparse
+    import io
+    import json
+
+    from meshd.api.plan_cli import EXIT_REFUSED, add_plan_arguments, run_plan
+    from meshd.inference.stage_model import UnsupportedModel
+    from meshd.node_models import check_model_type
+    from tests.support.random_model import write_model_dir
+    from tests.support.tiny_architectures import tiny_config
+
+    model_dir = write_model_dir(tmp_path / "gpt2", tiny_config("gpt2"))
+    assert architecture_table.ARCHITECTURES["gpt2"]["pipeline"] == "refused"
+    mesh = tmp_path / "mesh.json"
+    node = {"id": "a", "memory_budget": "1GiB", "flops": "1TFLOPS", "mem_bandwidth": "100GB/s"}
+    mesh.write_text(json.dumps({"nodes": [node]}))
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    err = io.StringIO()
+    code = run_plan(
+        parser.parse_args(["--mesh", str(mesh), "--model", str(model_dir)]),
+        out=io.StringIO(),
+        err=err,
+    )
+    with pytest.raises(UnsupportedModel) as refused:
+        check_model_type(model_dir)
+    assert code == EXIT_REFUSED
+    assert err.getvalue().strip() == f"meshd plan: {refused.value}"
+    assert "gpt2" in err.getvalue() and "Use a model of a verified architecture" in err.getvalue()

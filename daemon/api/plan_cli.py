@@ -298,16 +298,17 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
     err = err or sys.stderr
     try:
         mesh = load_mesh_json(args.mesh) if args.mesh else _live_mesh(args)
+        # The daemon refuses a model of an unverified architecture with these words; so does
+        # plan, before it sizes a model no stage could run.
+        refusal = architecture_refusal(args.model) if args.model is not None else None
+        if refusal is not None:
+            print(f"meshd plan: {refusal}", file=err)
+            return EXIT_REFUSED
         model = _load_model(args)
         options = _options(args)
     except (PlanInputError, ModelInfoError, ModelSpecError, PlanOptionsError, MeshError) as error:
         print(f"meshd plan: {error}", file=err)
         return EXIT_BAD_INPUT
-    # The daemon refuses a model of an unverified architecture with these words; so does plan.
-    refusal = architecture_refusal(args.model) if args.model is not None else None
-    if refusal is not None:
-        print(f"meshd plan: {refusal}", file=err)
-        return EXIT_REFUSED
     try:
         if args.strategy == "both":
             outcomes = _both(mesh, model, options)
