@@ -126,3 +126,25 @@ def mesh_name() -> str:
 @pytest.fixture
 def mesh_token(mesh_name: str) -> str:
     return security.encode_join_token(security.create_mesh_secret(mesh_name))
+
+
+# ---------------------------------------------------------------- kinds of test
+
+TEST_KINDS = ("unit", "integration", "netns")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test module says what kind it is, once (`pytestmark = pytest.mark.unit`, ...), so
+    `pytest -m unit` runs the pure cores in seconds and `-m "not netns"` runs without root."""
+    unclear = sorted(
+        {
+            item.nodeid.split("::")[0]
+            for item in items
+            if sum(item.get_closest_marker(kind) is not None for kind in TEST_KINDS) != 1
+        }
+    )
+    if unclear:
+        raise pytest.UsageError(
+            "each test module needs exactly one of the markers "
+            f"{', '.join(TEST_KINDS)} (pytestmark = pytest.mark.unit): {', '.join(unclear)}"
+        )

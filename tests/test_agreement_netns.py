@@ -18,6 +18,8 @@ import pytest
 from meshd.api.launcher import DaemonProcess, alive_ids
 from meshd.wire import pb
 
+pytestmark = pytest.mark.netns
+
 BUDGET = ["--memory-budget", "120MB", "--context-length", "256"]
 
 

@@ -34,6 +34,8 @@ from tests.agreement_sim import (
     random_run,
 )
 
+pytestmark = pytest.mark.unit
+
 CONFIG = AgreementConfig(
     join_stability_s=1.0,
     startup_grace_s=1.5,

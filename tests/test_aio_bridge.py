@@ -9,6 +9,8 @@ import trio
 
 from meshd.runtime.bridge import AsyncioThread
 
+pytestmark = pytest.mark.unit
+
 
 def test_result_and_error_cross_from_asyncio() -> None:
     async def main() -> None:

@@ -35,6 +35,8 @@ from meshd.app.menu_model import (
 from meshd.app.status_model import Menu, MeshState, menu_unreachable
 from meshd.service.manager import Systemd
 
+pytestmark = pytest.mark.integration
+
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 MODELS = ("smollm2-135m-instruct", "tiny-llama")
 

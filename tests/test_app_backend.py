@@ -12,7 +12,10 @@ import pytest
 from meshd.app import tray_backend
 from meshd.app.desktop_theme import desktop_theme
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the Linux tray backends")
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(sys.platform != "linux", reason="the Linux tray backends"),
+]
 
 
 def _no_appindicator() -> bool:

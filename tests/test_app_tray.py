@@ -38,6 +38,7 @@ STATE_TIMEOUT_S = 20.0
 MIN_ICON = 12  # the smallest size a tray would scale the icon to
 
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.skipif(bool(missing_tools()), reason=f"needs {', '.join(missing_tools())}"),
     pytest.mark.skipif(
         importlib.util.find_spec("pystray") is None or importlib.util.find_spec("gi") is None,

@@ -19,6 +19,8 @@ from meshd.models import architecture_table
 from meshd.models.architectures import model_refusal, pipeline_architectures
 from tests.support import arch_verify
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, arch_verify.Outcome]:

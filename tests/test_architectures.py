@@ -45,6 +45,8 @@ from tests.support.random_model import (
     quantize_model_dir,
 )
 
+pytestmark = pytest.mark.integration
+
 ARCHITECTURES = list(TINY_CONFIGS)
 PROMPT = [(index * 37 + 11) % 300 for index in range(40)]
 DECODE_STEPS = 24

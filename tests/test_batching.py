@@ -39,6 +39,8 @@ from meshd.models.store import ModelEntry
 from tests.support.dataplane_mesh import LoopThread, Mesh, collect, mlx_lm_reference
 from tests.support.random_model import TINY_CONFIGS, make_architecture_dir, make_random_model_dir
 
+pytestmark = pytest.mark.integration
+
 # Largest difference between a batched row's logits and the same request's logits alone, in
 # float32 (logits of magnitude ~10-30): batching changes only the summation order.
 LOGIT_BOUND = 1e-3

@@ -27,6 +27,8 @@ from meshd.runtime.blas import (
 )
 from tests.pyrun import run_json
 
+pytestmark = pytest.mark.integration
+
 HAS_OPENBLAS = sys.platform.startswith("linux") and any(p.exists() for p in openblas_candidates())
 needs_openblas = pytest.mark.skipif(not HAS_OPENBLAS, reason="no system OpenBLAS installed")
 

@@ -22,6 +22,8 @@ from meshd.mesh import security
 from meshd.mesh.channels import PEER_CHANNEL_OPTIONS
 from meshd.wire import pb, rpc
 
+pytestmark = pytest.mark.integration
+
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 CANCELLED_WATCHES = 20
 

@@ -12,6 +12,8 @@ import pytest
 from meshd.api import client
 from meshd.wire import pb
 
+pytestmark = pytest.mark.integration
+
 LOOPBACK = ["--no-mdns", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 CONTEXT = 64
 

@@ -12,6 +12,8 @@ import pytest
 
 from meshd.runtime.compute import ComputeExecutor, computing
 
+pytestmark = pytest.mark.unit
+
 
 def test_jobs_run_one_at_a_time_in_order_on_one_thread() -> None:
     async def main() -> tuple[list[int], set[int], int]:

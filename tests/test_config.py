@@ -14,6 +14,8 @@ from meshd.config import (
     settings,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_precedence(tmp_path: Path) -> None:
     (tmp_path / "meshd.toml").write_text(

@@ -21,6 +21,8 @@ from meshd.mesh import security
 from meshd.mesh.graph import graph_digest, graph_from_status
 from meshd.wire import pb, rpc
 
+pytestmark = pytest.mark.integration
+
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 
 

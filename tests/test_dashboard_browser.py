@@ -17,6 +17,8 @@ import pytest
 from meshd.api.launcher import DaemonProcess
 from meshd.wire import pb
 
+pytestmark = pytest.mark.integration
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]

@@ -44,6 +44,8 @@ from meshd.models.store import ModelEntry
 from tests.support.dataplane_mesh import LoopThread, Mesh, collect, mlx_lm_reference
 from tests.support.random_model import make_random_model_dir
 
+pytestmark = pytest.mark.integration
+
 LAYERS = 6
 VOCAB = 320
 PROMPT = [(index * 37 + 11) % 300 for index in range(20)]

@@ -12,12 +12,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from meshd.api import client
 from meshd.api.demo import QUESTION, loopback_args
 from meshd.api.launcher import DaemonProcess
 from meshd.mesh import security
 from meshd.models.store import ModelEntry
 from meshd.wire import pb
+
+pytestmark = pytest.mark.integration
 
 
 def test_a_node_asked_as_soon_as_it_answers_waits_for_the_plan(

@@ -49,6 +49,8 @@ from meshd.mesh.interfaces import (
 )
 from tests.netns import Mesh, require_root_and_netns
 
+pytestmark = pytest.mark.netns
+
 LOOPBACK = ["127.0.0.1"]
 
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from meshd.api.launcher import alive_ids
 from meshd.wire import pb
+
+pytestmark = pytest.mark.netns
 
 # A short poll of the interfaces is what lets these tests stay in seconds.
 FOLLOW_ARGS = ["--link-probe-interval", "30"]

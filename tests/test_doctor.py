@@ -20,6 +20,8 @@ from meshd.config import load_config
 from tests.netns import Mesh, Node, require_root_and_netns
 from tests.support.ports import free_ports
 
+pytestmark = pytest.mark.netns
+
 MESHD = str(Path(sys.executable).parent / "meshd")
 DOCTOR_TIMEOUT_S = 60.0
 

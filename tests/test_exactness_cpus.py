@@ -36,9 +36,12 @@ X86 = platform.machine() in ("x86_64", "AMD64")
 AVX2 = frozenset({"avx2", "fma"})
 AVX512 = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
 
-pytestmark = pytest.mark.skipif(
-    OPENBLAS is None or not sys.platform.startswith("linux"), reason="no system OpenBLAS"
-)
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        OPENBLAS is None or not sys.platform.startswith("linux"), reason="no system OpenBLAS"
+    ),
+]
 
 # (label, core type forced through MESHD_BLAS_CORETYPE or None for OpenBLAS's detection,
 #  CPU flags the kernels need)

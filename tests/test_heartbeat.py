@@ -12,6 +12,8 @@ import pytest
 from meshd.mesh.heartbeat import beat_stream
 from meshd.wire import pb, rpc
 
+pytestmark = pytest.mark.integration
+
 INTERVAL_S = 0.05
 TIMEOUT_S = 0.4
 

@@ -15,6 +15,8 @@ import pytest
 
 from meshd.runtime import hoptrace
 
+pytestmark = pytest.mark.unit
+
 MS = 1_000_000
 
 

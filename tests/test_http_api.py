@@ -26,6 +26,8 @@ from meshd.api.launcher import DaemonProcess
 from meshd.models.store import ModelEntry
 from meshd.wire import pb
 
+pytestmark = pytest.mark.integration
+
 QUESTION = "What is the capital of France?"
 GREEDY = {"temperature": 0.0, "max_tokens": 24}
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]

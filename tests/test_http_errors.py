@@ -19,6 +19,8 @@ from meshd.http.backend import MeshBackend
 from meshd.http.server import build_app
 from meshd.inference.errors import ErrorKind, InferenceError
 
+pytestmark = pytest.mark.unit
+
 CASES = [
     ("BAD_INPUT", 400),
     ("UNKNOWN_MODEL", 404),

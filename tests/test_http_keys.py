@@ -16,6 +16,8 @@ from meshd.config import ConfigError, load_config
 from meshd.http.address import parse_http_setting
 from meshd.http.keys import ApiKeyError, ApiKeyStore
 
+pytestmark = pytest.mark.netns
+
 CLI = [sys.executable, "-m", "meshd.api.cli"]
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from mlx_lm.tool_parsers import json_tools
 
 from meshd.http.backend import ToolFormat
 from meshd.http.openai_api import _split_calls
 from meshd.http.tools import ToolCallSplitter
+
+pytestmark = pytest.mark.unit
 
 FORMAT = ToolFormat(
     json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call

@@ -33,9 +33,13 @@ from meshd.wire import pb
 from tests.conftest import PROFILE_FILE
 from tests.support.local_hub import LocalHub, make_repo, olah_available
 
-pytestmark = pytest.mark.skipif(
-    not olah_available(), reason="olah is not installed (packaging/install.sh --dev installs it)"
-)
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(
+        not olah_available(),
+        reason="olah is not installed (packaging/install.sh --dev installs it)",
+    ),
+]
 REPO = "test-org/split-llama"
 PROMPT = "hello mesh"
 TOKENS = 8

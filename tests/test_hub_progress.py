@@ -7,10 +7,14 @@ the real renderers; the daemon side is exercised end to end in tests/test_hub_lo
 
 from __future__ import annotations
 
+import pytest
+
 from meshd.api import render
 from meshd.api.hub_cli import _bar
 from meshd.app.status_model import menu_from_status
 from meshd.wire import pb
+
+pytestmark = pytest.mark.unit
 
 REPO = "org/model@0123456789ab"
 

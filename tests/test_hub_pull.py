@@ -18,9 +18,13 @@ from tests.support.local_hub import LocalHub, make_repo, olah_available
 from tests.support.ports import free_ports
 from tests.support.random_model import make_random_model_dir
 
-pytestmark = pytest.mark.skipif(
-    not olah_available(), reason="olah is not installed (packaging/install.sh --dev installs it)"
-)
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        not olah_available(),
+        reason="olah is not installed (packaging/install.sh --dev installs it)",
+    ),
+]
 REPO = "test-org/tiny-llama"
 
 

@@ -17,6 +17,8 @@ from partitioner.humanize import (
     parse_size,
 )
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("text", "expected"),

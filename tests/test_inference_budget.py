@@ -16,6 +16,8 @@ from meshd.api import client
 from meshd.wire import pb
 from tests.support.memory_checks import assert_nodes_hold_only_their_share
 
+pytestmark = pytest.mark.integration
+
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 BUDGET = 120_000_000
 

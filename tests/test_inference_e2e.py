@@ -19,6 +19,8 @@ from meshd.api.launcher import DaemonProcess
 from meshd.models.store import ModelEntry
 from meshd.wire import pb
 
+pytestmark = pytest.mark.netns
+
 QUESTION = "What is the capital of France?"
 
 

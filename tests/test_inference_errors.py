@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from meshd.inference.errors import ErrorKind, InferenceError
+
+pytestmark = pytest.mark.unit
 
 
 def test_every_kind_names_a_grpc_status_and_an_http_status() -> None:

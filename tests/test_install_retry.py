@@ -23,6 +23,8 @@ from meshd.api import client
 from meshd.inference.tensor_parallel.spec import PORT_SLOTS, PORT_STRIDE
 from meshd.wire import pb
 
+pytestmark = pytest.mark.integration
+
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 MAX_TOKENS = 6
 

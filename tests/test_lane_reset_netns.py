@@ -27,6 +27,8 @@ from tests.test_resume_netns import (  # the module's three-node mesh and its st
     story,
 )
 
+pytestmark = pytest.mark.netns
+
 LANE_PORT = DEFAULT_PEER_PORT + 1  # the daemons' lanes listen next to the peer port
 LONGEST_PAUSE_S = 2.0
 

@@ -29,6 +29,8 @@ from meshd.runtime import tls_buffers
 from meshd.wire import dataplane_pb2 as dp
 from tests.support.dataplane_mesh import LoopThread
 
+pytestmark = pytest.mark.integration
+
 WAIT_S = 10.0
 
 

@@ -23,6 +23,8 @@ from meshd.mesh.graph import mesh_graph
 from meshd.mesh.link_trust import mesh_link_verdict
 from meshd.wire import pb
 
+pytestmark = pytest.mark.unit
+
 LAB = "10.9.0.0/24"
 MARKED = f"network {LAB} marked trusted in the config"
 

@@ -7,6 +7,8 @@ import pytest
 from meshd.mesh import links
 from meshd.wire import pb
 
+pytestmark = pytest.mark.unit
+
 MBIT = 1e6 / 8
 
 

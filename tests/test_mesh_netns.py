@@ -11,8 +11,12 @@ import os
 import signal
 import time
 
+import pytest
+
 from meshd.api.launcher import alive_ids, fully_meshed
 from meshd.mesh import security
+
+pytestmark = pytest.mark.netns
 
 NETNS_ARGS = ["--interface", "eth0", "--link-probe-interval", "2"]
 

@@ -23,6 +23,8 @@ from meshd.api import client
 from meshd.api.launcher import DaemonProcess
 from meshd.wire import pb
 
+pytestmark = pytest.mark.netns
+
 PLAN_TIMEOUT_S = 60.0
 MAX_TOKENS = 6
 

@@ -14,11 +14,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from meshd.api import client
 from meshd.models.safetensors import safetensors_tensor_names
 from meshd.models.share import STALE_STAGING_S, mark_used, prune_parts
 from meshd.wire import pb
 from tests.support.random_model import make_random_model_dir
+
+pytestmark = pytest.mark.integration
 
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 

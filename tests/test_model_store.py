@@ -40,6 +40,8 @@ from meshd.models.store import (
 )
 from tests.support.random_model import make_random_model_dir
 
+pytestmark = pytest.mark.integration
+
 QUESTION = "What is the capital of France?"
 
 

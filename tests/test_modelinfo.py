@@ -16,6 +16,8 @@ from mlx_lm.utils import save_model
 from meshd.models.info import ModelInfoError, read_model_spec, read_safetensors_header
 from tests.support.random_model import build_model
 
+pytestmark = pytest.mark.unit
+
 LLAMA: dict[str, Any] = {
     "model_type": "llama",
     "hidden_size": 64,

@@ -20,6 +20,8 @@ from meshd.models.info import ModelInfoError, read_model_spec
 from partitioner import ModelSpec, PlanOptions
 from partitioner.cost import CostModel, Unit
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "examples" / "models"
 GB = 10**9

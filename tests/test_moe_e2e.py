@@ -21,6 +21,8 @@ from meshd.api import client
 from meshd.wire import pb
 from tests.support.memory_checks import assert_nodes_hold_only_their_share
 
+pytestmark = pytest.mark.netns
+
 BUDGET = 120_000_000
 PROMPT = "mixture of experts, split three ways " * 4
 MAX_TOKENS = 24

@@ -17,6 +17,8 @@ import pytest
 from tests import netns
 from tests.netns import Mesh, list_namespaces, parse_rate, require_root_and_netns
 
+pytestmark = pytest.mark.netns
+
 netns_mesh = netns.netns_mesh  # the fixture factory, made visible to this module
 
 MCAST_GROUP = "239.77.0.1"

@@ -19,6 +19,8 @@ import pytest
 from meshd.api import client
 from meshd.wire import pb
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "node-client"
 LOOPBACK = ["--no-mdns", "--peer-host", "127.0.0.1", "--peer-port", "0"]

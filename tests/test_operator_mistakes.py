@@ -6,7 +6,11 @@ from __future__ import annotations
 import socket
 import time
 
+import pytest
+
 from meshd.api import client
+
+pytestmark = pytest.mark.integration
 
 LOOPBACK = ["--no-mdns", "--peer-host", "127.0.0.1"]
 

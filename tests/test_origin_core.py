@@ -37,6 +37,8 @@ from meshd.inference.origin_core import (
 from meshd.inference.stage_events import FailureKind, Finish
 from tests.origin_sim import FAULTS, OriginViolation, simulate, token_of
 
+pytestmark = pytest.mark.unit
+
 SEEDS = 10_000
 P1 = PlanRef("p1", ("a", "b", "c"))
 P2 = PlanRef("p2", ("b", "d"))

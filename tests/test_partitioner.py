@@ -29,6 +29,8 @@ from partitioner import (
 from partitioner.cost import OVERHEAD_FIXED_BYTES, CostModel, Unit
 from partitioner.split import capped_proportional, largest_remainder
 
+pytestmark = pytest.mark.unit
+
 MiB = 2**20
 GiB = 2**30
 GB = 10**9

@@ -30,6 +30,8 @@ from partitioner.layout import Evaluator, Layout
 from partitioner.mesh import MeshView
 from partitioner.stage_units import single_units
 
+pytestmark = pytest.mark.unit
+
 MiB = 2**20
 NODE_IDS = "abcdefgh"
 SMALL = (3, 2, 4, 1)  # node counts for brute-force checks

@@ -7,8 +7,11 @@ import threading
 from pathlib import Path
 
 import grpc
+import pytest
 
 from meshd.mesh import channels, security
+
+pytestmark = pytest.mark.integration
 
 LOOPBACK = ["--no-mdns", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 

@@ -24,6 +24,8 @@ from partitioner import (
 )
 from partitioner.cost import DEFAULT_COLLECTIVE_OVERHEAD_S
 
+pytestmark = pytest.mark.unit
+
 MiB = 2**20
 GiB = 2**30
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

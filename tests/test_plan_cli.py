@@ -29,6 +29,8 @@ from meshd.api.plan_cli import (
 from partitioner import LAYOUTS, Plan, PlanOptions, plan_model
 from tests.support.random_model import build_model
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "meshes"
 CONFIG: dict[str, Any] = {

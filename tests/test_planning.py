@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from meshd.agreement import service as planning
 from meshd.wire import pb
+
+pytestmark = pytest.mark.unit
 
 
 def state(node: str, *measured: str) -> pb.NodeState:

@@ -32,6 +32,8 @@ from meshd.runtime.blas import openblas_candidates
 from partitioner.humanize import parse_size
 from tests.pyrun import run_json
 
+pytestmark = pytest.mark.integration
+
 GiB = 2**30
 HAS_OPENBLAS = sys.platform.startswith("linux") and any(p.exists() for p in openblas_candidates())
 

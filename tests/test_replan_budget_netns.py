@@ -28,6 +28,8 @@ from meshd.api.launcher import READY_TIMEOUT_S, DaemonProcess
 from meshd.wire import pb
 from tests.support.settled_mesh import wait_settled
 
+pytestmark = pytest.mark.netns
+
 BUDGET = "120MB"
 MIB = 1024 * 1024
 STREAM_TOKENS = 120  # a request that runs through a re-plan (~10 s here)

@@ -13,8 +13,12 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from meshd.api import client
 from meshd.wire import pb
+
+pytestmark = pytest.mark.integration
 
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 MAX_TOKENS = 600

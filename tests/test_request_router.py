@@ -27,6 +27,8 @@ from meshd.wire import pb
 from tests.support.dataplane_mesh import LoopThread, Mesh
 from tests.support.random_model import make_random_model_dir
 
+pytestmark = pytest.mark.integration
+
 LAYOUT = [("n1", (0, 3)), ("n2", (3, 6))]
 
 

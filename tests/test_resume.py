@@ -34,6 +34,8 @@ from meshd.inference.sampling import SamplingParams
 from tests.support.dataplane_mesh import LoopThread, Mesh, mlx_lm_reference
 from tests.support.random_model import make_random_model_dir
 
+pytestmark = pytest.mark.integration
+
 PROMPT = [(index * 29 + 5) % 300 for index in range(13)]
 CHUNK = 4  # the prompt goes in three chunks and its last token: replay must cut it alike
 TOKENS = 24

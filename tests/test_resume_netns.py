@@ -27,6 +27,8 @@ from meshd.api.launcher import DaemonProcess
 from meshd.models.store import ModelEntry
 from meshd.wire import pb
 
+pytestmark = pytest.mark.netns
+
 STORY = "Write a long story about a lighthouse keeper and a storm."
 MAX_TOKENS = 40  # benchmarks/bench_resume.py streams 200 (the suite's time is precious)
 DISTURB_AFTER = 12  # text pieces streamed before the stage is lost

@@ -3,7 +3,11 @@ a real model): a bounded run here; `python -m tests.support.rpc_fuzz` is the lar
 
 from __future__ import annotations
 
+import pytest
+
 from tests.support.rpc_fuzz import FUZZ_CONTEXT, FUZZ_DAEMON_ARGS, fuzz
+
+pytestmark = pytest.mark.integration
 
 CI_EXAMPLES = 300
 

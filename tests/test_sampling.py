@@ -18,6 +18,8 @@ from meshd.inference.sampling import (
 )
 from tests.support.random_model import write_byte_level_tokenizer
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 300
 
 

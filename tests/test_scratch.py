@@ -12,7 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from meshd.runtime.scratch import SCRATCH_PREFIX, remove_orphaned_scratch, scratch_directory
+
+pytestmark = pytest.mark.integration
 
 
 def dead_pid() -> int:

@@ -36,6 +36,8 @@ from meshd.mesh.security import (
     NodeCredentials,
 )
 
+pytestmark = pytest.mark.integration
+
 FIXED_SECRET = MeshSecret(mesh_name="home", secret=bytes(range(32)))
 REFUSAL_DEADLINE_S = 2.0
 

@@ -26,6 +26,8 @@ from meshd.service import notify, units
 from meshd.service.manager import Launchd, Systemd
 from meshd.service.units import ServiceError
 
+pytestmark = pytest.mark.integration
+
 LOOPBACK_RUN_ARGS = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 READY_TIMEOUT_S = 30.0
 needs_systemd_analyze = pytest.mark.skipif(

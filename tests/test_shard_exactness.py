@@ -30,6 +30,8 @@ from meshd.inference.stage_model import (
 )
 from tests.support.random_model import make_random_model_dir
 
+pytestmark = pytest.mark.integration
+
 LAYERS = 6
 PROMPT = [(index * 37 + 11) % 300 for index in range(20)]
 DECODE_STEPS = 24

@@ -40,6 +40,8 @@ from meshd.models.store import ModelEntry
 from tests.support.dataplane_mesh import LoopThread, Mesh, collect
 from tests.test_stage_core import T0, activation, drain, plan_of, start_of
 
+pytestmark = pytest.mark.integration
+
 # --- The lookup -------------------------------------------------------------------------------
 
 

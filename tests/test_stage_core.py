@@ -40,6 +40,8 @@ from meshd.inference.stage_events import (
     prefill_steps,
 )
 
+pytestmark = pytest.mark.unit
+
 GREEDY = SamplingParams(max_tokens=4)
 T0 = 100.0
 

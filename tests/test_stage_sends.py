@@ -3,6 +3,8 @@ itself (meshd.inference.stage): nothing of it twice, nothing else less."""
 
 from __future__ import annotations
 
+import pytest
+
 from meshd.inference.frames import finish_from_proto, finish_to_proto, token_frame
 from meshd.inference.stage import _not_sent_again, _token_frame
 from meshd.inference.stage_events import (
@@ -16,6 +18,8 @@ from meshd.inference.stage_events import (
     Work,
 )
 from meshd.wire import dataplane_pb2 as dp
+
+pytestmark = pytest.mark.unit
 
 
 def token_to(*nodes: str) -> SendToken:

@@ -10,10 +10,13 @@ import os
 import signal
 import time
 
+import pytest
 import trio
 
 from meshd.api.launcher import DaemonProcess
 from meshd.runtime.stalls import StallCounter, open_trace, watch
+
+pytestmark = pytest.mark.integration
 
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 

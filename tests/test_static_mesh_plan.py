@@ -19,10 +19,14 @@ import re
 import time
 from pathlib import Path
 
+import pytest
+
 from meshd.api import client
 from meshd.api.launcher import DaemonProcess
 from meshd.wire import pb
 from tests.support.cpu_load import busy_core
+
+pytestmark = pytest.mark.netns
 
 OBSERVE_S = 15.0
 COMMITTED = re.compile(r"committed plan ([0-9a-f]{12})")

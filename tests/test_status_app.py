@@ -24,6 +24,8 @@ from meshd.app import status_model as sm
 from meshd.app import terminal
 from meshd.wire import pb, rpc
 
+pytestmark = pytest.mark.integration
+
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 
 

@@ -43,6 +43,8 @@ from meshd.inference.tensor_parallel.spec import TENSOR_PARALLEL_ARCHITECTURES
 from tests.support.ports import free_ports
 from tests.support.random_model import make_random_model_dir
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 RELATIVE_BOUND = 1e-4
 PROMPT = [(index * 37 + 11) % 300 for index in range(40)]

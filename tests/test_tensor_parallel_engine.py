@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from meshd.inference.engine import StageKey, run_step
 from meshd.inference.sampling import SamplingParams
@@ -41,6 +42,8 @@ from tests.test_tensor_parallel_runner import (
     start_group,
     wait_gone,
 )
+
+pytestmark = pytest.mark.integration
 
 
 def step(plan: str, request: str, index: int, tokens: list[int], *, first: bool) -> Work:

@@ -40,6 +40,8 @@ from meshd.api.launcher import DaemonProcess
 from meshd.models.store import ModelStore
 from meshd.wire import pb
 
+pytestmark = pytest.mark.netns
+
 RELATIVE_BOUND = 1e-4
 PROMPT = "tensor parallel stages split every layer over a group "
 MAX_TOKENS = 10

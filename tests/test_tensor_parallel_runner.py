@@ -49,6 +49,8 @@ from meshd.inference.tensor_parallel import (
 from tests.support.ports import free_base_port
 from tests.support.random_model import make_random_model_dir
 
+pytestmark = pytest.mark.netns
+
 ROOT = Path(__file__).resolve().parents[1]
 RELATIVE_BOUND = 1e-4
 TEARDOWN_BOUND_S = 1.5

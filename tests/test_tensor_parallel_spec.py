@@ -44,6 +44,8 @@ from meshd.inference.tensor_parallel.wire import (
 )
 from meshd.mesh.link_trust import interface_is_point_to_point, thunderbolt_devices
 
+pytestmark = pytest.mark.unit
+
 PLAN = "3f" * 32
 SECRET = b"s" * 32
 

@@ -15,10 +15,13 @@ from meshd.runtime.thread_names import (
     this_thread_name,
 )
 
-pytestmark = pytest.mark.skipif(
-    not (sys.platform.startswith("linux") or sys.platform == "darwin"),
-    reason="only Linux and macOS name threads for the OS",
-)
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(
+        not (sys.platform.startswith("linux") or sys.platform == "darwin"),
+        reason="only Linux and macOS name threads for the OS",
+    ),
+]
 
 
 def in_a_new_thread(job):

@@ -7,8 +7,12 @@ import socket
 import threading
 from pathlib import Path
 
+import pytest
+
 from meshd.mesh import security
 from meshd.runtime import tls_buffers
+
+pytestmark = pytest.mark.integration
 
 PAYLOAD = bytes(range(256)) * 400  # ~100 KB: several TLS records each way
 

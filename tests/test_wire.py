@@ -2,7 +2,11 @@
 
 from pathlib import Path
 
+import pytest
+
 from meshd.wire import gen
+
+pytestmark = pytest.mark.unit
 
 
 def test_generated_code_is_current(tmp_path: Path) -> None:
