@@ -516,10 +516,34 @@ def test_frames_a_node_must_not_serve_are_refused() -> None:
 def test_a_request_id_is_opened_once() -> None:
     core = core_on("a", plan_of("p", "a", "b"))
     core.on_start(StartFrame("o", "p", "r", start_of()), None, T0)
-    actions = core.on_start(StartFrame("o", "p", "r", start_of()), None, T0)
+    actions = core.on_start(StartFrame("o", "p", "r", start_of(prompt=(7, 8, 9))), None, T0)
     assert "request r is already open" in only_failure(actions).message
     assert Release("p", "r") in actions  # the refusal ends the open one too
     assert core.open_requests("p") == 0
+
+
+def test_a_copy_of_a_frame_acted_on_is_dropped_not_computed_twice() -> None:
+    """A frame that comes again (a lane resumed after a reset sends again what may not have
+    arrived) changes nothing: the same Start, an earlier step, a token index it has."""
+    first = core_on("a", plan_of("p", "a", "b"))
+    first.on_start(StartFrame("o", "p", "r", start_of((1, 2), chunk=8)), None, T0)
+    assert first.on_start(StartFrame("o", "p", "r", start_of((1, 2), chunk=8)), None, T0) == []
+    assert [w.tokens for w in drain(first)] == [(1,), (2,)]  # each prompt step once
+    token = TokenFrame("b", "p", "r", 7, 0, Finish.NONE)
+    assert first.on_token(token, None, T0) == []
+    assert first.on_token(token, None, T0) == []  # the copy
+    (work,) = first.next_batch(T0)
+    assert work.tokens == (7,) and first.next_batch(T0) == []
+    assert first.open_requests("p") == 1
+
+    middle = core_on("b", plan_of("p", "a", "b", "c"))
+    opening = activation("p", "r", 0, "a", start_of(forwarded=True))
+    assert middle.on_activation(opening, None, T0) == []
+    assert middle.on_activation(activation("p", "r", 1, "a"), None, T0) == []
+    assert middle.on_activation(opening, None, T0) == []  # step 0 again, with its Start
+    assert middle.on_activation(activation("p", "r", 1, "a"), None, T0) == []
+    assert [w.step for w in drain(middle)] == [0, 1]
+    assert middle.open_requests("p") == 1
 
 
 def test_a_stage_full_of_requests_refuses_more_as_overloaded() -> None:

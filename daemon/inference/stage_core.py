@@ -48,8 +48,14 @@ Rules (each refusal ends the request on this node and tells its origin with a Fa
   authenticates senders (TLS certificate = node id).
 * Order: Activations arrive with consecutive steps, Tokens with consecutive indexes
   (during a catch-up, per sender: an index the other sender already gave is dropped);
-  anything else is refused. Frames of a request that ended here are dropped (an End may
-  overtake its Start; a late frame may follow a refusal).
+  a gap is refused. Frames of a request that ended here are dropped (an End may overtake
+  its Start; a late frame may follow a refusal).
+* Copies: a frame this stage already acted on is dropped, not computed twice: an Activation
+  of a step before the one it expects, a Token of an index it has, a Start identical to the
+  one it holds or queues for that request. A lane resumed after a reset sends again only
+  what its peer did not act on (:mod:`meshd.inference.lanes`), so a copy is not expected;
+  this keeps a frame that comes twice harmless all the same. A different Start under an
+  open request's id is still refused.
 * Admission (:mod:`meshd.inference.stage_admission`): a Start this stage can never run is
   refused (bad settings, a token outside the vocabulary, too long for the plan's context); a
   plan holds at most ``max_requests`` requests on this stage (``OVERLOADED``); on the first
@@ -218,6 +224,8 @@ class StageCore:
                 "first: the origin has another view of the plan",
             )
         self._clock = max(self._clock, now)
+        if self._holds_copy_of(plan, frame):
+            return []  # a copy of a Start acted on already (sent again)
         if refused := self._invalid_start(plan, frame):
             return refused
         refusal = plan.queue.wait_for_room(
@@ -231,6 +239,17 @@ class StageCore:
         if plan.queue.waits(frame):
             return []  # it waits for room
         return self._admit(plan, frame, now)
+
+    @staticmethod
+    def _holds_copy_of(plan: StagePlan, frame: StartFrame) -> bool:
+        """The request is open or waiting here with this very Start."""
+        request = plan.requests.get(frame.request_id)
+        if request is not None:
+            return request.start == frame.start
+        return any(
+            waiting.request_id == frame.request_id and waiting.start == frame.start
+            for waiting in plan.queue.waiting
+        )
 
     def _invalid_start(self, plan: StagePlan, frame: StartFrame | ActivationFrame) -> list[Action]:
         """The refusal of a Start this stage can never run, else nothing."""
@@ -284,6 +303,8 @@ class StageCore:
             if not isinstance(opened, StageRequest):
                 return opened
             request = opened
+        if frame.step < request.next_step:
+            return []  # a copy of a step it has (sent again)
         if frame.step != request.next_step:
             return self._refuse(
                 origin, frame, f"step {frame.step} arrived, expected {request.next_step}"
@@ -319,8 +340,8 @@ class StageCore:
             return []
         if refused := self._admission(request.origin, frame, plan, fence):
             return refused
-        if catch_up and frame.index < request.next_index:
-            return []  # the other sender's copy of this token came first
+        if frame.index < request.next_index:
+            return []  # a copy of a token it has: the other sender's, or one sent again
         if frame.index != request.next_index:
             return self._refuse(
                 request.origin, frame, f"token {frame.index} arrived, expected {request.next_index}"
