@@ -4,14 +4,17 @@ Three daemons in network namespaces split the real default model (the mesh of
 ``tests/test_resume_netns.py``). While a greedy answer streams from the first stage's node,
 the lane (the direct TLS connection that carries the data plane's frames) from the first stage
 to the second is killed with ``ss -K``: the kernel aborts the socket and resets its peer.
-Every node stays a member and the plan stays: nothing will re-plan. The origin retries the
-request on the same plan at once (replaying its tokens, as a move does; the transport
-reconnects at the next send), so the text must be exactly the undisturbed run's and the
-stream's longest pause short.
+Every node stays a member and the plan stays: nothing will re-plan. The first stage re-opens
+the lane at once and both ends send again the frames the other did not act on
+(:mod:`meshd.inference.lanes`), so the request goes on where it was: the text is exactly the
+undisturbed run's, the stream's longest pause is a token interval or two (well under the
+bound asserted here; measured ones are printed), and the origin did not replay the request
+(its final event counts no resume; the event log says the lane was re-opened).
 """
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import time
 
@@ -30,7 +33,7 @@ from tests.test_resume_netns import (  # the module's three-node mesh and its st
 pytestmark = pytest.mark.netns
 
 LANE_PORT = DEFAULT_PEER_PORT + 1  # the daemons' lanes listen next to the peer port
-LONGEST_PAUSE_S = 2.0
+LONGEST_PAUSE_S = 2.0  # a replay took 1.8-2.3 s; a resumed lane takes a token interval
 
 
 def loaded(status: pb.MeshStatus) -> bool:
@@ -90,11 +93,20 @@ def test_a_reset_lane_between_two_stages_does_not_change_the_text(
     assert killed and "ESTAB" in killed[0], f"no lane connection was reset: {killed}"
     after = [t for t in arrivals if t > reset_at[0]]
     gaps = [b - a for a, b in zip([reset_at[0], *after], after, strict=False)]
-    print(f"longest pause after the reset {max(gaps):.2f} s; {done.paused_s=:.2f}")
+    status = origin.status()
+    resumed = [line for line in status.events if "re-opened at once" in line]
+    before_reset = [t for t in arrivals if t <= reset_at[0]]
+    usual = sorted(b - a for a, b in itertools.pairwise(before_reset))
+    print(
+        f"longest pause after the reset {max(gaps) * 1e3:.0f} ms (the median interval before "
+        f"it {usual[len(usual) // 2] * 1e3:.0f} ms, the longest {usual[-1] * 1e3:.0f} ms); "
+        f"{done.paused_s=:.2f}"
+    )
+    print(*resumed, sep="\n")
     assert text == undisturbed
     assert max(gaps) < LONGEST_PAUSE_S, gaps
-    assert done.resumes >= 1 and done.plan_id == before, done  # retried on the same plan
-    status = origin.status()
+    assert done.resumes == 0 and done.plan_id == before, done  # no replay: the lane resumed
+    assert resumed, f"the event log does not say the lane was re-opened: {status.events}"
     assert len(status.agreement.members) == 3 and status.agreement.active_plan_id == before
 
 

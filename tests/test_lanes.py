@@ -291,28 +291,84 @@ def test_a_lane_that_cannot_open_leaves_the_frames_on_the_stream(
     assert "go over the gRPC stream" in caplog.text
 
 
-def test_a_broken_lane_breaks_the_link_on_both_sides_and_the_next_send_opens_a_new_one(
+async def reset_with_frames_in_doubt(a: Node, b: Node, count: int, size: int) -> None:
+    """a's lane to b carried a frame; b stops reading, a sends ``count`` frames of ``size``
+    bytes more (steps 1..count: more than the kernel's buffers hold, so some still wait in
+    a's lane), and a's connection is reset (``ss -K``: aborted here, a RST to b)."""
+    assert a.transport.send("b", b.address, frame(0))
+    await b.recorder.wait_for(lambda: b.recorder.frames)
+    assert b.transport._lanes is not None
+    inbound = b.transport._lanes.lanes["a"]
+    asyncio.get_running_loop().remove_reader(inbound._fd)  # b reads nothing more from it
+    for index in range(1, count + 1):
+        assert a.transport.send("b", b.address, frame(index, size))
+    outbound = a.transport._outbound["b"].lane
+    assert outbound is not None and outbound._backlog, "every frame left: nothing in doubt"
+    own_port = outbound._sock.getsockname()[1]
+    lane_port = b.transport._lanes.port
+    killer = await asyncio.create_subprocess_exec(
+        *("ss", "-K", "-tn", "src", "127.0.0.1", "sport", "=", f":{own_port}"),
+        *("dst", "127.0.0.1", "dport", "=", f":{lane_port}"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await killer.communicate()
+    assert killer.returncode == 0 and b"ESTAB" in out, (out, err)
+
+
+def test_a_reset_lane_is_resumed_and_every_frame_arrives_once_in_order(
     loop: LoopThread, tmp_path: Path
 ) -> None:
+    """A lane's connection reset under its open link (every node still a member) costs no
+    frame and no lost peer: the sender re-opens it at once, the Hellos say what each end
+    acted on, and exactly the frames in doubt go again, before the ones sent meanwhile."""
+
     async def run() -> None:
         async with running(tmp_path, "a", "b") as (a, b):
-            assert a.transport.send("b", b.address, frame(0))
-            await b.recorder.wait_for(lambda: b.recorder.frames)
-            assert b.transport._lanes is not None
-            inbound = b.transport._lanes.lanes["a"]
-            inbound._sock.shutdown(socket.SHUT_RDWR)  # the connection drops under both ends
+            count, size = 120, 128 << 10  # 15 MiB: within what a lane keeps to send again
+            await reset_with_frames_in_doubt(a, b, count, size)
+            assert a.transport.send("b", b.address, frame(count + 1))  # while it resumes
+            await b.recorder.wait_for(lambda: len(b.recorder.frames) >= count + 2)
+            assert steps(b.recorder) == list(range(count + 2))  # none lost, none twice
+            for _, received in b.recorder.frames[1 : count + 1]:
+                assert received.activation.data == bytes([received.activation.step]) * size
+            link = a.transport._outbound["b"]
+            assert link.lanes_resumed == 1 and link.frames_resent > 0
+            assert b.transport._lanes is not None and b.transport._lanes.resumed == 1
+            assert b.transport.reply("a", frame(7))  # answers come back on the new lane
+            await a.recorder.wait_for(lambda: a.recorder.frames)
+            assert steps(a.recorder) == [7]
+            await asyncio.sleep(lanes.RESUME_GRACE_S + 0.2)  # no loss reported late either
+            assert not a.recorder.lost and not b.recorder.lost
+            assert any("re-opened at once" in note for note in a.recorder.notes)
+
+    loop.run(run(), timeout=60)
+
+
+def test_a_lane_that_cannot_be_resumed_breaks_the_link_on_both_sides(
+    loop: LoopThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Frames in doubt that the sender no longer keeps cannot go again: the link breaks on
+    both sides as a lost peer (the origins replay their requests), and the next send opens
+    a new link and lane."""
+    monkeypatch.setattr(lanes, "RESEND_FRAMES", 4)
+
+    async def run() -> None:
+        async with running(tmp_path, "a", "b") as (a, b):
+            await reset_with_frames_in_doubt(a, b, 120, 128 << 10)
             await a.recorder.wait_for(lambda: a.recorder.lost)
             await b.recorder.wait_for(lambda: b.recorder.lost)
-            assert a.recorder.lost[0][0] == "b" and "lane" in a.recorder.lost[0][1]
-            assert b.recorder.lost[0][0] == "a" and "lane" in b.recorder.lost[0][1]
+            assert (
+                a.recorder.lost[0][0] == "b" and "could not be re-opened" in a.recorder.lost[0][1]
+            )
+            assert "no longer kept" in a.recorder.lost[0][1]
+            assert b.recorder.lost[0][0] == "a"
             assert "b" not in a.transport._outbound
-            # What a's lane took before it broke is lost: b's answers to a do not take
-            # another path that would let a later one overtake them.
-            assert not b.transport.reply("a", frame(9))
 
-            assert a.transport.send("b", b.address, frame(1))  # a new link, a new lane
-            await b.recorder.wait_for(lambda: len(b.recorder.frames) == 2)
-            assert steps(b.recorder) == [0, 1]
+            received = len(b.recorder.frames)
+            assert a.transport.send("b", b.address, frame(500))  # a new link, a new lane
+            await b.recorder.wait_for(lambda: len(b.recorder.frames) == received + 1)
+            assert steps(b.recorder)[-1] == 500
             assert a.transport._outbound["b"].lane is not None
 
     loop.run(run(), timeout=60)

@@ -25,6 +25,39 @@ firewall blocks) the frames go over the stream as before.
 The listener is a second open port: handshakes are bounded in time
 (``HANDSHAKE_TIMEOUT_S``) and per source address (``MAX_PENDING_PER_SOURCE`` connections
 still in their handshake), as the peer port's are (:mod:`meshd.mesh.gate`).
+
+**A reset connection is re-opened, not reported.** A lane's TCP connection can break while
+both nodes stay members and the link's gRPC stream stays up (``ss -K``, a NAT or firewall
+that resets it, a NIC blip). Reporting that as a lost peer ends every request through it and
+the origin replays them (the whole prefix recomputed on every stage, ~2 s). Instead the
+dialler re-opens the lane at once (:func:`reopen`, at most ``RECOVER_ATTEMPTS`` dials within
+``RECOVER_WITHIN_S``) and both ends send again what the other did not act on:
+
+* Which frames are in doubt is not guessed. Each end counts the frames it handed to the data
+  plane from a connection (``frames_received``: handled in the readiness callback, so a frame
+  counted is a frame acted on; a frame whose bytes arrived only in part is not), and the new
+  connection starts with a Hello both ways carrying that count (``Hello.resume``). Each end
+  then sends again exactly the frames the other's count leaves out, in order, before any new
+  frame: no frame is lost, none arrives twice, and the receiver's order is the sender's.
+* What a sender keeps to do that: a reference to the serialized bytes of each frame it took
+  (the bytes it wrote anyway, no copy), the newest ``RESEND_FRAMES`` frames and at most
+  ``RESEND_BYTES`` (more than the kernel's send and receive buffers can hold between the
+  two data planes; a decode step in flight is one frame per request). Per frame that is one
+  append and one count under the lock the send takes anyway: no allocation of its own, no
+  system call. A count that reaches back past what is kept cannot be resumed.
+* The listener keeps a broken lane's count for ``RESUME_GRACE_S`` (a little more than the
+  dialler's bound) and reports the loss only if no resume came by then; a connection the
+  listener replaces is read to its end before its count is given. A lane that ended for a
+  reason a new connection would not cure (a frame that cannot be read, one over the size
+  limit) is reported at once, as is one that cannot be resumed: then the origins replay as
+  before (:mod:`meshd.inference.origin_core`), which stays the fallback.
+
+A TCP reset is seen at once by both ends: the end that aborts gets ``ECONNABORTED`` and the
+one that receives the RST ``ECONNRESET``, both wake the loop's reader callback (epoll reports
+the socket's error as readable), so the lane fails in the same loop turn, not at its next
+write. The stage core drops a copy of a frame it already acted on as well (a step, a token
+index or a Start it has: :mod:`meshd.inference.stage_core`), so a re-sent frame is harmless
+even where the counts could not be exact.
 """
 
 from __future__ import annotations
@@ -36,7 +69,8 @@ import socket
 import ssl
 import struct
 import threading
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
@@ -63,6 +97,16 @@ ACCEPT_PAUSE_S = 1.0  # out of descriptors: the listener rests this long, as asy
 KEEPALIVE_IDLE_S = 10
 KEEPALIVE_INTERVAL_S = 2
 KEEPALIVE_PROBES = 2
+# A connection that broke under a link that did not: re-opened and resumed within this bound,
+# by at most this many dials (the second after a short pause), else reported as a loss.
+RECOVER_WITHIN_S = 1.0
+RECOVER_ATTEMPTS = 2
+RECOVER_PAUSE_S = 0.05
+RESUME_GRACE_S = RECOVER_WITHIN_S + 0.5  # the listener's wait for the dialler's resume
+# The frames a lane keeps to send again after a reset: the newest RESEND_FRAMES, at most
+# RESEND_BYTES of them (Linux's default TCP buffers: 4 MiB to send, 6 MiB to receive).
+RESEND_FRAMES = 256
+RESEND_BYTES = 16 << 20
 
 
 class LaneClosed(ConnectionError):
@@ -94,7 +138,10 @@ class Lane:
     decrypted (in C) and every whole frame in them goes to ``on_frame(peer, frame)`` at
     once. :meth:`send` hands a frame to the socket in place; what it cannot take yet waits,
     in order, until the socket is writable. ``on_lost(lane, reason)`` runs once when the
-    lane ends for any reason but :meth:`close`.
+    lane ends for any reason but :meth:`close` (``recoverable`` says whether a new
+    connection would cure it). With ``on_hello``, the first frame is shown to it first:
+    ``on_hello(lane, hello)`` when it is a Hello (a resume's, see the module docstring; it is
+    not delivered), ``on_hello(lane, None)`` when it is a data-plane frame.
     """
 
     def __init__(
@@ -104,8 +151,10 @@ class Lane:
         on_frame: Callable[[str, dp.Frame], None],
         on_lost: Callable[[Lane, str], None],
         on_first_data: Callable[[Lane], None] | None = None,
+        on_hello: Callable[[Lane, dp.Hello | None], None] | None = None,
     ) -> None:
         self.peer = peer
+        self._on_hello = on_hello
         self._sock = sock
         self._on_first_data = on_first_data
         self._fd = sock.fileno()
@@ -122,14 +171,24 @@ class Lane:
         self._io = threading.Lock()
         self._writing = False  # a writer callback is registered
         self.used = False  # bytes went either way (a lane never used is not missed)
-        self.frames_received = 0  # whole frames handed to on_frame (a read stops after one)
+        # Positions in the link's stream of frames, counted on from the lane a resumed one
+        # replaces: the frames handed to on_frame (a read stops after one), and the frames
+        # taken to send, of which _kept holds the newest (frames_sent - len(_kept) is the
+        # position of the oldest), within RESEND_*, for a resume to send again.
+        self.frames_received = 0
+        self._kept: deque[bytes] = deque()
+        self._kept_bytes = 0
+        self.frames_sent = 0
+        self.recoverable = True  # a loss a new connection would cure (not a bad frame)
         self.closed = False
         _keep_alive(sock)
         self._loop.add_reader(self._fd, self._readable)
 
     def send(self, frame: dp.Frame) -> bool:
-        """Write ``frame`` now (or after what the socket has not taken yet); False once the
-        lane is closed. The loop's own sends."""
+        """Write ``frame`` now (or after what the socket has not taken yet); False when the
+        lane was closed already (the frame was not taken). The loop's own sends. A frame
+        taken by a lane that then breaks is sent again when the lane is resumed, or its loss
+        is reported (``on_lost``)."""
         if self.closed:
             return False
         if hoptrace.enabled:
@@ -137,18 +196,20 @@ class Lane:
         self.used = True
         payload = frame.SerializeToString()
         with self._io:
+            self._keep(payload)
             self._backlog += HEADER.pack(len(payload))
             self._backlog += payload
         if not self._writing:
             self._flush()
         if hoptrace.enabled:
             hoptrace.mark("frame_sent")
-        return not self.closed
+        return True  # taken: sent, or sent again by a resume, or its loss is reported
 
     def send_from_thread(self, frame: dp.Frame) -> bool:
         """Write ``frame`` from another thread than the loop's (the compute thread sends a
-        step's result the moment it is done, :mod:`meshd.inference.stage`); False once the
-        lane is closed or when the write failed (the loss is reported on the loop, as any).
+        step's result the moment it is done, :mod:`meshd.inference.stage`); False when the
+        lane was closed already (the frame was not taken). A write that fails takes the
+        frame all the same: a resume sends it again, or the loss is reported on the loop.
 
         The socket takes the frame at once unless frames wait already: then it goes behind
         them, and the loop writes it (woken with ``call_soon_threadsafe``)."""
@@ -160,6 +221,7 @@ class Lane:
             if self.closed:
                 return False
             self.used = True
+            self._keep(payload)
             if not self._backlog:
                 try:
                     sent = self._sock.send(data)
@@ -167,7 +229,7 @@ class Lane:
                     sent = 0  # the loop writes it: when writable, or after TLS read
                 except OSError as error:
                     self._from_thread(self._fail, f"the lane broke: {error}")
-                    return False
+                    return True  # kept: a resume sends it again
                 data = data[sent:]
             if data:
                 self._backlog += data
@@ -188,6 +250,69 @@ class Lane:
             self._loop.remove_writer(self._fd)
         with self._io, contextlib.suppress(OSError):
             self._sock.close()
+
+    def _keep(self, payload: bytes) -> None:
+        """Keep a taken frame's bytes for a resume (holding ``_io``): the newest
+        RESEND_FRAMES, at most RESEND_BYTES."""
+        kept = self._kept
+        kept.append(payload)
+        self.frames_sent += 1
+        self._kept_bytes += len(payload)
+        while len(kept) > RESEND_FRAMES or (self._kept_bytes > RESEND_BYTES and len(kept) > 1):
+            self._kept_bytes -= len(kept.popleft())
+
+    def send_hello(self, hello: dp.Hello) -> None:
+        """Write a lane's own Hello (a resume's): not a data-plane frame, neither counted nor
+        kept."""
+        payload = dp.Frame(hello=hello).SerializeToString()
+        with self._io:
+            if self.closed:
+                return
+            self._backlog += HEADER.pack(len(payload))
+            self._backlog += payload
+        if not self._writing:
+            self._flush()
+
+    @property
+    def greeted(self) -> bool:
+        """Its first frame came (a lane dialled without ``on_hello``: always)."""
+        return self._on_hello is None
+
+    def resend(self, broken: Lane, received: int) -> int | None:
+        """Continue ``broken`` (the lane this one replaces, closed): send again, before
+        anything else, the frames it took from stream position ``received`` on (its peer
+        acted on those before); how many, or None when some of them are no longer kept
+        (they cannot be sent again). Nothing may have been sent on this lane before."""
+        with broken._io:
+            kept = list(broken._kept)
+            taken = broken.frames_sent
+        first_kept = taken - len(kept)
+        if not first_kept <= received <= taken:
+            return None
+        again = kept[received - first_kept :]
+        with self._io:
+            if self.closed:
+                return None
+            self.frames_sent = received  # this lane's positions go on from there
+            for payload in again:
+                self._keep(payload)
+                self._backlog += HEADER.pack(len(payload))
+                self._backlog += payload
+        if again:
+            self.used = True
+            if not self._writing:
+                self._flush()
+        return len(again)
+
+    def drain(self) -> None:
+        """Read what the socket still holds (frames that arrived before its replacement was
+        opened are acted on, and counted, first); then :meth:`close` it."""
+        while not self.closed:
+            acted_on = self.frames_received
+            self._readable()
+            if self.frames_received == acted_on:
+                break
+        self.close()
 
     def _from_thread(self, callback: Callable[..., object], *args: object) -> None:
         """Run ``callback`` on the lane's loop (a closed loop: the node is going away)."""
@@ -243,6 +368,7 @@ class Lane:
             while not self.closed and end - start >= HEADER.size:
                 (length,) = HEADER.unpack_from(view, start)
                 if length > MAX_MESSAGE_BYTES:
+                    self.recoverable = False
                     self._fail(f"a frame of {length} bytes is over the {MAX_MESSAGE_BYTES} limit")
                     break
                 stop = start + HEADER.size + length
@@ -251,9 +377,18 @@ class Lane:
                 try:
                     frame = dp.Frame.FromString(view[start + HEADER.size : stop])
                 except DecodeError as error:
+                    self.recoverable = False
                     self._fail(f"an unreadable frame: {error}")
                     break
                 start = stop
+                if self._on_hello is not None:  # only the first frame may be a lane's Hello
+                    on_hello, self._on_hello = self._on_hello, None
+                    if frame.HasField("hello"):
+                        on_hello(self, frame.hello)
+                        continue
+                    on_hello(self, None)
+                    if self.closed:
+                        break
                 self.frames_received += 1
                 if hoptrace.enabled:
                     hoptrace.mark("frame_parsed")
@@ -350,7 +485,8 @@ async def _handshake(sock: ssl.SSLSocket) -> str:
 class LaneListener:
     """The accepting side: one TLS listener per node, its lanes by peer node id;
     ``on_open(peer)`` once the first bytes arrived on a peer's lane (from then on the peer
-    sends its frames there), ``on_lost(peer, reason)`` when a lane that carried any ends.
+    sends its frames there), ``on_lost(peer, reason)`` when a lane that carried any ends and
+    its dialler did not resume it within ``RESUME_GRACE_S`` (see the module docstring).
 
     A connection becomes a lane once its handshake passed (within the handshake timeout); at
     most MAX_PENDING_PER_SOURCE connections from one address, and MAX_PENDING from all, may
@@ -375,6 +511,10 @@ class LaneListener:
         self._handshakes: set[asyncio.Task[None]] = set()
         self._pending: Counter[str] = Counter()  # source address -> handshakes under way
         self.lanes: dict[str, Lane] = {}
+        # Lanes that broke or were replaced, by peer, until their dialler resumes them (or
+        # the grace ends); and the answers to that peer meanwhile, sent after the resume.
+        self._broken: dict[str, _Broken] = {}
+        self.resumed = 0  # lanes resumed (their frames in doubt sent again both ways)
         self.port = 0
 
     async def start(self, host: str, port: int = 0) -> int:
@@ -451,11 +591,15 @@ class LaneListener:
             self._pending[source] -= 1
             if self._pending[source] <= 0:
                 del self._pending[source]
-        lane = Lane(wrapped, peer, self._on_frame, self._lost, self._first_data)
+        lane = Lane(wrapped, peer, self._on_frame, self._lost, self._first_data, self._hello)
         previous = self.lanes.get(peer)
         self.lanes[peer] = lane
         if previous is not None:
-            previous.close()  # the peer reopened its link: the old lane is done
+            # The peer reopened its link or this lane: the old one is done. What it still
+            # holds is acted on first, so its count is final if the new lane resumes it.
+            previous.drain()
+            if previous.used and (previous.greeted or peer not in self._broken):
+                self._keep_broken(previous, "", report=False)
 
     def _first_data(self, lane: Lane) -> None:
         if self.lanes.get(lane.peer) is lane:
@@ -465,8 +609,90 @@ class LaneListener:
         if self.lanes.get(lane.peer) is not lane:
             return
         del self.lanes[lane.peer]
-        if lane.used:  # else the dialler gave up on it and kept its gRPC stream
+        if not lane.used:  # the dialler gave up on it and kept its gRPC stream
+            return
+        if not lane.greeted and lane.peer in self._broken:
+            return  # a resume that broke before its Hello: the lane it resumes still waits
+        if lane.recoverable:
+            self._keep_broken(lane, reason, report=True)  # its dialler may resume it
+        else:
             self._on_lost(lane.peer, f"its lane to us broke: {reason}")
+
+    def _keep_broken(self, lane: Lane, reason: str, *, report: bool) -> None:
+        """Keep ``lane`` for a resume for RESUME_GRACE_S; then, if ``report``, say it is
+        lost."""
+        earlier = self._broken.pop(lane.peer, None)
+        if earlier is not None:
+            earlier.expiry.cancel()
+            if earlier.report:  # a lane broken before this one, never resumed
+                self._on_lost(lane.peer, f"its lane to us broke: {earlier.reason}")
+        expiry = asyncio.get_running_loop().call_later(RESUME_GRACE_S, self._expire, lane)
+        self._broken[lane.peer] = _Broken(lane, reason, report, expiry)
+
+    def _expire(self, lane: Lane) -> None:
+        broken = self._broken.get(lane.peer)
+        if broken is None or broken.lane is not lane:
+            return
+        del self._broken[lane.peer]
+        if broken.report:
+            self._on_lost(
+                lane.peer,
+                f"its lane to us broke ({broken.reason}) and was not resumed within "
+                f"{RESUME_GRACE_S:g} s",
+            )
+
+    def _hello(self, lane: Lane, hello: dp.Hello | None) -> None:
+        """A new lane's first frame. A resume: answer with what this node acted on of the
+        broken lane, send again what the peer did not, then the answers that waited. A
+        data-plane frame: the peer opened a new link, the broken lane will not be resumed."""
+        if self.lanes.get(lane.peer) is not lane:
+            return
+        broken = self._broken.pop(lane.peer, None)
+        if broken is not None:
+            broken.expiry.cancel()
+        if hello is None or not hello.resume:
+            if broken is not None and broken.report:
+                self._on_lost(lane.peer, f"its lane to us broke: {broken.reason}")
+            elif broken is not None:
+                for frame in broken.waiting:
+                    lane.send(frame)
+            if hello is not None:
+                lane.send_hello(dp.Hello(resume=False))
+            return
+        if broken is None:
+            lane.send_hello(dp.Hello(resume=False))  # the dialler reports the loss
+            return
+        lane.frames_received = broken.lane.frames_received  # positions go on from there
+        lane.send_hello(dp.Hello(resume=True, frames_received=broken.lane.frames_received))
+        again = lane.resend(broken.lane, hello.frames_received)
+        if again is None:
+            self._on_lost(
+                lane.peer,
+                f"its lane to us broke ({broken.reason or 'replaced'}) and this node's frames "
+                "in doubt are no longer kept",
+            )
+            return
+        for frame in broken.waiting:
+            lane.send(frame)
+        self.resumed += 1
+        log.info(
+            "the lane from %s was resumed: %d frame(s) sent again, %d waited",
+            lane.peer,
+            again,
+            len(broken.waiting),
+        )
+
+    def send(self, peer: str, frame: dp.Frame) -> bool:
+        """An answer to ``peer`` on its lane; while its broken lane waits for a resume the
+        answer waits with it (sent after the frames in doubt). False: no lane takes it."""
+        broken = self._broken.get(peer)
+        if broken is not None:
+            if len(broken.waiting) >= RESEND_FRAMES:
+                return False
+            broken.waiting.append(frame)
+            return True
+        lane = self.lanes.get(peer)
+        return lane is not None and lane.send(frame)
 
     async def close(self) -> None:
         if self._socket is not None:
@@ -478,6 +704,22 @@ class LaneListener:
         for lane in list(self.lanes.values()):
             lane.close()
         self.lanes.clear()
+        for broken in self._broken.values():
+            broken.expiry.cancel()
+        self._broken.clear()
+
+
+class _Broken:
+    """A listener's lane that broke (or was replaced), kept for its dialler's resume."""
+
+    __slots__ = ("expiry", "lane", "reason", "report", "waiting")
+
+    def __init__(self, lane: Lane, reason: str, report: bool, expiry: asyncio.TimerHandle) -> None:
+        self.lane = lane
+        self.reason = reason
+        self.report = report  # said lost when the grace ends (a replaced lane is not)
+        self.expiry = expiry
+        self.waiting: list[dp.Frame] = []
 
 
 def split_address(address: str) -> str:
@@ -494,6 +736,7 @@ async def dial(
     on_frame: Callable[[str, dp.Frame], None],
     on_lost: Callable[[Lane, str], None],
     timeout_s: float,
+    on_hello: Callable[[Lane, dp.Hello | None], None] | None = None,
 ) -> Lane:
     """Open a lane to ``peer`` at the host of its link ``address`` and ``port``; LaneClosed
     when it cannot open in ``timeout_s`` or the certificate names another node."""
@@ -526,4 +769,54 @@ async def dial(
             "address book is stale"
         )
     assert isinstance(sock, ssl.SSLSocket)
-    return Lane(sock, peer, on_frame, on_lost)
+    return Lane(sock, peer, on_frame, on_lost, on_hello=on_hello)
+
+
+async def reopen(
+    address: str,
+    port: int,
+    context: ssl.SSLContext,
+    broken: Lane,
+    on_frame: Callable[[str, dp.Frame], None],
+    on_lost: Callable[[Lane, str], None],
+    timeout_s: float,
+) -> tuple[Lane, int]:
+    """A new lane in place of ``broken`` (closed; its link's stream still open), resumed:
+    the Hellos say what each end acted on, and each sends again what the other did not
+    (see the module docstring). The lane, and how many of this node's frames went again;
+    LaneClosed when it cannot open, the peer does not answer the resume in ``timeout_s``,
+    does not know the broken lane, or this node no longer keeps a frame in doubt."""
+    deadline = time.monotonic() + timeout_s
+    answer: asyncio.Future[dp.Hello] = asyncio.get_running_loop().create_future()
+
+    def answered(_: Lane, hello: dp.Hello | None) -> None:
+        if not answer.done():
+            answer.set_result(hello or dp.Hello(resume=False))  # a frame: not a resume
+
+    def lost(lane: Lane, reason: str) -> None:
+        if answer.done():
+            on_lost(lane, reason)
+        else:  # broke before the resume: this call says so
+            answer.set_exception(LaneClosed(f"the new lane broke: {reason}"))
+
+    lane = await dial(address, port, context, broken.peer, on_frame, lost, timeout_s, answered)
+    lane.frames_received = broken.frames_received  # positions go on from there
+    try:
+        lane.send_hello(dp.Hello(resume=True, frames_received=broken.frames_received))
+        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            hello = await answer
+        if not hello.resume:
+            raise LaneClosed(f"node {broken.peer} no longer knows the broken lane")
+        again = lane.resend(broken, hello.frames_received)
+        if again is None:
+            raise LaneClosed(
+                f"node {broken.peer} acted on {hello.frames_received} of the "
+                f"{broken.frames_sent} frames the broken lane took; the ones in doubt are no "
+                "longer kept"
+            )
+    except BaseException as error:
+        lane.close()
+        if isinstance(error, TimeoutError):
+            raise LaneClosed(f"node {broken.peer} did not answer the resume in time") from None
+        raise
+    return lane, again

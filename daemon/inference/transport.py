@@ -15,6 +15,13 @@ when either breaks. A lane that cannot open leaves the frames on the stream (it 
 again after ``lanes.RETRY_AFTER_S``). Answers to a node with no address go on the connection
 it opened last (its lane, once it has one), so they follow its frames' path.
 
+A lane whose connection breaks while the link's stream stays open (a reset: every node is
+still a member) does not break the link: the sender re-opens it at once and both ends send
+again the frames the other did not act on (:func:`meshd.inference.lanes.reopen`, exact
+counts, no frame twice); frames sent meanwhile wait, in order, behind those. Only when that
+fails within ``lanes.RECOVER_WITHIN_S`` is the link broken and the peer reported lost, so
+the origins replay their requests as before. A reset lane costs milliseconds, not a replay.
+
 This module knows frames only as protobuf messages to move: what they mean is the business
 of the :class:`LinkHandler` it delivers them to (the data plane's facade), through a narrow
 interface: ``on_frame(sender, frame)`` and ``on_peer_lost(peer, reason)``. A frame a node
@@ -109,6 +116,10 @@ class _OutboundLink:
         self._lanes_refused = lanes_refused if lanes_refused is not None else {}
         self._report = report
         self.lane: Lane | None = None  # where frames go once open; else the gRPC stream
+        self._lane_port = 0  # the peer's lane port, once a lane opened there
+        self._resuming = False  # the lane broke and is being re-opened: frames wait
+        self.lanes_resumed = 0  # lanes re-opened after their connection broke
+        self.frames_resent = 0  # frames in doubt those resumes sent again
         self._lane_lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._opened.add_done_callback(_retrieve_exception)
@@ -119,8 +130,14 @@ class _OutboundLink:
     def send(self, frame: dp.Frame) -> bool:
         if self.broken:
             return False
-        if self.lane is not None:
-            return self.lane.send(frame)
+        lane = self.lane
+        if lane is not None:
+            if lane.send(frame):
+                return True
+            if not lane.recoverable:
+                return False  # a lane closed for a bad frame: the link breaks
+        # No lane, or one that just broke: the stream writes it, or it waits for the lane's
+        # resume (behind the frames in doubt); if neither comes, the link breaks.
         self._outbox.put_nowait(frame)
         return True
 
@@ -224,32 +241,107 @@ class _OutboundLink:
                     "makes that one rule)"
                 )
             return
-        self.lane = lane
-        while not self._outbox.empty():  # frames queued while the link opened, in order
+        self._lane_port = port
+        self._use_lane(lane)
+
+    def _use_lane(self, lane: Lane) -> None:
+        """From now on the link's frames go on ``lane``: first those queued while it opened
+        (or while a broken one was re-opened), in order."""
+        while not self._outbox.empty():
             lane.send(self._outbox.get_nowait())
+        self.lane = lane
 
     def _on_lane_lost(self, lane: Lane, reason: str) -> None:
-        if not self._lane_lost.done():
+        if lane is self.lane and not self._lane_lost.done():
             self._lane_lost.set_result(reason)
 
     async def _pump(self, call: Any) -> None:
-        """Write queued frames and read returned ones until either direction (or the lane)
-        ends."""
+        """Write queued frames and read returned ones until either direction ends, or the
+        lane ends and cannot be resumed."""
         reader = asyncio.create_task(self._read(call))
         other = self._lane_lost if self.lane is not None else asyncio.create_task(self._write(call))
         try:
-            done, _ = await asyncio.wait({other, reader}, return_when=asyncio.FIRST_COMPLETED)
-            if self._lane_lost in done:
-                raise LinkError(self._lane_lost.result())
-            for task in done:
-                task.result()  # raises the direction's error
-            raise LinkError("the peer closed the stream")
+            while True:
+                done, _ = await asyncio.wait({other, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if reader in done or other is not self._lane_lost:
+                    for task in done:
+                        task.result()  # raises the direction's error
+                    raise LinkError("the peer closed the stream")
+                reason = self._lane_lost.result()
+                resuming = asyncio.create_task(self._resume_lane(reason))
+                done, _ = await asyncio.wait(
+                    {resuming, reader}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if resuming not in done:
+                    resuming.cancel()
+                    raise LinkError(f"{reason}, and the peer closed the stream")
+                resuming.result()  # LinkError when the lane could not be resumed
+                other = self._lane_lost
         finally:
             other.cancel()
             reader.cancel()
             call.cancel()
             if self.lane is not None:
                 self.lane.close()
+
+    async def _resume_lane(self, reason: str) -> None:
+        """The lane broke under an open stream: re-open it at once and resume it (the frames
+        in doubt go again both ways, exactly once); frames sent meanwhile wait in the outbox.
+        LinkError when that fails within lanes.RECOVER_WITHIN_S."""
+        broken = self.lane
+        assert broken is not None and self._lane_context is not None
+        if not broken.recoverable:
+            raise LinkError(reason)
+        self.lane = None
+        self._lane_lost = asyncio.get_running_loop().create_future()
+        began = time.monotonic()
+        deadline = began + lanes.RECOVER_WITHIN_S
+        failures: list[str] = []
+        for attempt in range(lanes.RECOVER_ATTEMPTS):
+            if attempt:
+                pause = min(lanes.RECOVER_PAUSE_S, deadline - time.monotonic())
+                await asyncio.sleep(max(0.0, pause))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                lane, again = await lanes.reopen(
+                    self.address,
+                    self._lane_port,
+                    self._lane_context,
+                    broken,
+                    self._on_frame,
+                    self._on_lane_lost,
+                    left,
+                )
+            except LaneClosed as error:
+                failures.append(str(error))
+                continue
+            waited = self._outbox.qsize()
+            self._use_lane(lane)
+            self.lanes_resumed += 1
+            self.frames_resent += again
+            log.warning(
+                "the lane to %s (%s) broke (%s) and was resumed in %.1f ms: %d frame(s) in "
+                "doubt sent again, %d waited",
+                self.peer,
+                self.address,
+                reason,
+                (time.monotonic() - began) * 1e3,
+                again,
+                waited,
+            )
+            if self._report is not None:
+                self._report(
+                    f"the lane to {self.peer} broke ({reason}) and was re-opened at once "
+                    f"({(time.monotonic() - began) * 1e3:.0f} ms): {again} frame(s) in doubt "
+                    "were sent again, no request was replayed"
+                )
+            return
+        raise LinkError(
+            f"{reason}; it could not be re-opened within {lanes.RECOVER_WITHIN_S:g} s: "
+            + ("; ".join(failures) or "no time was left")
+        )
 
     async def _write(self, call: Any) -> None:
         while True:
@@ -399,8 +491,7 @@ class Transport:
             # The peer's frames come on its lane: answers go there, and only there (frames
             # the lane took before it broke are lost, so a later one must not overtake them
             # on another path; the lane's loss ends the requests it carried).
-            lane = self._lanes.lanes.get(node_id) if self._lanes is not None else None
-            if lane is not None and lane.send(frame):
+            if self._lanes is not None and self._lanes.send(node_id, frame):
                 self.frames_sent += 1
                 return True
             log.warning(

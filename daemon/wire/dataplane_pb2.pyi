@@ -64,12 +64,16 @@ class Bundle(_message.Message):
     def __init__(self, frames: _Optional[_Iterable[_Union[Frame, _Mapping]]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("node_id", "lane_port")
+    __slots__ = ("node_id", "lane_port", "resume", "frames_received")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LANE_PORT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     lane_port: int
-    def __init__(self, node_id: _Optional[str] = ..., lane_port: _Optional[int] = ...) -> None: ...
+    resume: bool
+    frames_received: int
+    def __init__(self, node_id: _Optional[str] = ..., lane_port: _Optional[int] = ..., resume: _Optional[bool] = ..., frames_received: _Optional[int] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens")
