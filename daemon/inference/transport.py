@@ -117,7 +117,6 @@ class _OutboundLink:
         self._report = report
         self.lane: Lane | None = None  # where frames go once open; else the gRPC stream
         self._lane_port = 0  # the peer's lane port, once a lane opened there
-        self._resuming = False  # the lane broke and is being re-opened: frames wait
         self.lanes_resumed = 0  # lanes re-opened after their connection broke
         self.frames_resent = 0  # frames in doubt those resumes sent again
         self._lane_lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
