@@ -230,13 +230,14 @@ def test_bad_input_gets_clear_errors_and_the_daemon_keeps_serving(
         client.load_model(node.api, pb.LoadModelRequest(model="no-such-model"))
     assert err.value.code == grpc.StatusCode.NOT_FOUND
     # An architecture stages cannot run is refused before the mesh re-plans, with the reason.
-    unsliceable = tmp_path / "gemma3n-model"
+    unsliceable = tmp_path / "deepseek-v32-model"
     unsliceable.mkdir()
-    (unsliceable / "config.json").write_text('{"model_type": "gemma3n"}')
+    (unsliceable / "config.json").write_text('{"model_type": "deepseek_v32"}')
     with pytest.raises(client.GenerationFailed) as err:
         client.load_model(node.api, pb.LoadModelRequest(model=str(unsliceable)))
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "per-layer inputs" in str(err.value)
+    assert "keeps a CacheList cache" in str(err.value)
+    assert "docs/architectures.md" in str(err.value)
     # Still serving, and still on the same model.
     text, _ = chat(node, QUESTION)
     assert "Paris" in text
