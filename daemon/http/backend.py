@@ -38,6 +38,10 @@ KIND_OF_HTTP_STATUS: dict[int, ErrorKind] = {
     500: "internal",
 }
 WATCH_KEEPALIVE_S = 5.0
+LOAD_POLL_S = 0.5
+# A refusal must last this long to end a load: the agreement may still hold the previous
+# model's refusal, or re-plan, just after a selection.
+LOAD_REFUSAL_GRACE_S = 3.0
 ACTIVITY_WINDOW_S = 3.0
 DEFAULT_TAG = ":latest"  # Ollama clients name models NAME:TAG
 
@@ -272,6 +276,68 @@ class MeshBackend:
             chat_template=template if isinstance(template, str) else "",
             modified_at=selection.set_at,
         )
+
+    # ---------------------------------------------------------------- models
+
+    async def list_models(self) -> pb.ModelList:
+        """The models this node has (its store and the HF cache), as `meshd models` lists."""
+        return await self._bridge.call_in_trio(self._node.list_models)
+
+    async def select_model(self, model: str) -> pb.ModelSelection:
+        """Propose `model` to the mesh exactly as the gRPC LoadModel does (a store name, a
+        directory, a .gguf or ORG/NAME[@REV]); unknown: not_found, not runnable: bad_request.
+
+        Shielded: a client that goes away stops waiting for the answer, not the selection.
+        """
+        model = model.strip()
+        if not model:
+            raise BackendError(
+                "bad_request", "name a model to load (ORG/NAME, a store name or a path)"
+            )
+        call = asyncio.ensure_future(
+            self._bridge.run_in_trio(lambda: self._node.select_model(model))
+        )
+        call.add_done_callback(lambda done: done.cancelled() or done.exception())
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            kind: ErrorKind = (
+                "not_found" if isinstance(exc, LookupError | FileNotFoundError) else "bad_request"
+            )
+            raise BackendError(kind, f"cannot load {model!r}: {exc}") from exc
+
+    async def follow_load(self, name: str, timeout_s: float) -> AsyncIterator[pb.MeshStatus]:
+        """The mesh's status every LOAD_POLL_S until this node serves a plan of model `name`
+        (then the iterator ends); BackendError if the mesh refuses it, this node cannot load
+        its stage, or it takes over `timeout_s`. Ending early stops following, not the load."""
+        deadline = time.monotonic() + timeout_s
+        refused_since: float | None = None
+        while True:
+            status = await self.status()
+            view = status.agreement
+            plan_model = json.loads(view.plan_json).get("model_name") if view.plan_json else ""
+            if view.active_plan_id and plan_model == name:
+                failure = self._node.plans.progress.failure(view.active_plan_id)
+                if failure is not None:
+                    raise BackendError("unavailable", f"cannot load {name!r} here: {failure}")
+                if self._node.plans.progress.loaded(view.active_plan_id).is_set():
+                    return
+            now = time.monotonic()
+            refused = bool(view.refusal) and view.model == name and plan_model != name
+            refused_since = (refused_since or now) if refused else None
+            if refused_since is not None and now - refused_since >= LOAD_REFUSAL_GRACE_S:
+                raise BackendError("unavailable", f"the mesh cannot run {name!r}: {view.refusal}")
+            if now >= deadline:
+                raise BackendError(
+                    "unavailable",
+                    f"{name!r} is not served after {timeout_s:.0f} s (the mesh runs "
+                    f"{view.model or 'no model'}; {view.reason or 'still loading'}); "
+                    "`meshd status` shows its progress",
+                )
+            yield status
+            await asyncio.sleep(LOAD_POLL_S)
 
     # ---------------------------------------------------------------- status
 

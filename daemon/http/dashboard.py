@@ -61,6 +61,8 @@ class Dashboard:
             Route("/meshd/status", self.status, methods=["GET"]),
             Route("/meshd/stream", self.stream, methods=["GET"]),
             Route("/meshd/session", self.session, methods=["POST"]),
+            Route("/meshd/models", self.models, methods=["GET"]),
+            Route("/meshd/load", self.load, methods=["POST"]),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ]
 
@@ -84,6 +86,31 @@ class Dashboard:
         response = JSONResponse({"key_required": True, "ok": True})
         response.set_cookie(KEY_COOKIE, key, httponly=True, samesite="strict", path="/")
         return response
+
+    async def models(self, request: Request) -> Response:
+        """The models this node has (the picker's suggestions) and the one the mesh runs."""
+        listing = await self.backend.list_models()
+        models = [
+            {"name": m.name, "source": m.source, "size_bytes": m.size_bytes, "partial": m.partial}
+            for m in listing.models
+        ]
+        return JSONResponse({"models": models, "selected": listing.selected})
+
+    async def load(self, request: Request) -> Response:
+        """Switch the whole mesh to a model, as `meshd load` does. Behind the Guard like every
+        API write (keys off loopback, other sites refused); a JSON body only, so a plain HTML
+        form of another page cannot send it either."""
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            raise BackendError("bad_request", 'send the model as a JSON body: {"model": NAME}')
+        model = field(await read_json(request), "model", str, "")
+        selection = await self.backend.select_model(model)
+        return JSONResponse(
+            {
+                "model": selection.name,
+                "digest": selection.digest,
+                "message": f"the mesh is re-planning for {selection.name}",
+            }
+        )
 
     async def stream(self, request: Request) -> Response:
         return stream_response(self._events(), "text/event-stream")

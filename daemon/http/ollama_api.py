@@ -1,4 +1,5 @@
-"""Ollama-compatible endpoints: /api/chat, /api/generate, /api/tags, /api/show, /api/version.
+"""Ollama-compatible endpoints: /api/chat, /api/generate, /api/tags, /api/show, /api/version,
+/api/pull.
 
 Ollama clients (the `ollama` package, Open WebUI, editor plugins) work unchanged with
 `host="http://HOST:PORT"`. Streaming is Ollama's: one JSON object per line, the last with
@@ -8,6 +9,7 @@ Ollama clients (the `ollama` package, Open WebUI, editor plugins) work unchanged
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -19,7 +21,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshd.http.backend import BackendError, Event, Finished, MeshBackend, ModelCard, Piece
+from meshd.http.backend import (
+    BackendError,
+    Event,
+    Finished,
+    MeshBackend,
+    ModelCard,
+    Piece,
+    canonical_model,
+)
 from meshd.http.common import (
     STATUS_OF_KIND,
     collect,
@@ -35,6 +45,8 @@ from meshd.http.common import (
 
 # The Ollama API version whose request and answer shapes these endpoints follow.
 OLLAMA_API_VERSION = "0.9.0"
+# How long /api/pull follows a load: until the mesh serves the model, refuses it, or this.
+PULL_WAIT_S = 300.0
 DONE_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 
 
@@ -94,6 +106,17 @@ def _details(card: ModelCard) -> dict[str, Any]:
     }
 
 
+def _download_line(item: Any) -> dict[str, Any]:
+    """One file on its way to a node, as Ollama reports a layer being pulled (the digest
+    names the node and the file: each node downloads only its stage's files)."""
+    return {
+        "status": "downloading",
+        "digest": f"{item.node}:{item.repo}/{item.file}",
+        "total": item.total_bytes,
+        "completed": item.done_bytes,
+    }
+
+
 class OllamaApi:
     def __init__(self, backend: MeshBackend) -> None:
         self.backend = backend
@@ -105,6 +128,7 @@ class OllamaApi:
             Route("/api/tags", self.tags, methods=["GET"]),
             Route("/api/show", self.show, methods=["POST"]),
             Route("/api/version", self.version, methods=["GET"]),
+            Route("/api/pull", self.pull, methods=["POST"]),
         ]
 
     async def version(self, request: Request) -> Response:
@@ -160,6 +184,36 @@ class OllamaApi:
                 "modified_at": _now(),
             }
         )
+
+    async def pull(self, request: Request) -> Response:
+        """Ollama's "fetch this model" is the mesh's load: every node downloads its stage's
+        files (Hub repositories) and loads them; progress comes from MeshStatus.downloads.
+        A model the mesh already serves is not selected again (no re-plan)."""
+        body = await read_json(request)
+        name = field(body, "model", str) or field(body, "name", str, "")
+        wanted = canonical_model(name)
+        if wanted != self.backend.served_model():
+            wanted = (await self.backend.select_model(wanted)).name
+        progress = self.backend.follow_load(wanted, PULL_WAIT_S)
+        if not field(body, "stream", bool, True):
+            async with contextlib.aclosing(progress):
+                async for _ in progress:
+                    pass
+            return JSONResponse({"status": "success"})
+
+        async def stream() -> AsyncIterator[bytes]:
+            yield _line({"status": "pulling manifest"})
+            try:
+                async with contextlib.aclosing(progress):
+                    async for status in progress:
+                        for item in status.downloads:
+                            yield _line(_download_line(item))
+            except BackendError as exc:
+                yield _line({"error": str(exc)})
+                return
+            yield _line({"status": "success"})
+
+        return stream_response(stream(), "application/x-ndjson")
 
     async def chat(self, request: Request) -> Response:
         body = await read_json(request)

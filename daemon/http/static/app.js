@@ -1,6 +1,8 @@
 // meshd dashboard: the mesh, the plan, requests, events and a chat box, live from the daemon.
 // Data: GET /meshd/status once, then server-sent events from /meshd/stream ("status" on
 // every change of the mesh, "activity" every second). The chat uses /v1/chat/completions.
+// The model picker lists GET /meshd/models and loads with POST /meshd/load; the plan card's
+// download lines then show each node fetching its stage's files.
 "use strict";
 
 const STAGE_COLORS = ["#4f9cf9", "#f5a524", "#3ecf8e", "#e5484d", "#a78bfa", "#f472b6",
@@ -380,6 +382,7 @@ async function start() {
   render(data.status);
   onActivity(data.activity);
   connect();
+  listModels();
 }
 
 $("key-form").addEventListener("submit", async (event) => {
@@ -389,6 +392,41 @@ $("key-form").addEventListener("submit", async (event) => {
   if (!reply.ok) { $("key-error").textContent = "That key is not valid here."; return; }
   $("key-dialog").hidden = true;
   start();
+});
+
+// ------------------------------------------------------------------ model picker
+
+async function listModels() {
+  const reply = await fetch("/meshd/models", { credentials: "same-origin" });
+  if (!reply.ok) return;
+  const data = await reply.json();
+  const names = [...new Set(data.models.map((m) => m.name))];
+  $("load-models").replaceChildren(...names.map((name) => el("option", { value: name })));
+}
+
+async function errorText(response) {
+  const body = await response.json().catch(() => ({}));
+  return (body.error && (body.error.message || body.error)) || `HTTP ${response.status}`;
+}
+
+$("load-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const model = $("load-input").value.trim();
+  $("load-error").textContent = "";
+  $("load-note").textContent = "";
+  if (!model) { $("load-error").textContent = "Name a model: ORG/NAME, a store name or a path."; return; }
+  $("load-send").disabled = true;
+  try {
+    const reply = await fetch("/meshd/load", { method: "POST", credentials: "same-origin",
+      headers: { "Content-Type": "application/json" }, body: JSON.stringify({ model }) });
+    if (!reply.ok) throw new Error(await errorText(reply));
+    $("load-note").textContent = (await reply.json()).message;
+    listModels();
+  } catch (error) {
+    $("load-error").textContent = String(error.message || error);
+  } finally {
+    $("load-send").disabled = false;
+  }
 });
 
 // ------------------------------------------------------------------ chat

@@ -1,0 +1,123 @@
+"""Loading a model over HTTP: Ollama's /api/pull through the official `ollama` client, and the
+dashboard's picker endpoints (/meshd/models, /meshd/load), against a real loopback daemon
+that starts without a model and shares the test session's store (the embedded SmolLM2).
+
+A pull answers only once the mesh serves the model (the next generate runs on it); a name the
+node cannot resolve is a 404 in each API's error shape, with the name and the reason in words;
+a load from another site, or not sent as JSON, is refused like every other write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import ollama
+import pytest
+
+from meshd.api.launcher import DaemonProcess
+from meshd.models.store import ModelEntry
+from meshd.wire import pb
+
+pytestmark = pytest.mark.integration
+
+LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
+UNKNOWN = "no-such-model-in-this-store"
+
+
+@pytest.fixture(scope="module")
+def daemon(
+    tmp_path_factory: pytest.TempPathFactory, profile_template: Path, model_store: Path
+) -> Iterator[DaemonProcess]:
+    """One daemon, no model selected, the session's store (where the default model is)."""
+    import shutil
+
+    state = tmp_path_factory.mktemp("http-load")
+    shutil.copyfile(profile_template, state / profile_template.name)
+    process = DaemonProcess(state, [*LOOPBACK], env={"MESHD_MODEL_STORE": str(model_store)})
+    process.start()
+    try:
+        process.wait_for(lambda s: bool(s.http_url), 60, "the HTTP server")
+        yield process
+    finally:
+        process.kill()
+
+
+@pytest.fixture(scope="module")
+def model_name(default_model_entry: ModelEntry) -> str:
+    return default_model_entry.name
+
+
+def url_of(daemon: DaemonProcess) -> str:
+    url = daemon.status().http_url
+    assert url.startswith("http://127.0.0.1:"), url
+    return url
+
+
+def serves(name: str):
+    def check(status: pb.MeshStatus) -> bool:
+        return status.agreement.model == name and bool(status.agreement.active_plan_id)
+
+    return check
+
+
+def pull_all(client: ollama.Client, name: str, *, stream: bool) -> list:
+    result = client.pull(name, stream=stream)
+    return list(result) if stream else [result]  # type: ignore[arg-type]
+
+
+def test_ollama_pull_loads_the_model_and_answers_once_it_is_served(daemon, model_name) -> None:
+    client = ollama.Client(host=url_of(daemon))
+    assert daemon.status().agreement.model == ""
+    progress = list(client.pull(model_name, stream=True))
+    statuses = [p.status for p in progress]
+    assert statuses[0] == "pulling manifest" and statuses[-1] == "success", statuses
+    # Served now: a generate runs at once, on the pulled model.
+    reply = client.generate(model=model_name, prompt="Hello", options={"num_predict": 4})
+    assert reply.done and reply.eval_count > 0
+    # Pulling the served model again (Ollama's tag included) does not re-plan: at once.
+    plan = daemon.status().agreement.active_plan_id
+    assert client.pull(model_name + ":latest").status == "success"
+    assert daemon.status().agreement.active_plan_id == plan
+
+
+def test_ollama_pull_of_an_unknown_model_is_a_404_in_ollamas_shape(daemon) -> None:
+    client = ollama.Client(host=url_of(daemon))
+    for stream in (True, False):
+        with pytest.raises(ollama.ResponseError) as refused:
+            pull_all(client, UNKNOWN, stream=stream)
+        assert refused.value.status_code == 404
+        assert UNKNOWN in refused.value.error and "cannot load" in refused.value.error
+    reply = httpx.post(url_of(daemon) + "/api/pull", json={"model": UNKNOWN, "stream": False})
+    assert reply.status_code == 404 and set(reply.json()) == {"error"}
+
+
+def test_dashboard_lists_and_loads_models(daemon, model_name) -> None:
+    url = url_of(daemon)
+    listing = httpx.get(url + "/meshd/models").json()
+    assert model_name in [m["name"] for m in listing["models"]], listing
+    reply = httpx.post(url + "/meshd/load", json={"model": model_name})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["model"] == model_name
+    assert "re-planning" in reply.json()["message"]
+    daemon.wait_for(serves(model_name), 60, f"a plan serving {model_name}")
+    assert httpx.get(url + "/meshd/models").json()["selected"] == model_name
+
+
+def test_dashboard_load_errors_are_words_and_writes_stay_guarded(daemon) -> None:
+    url = url_of(daemon)
+    reply = httpx.post(url + "/meshd/load", json={"model": UNKNOWN})
+    assert reply.status_code == 404
+    message = reply.json()["error"]["message"]
+    assert UNKNOWN in message and "cannot load" in message, message
+    reply = httpx.post(url + "/meshd/load", json={"model": " "})
+    assert reply.status_code == 400 and "name a model" in reply.json()["error"]["message"]
+    # Another site's page, or a plain form post, cannot switch the mesh's model.
+    foreign = {"Origin": "http://evil.example"}
+    reply = httpx.post(url + "/meshd/load", json={"model": UNKNOWN}, headers=foreign)
+    assert reply.status_code == 403
+    reply = httpx.post(url + "/api/pull", json={"model": UNKNOWN}, headers=foreign)
+    assert reply.status_code == 403
+    reply = httpx.post(url + "/meshd/load", data={"model": UNKNOWN})
+    assert reply.status_code == 400 and "JSON" in reply.json()["error"]["message"]
