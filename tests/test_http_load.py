@@ -19,6 +19,7 @@ import pytest
 from meshd.api.launcher import DaemonProcess
 from meshd.models.store import ModelEntry
 from meshd.wire import pb
+from tests.test_dashboard_browser import browser, wait_until  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -121,3 +122,28 @@ def test_dashboard_load_errors_are_words_and_writes_stay_guarded(daemon) -> None
     assert reply.status_code == 403
     reply = httpx.post(url + "/meshd/load", data={"model": UNKNOWN})
     assert reply.status_code == 400 and "JSON" in reply.json()["error"]["message"]
+
+
+def test_the_dashboards_picker_loads_and_shows_refusals_in_words(
+    browser,  # noqa: F811  (the fixture of tests/test_dashboard_browser.py)
+    daemon,
+    model_name,
+) -> None:
+    """In a real browser: the picker suggests the store's models, an unknown name is refused
+    in words on the page, a known one starts the mesh's re-plan."""
+    browser.get(url_of(daemon) + "/")
+    script = browser.execute_script
+    options = "return [...document.querySelectorAll('#load-models option')].map(o => o.value)"
+    wait_until(lambda: model_name in script(options), 15, f"{model_name} among the suggestions")
+    field = browser.find_element("id", "load-input")
+    field.send_keys(UNKNOWN)
+    browser.find_element("id", "load-send").click()
+    error = "return document.getElementById('load-error').textContent"
+    shown = wait_until(lambda: script(error), 15, "the refusal")
+    assert UNKNOWN in shown and "cannot load" in shown, shown
+    field.clear()
+    field.send_keys(model_name)
+    browser.find_element("id", "load-send").click()
+    note = "return document.getElementById('load-note').textContent"
+    assert "re-planning for " + model_name in wait_until(lambda: script(note), 15, "the note")
+    assert script(error) == ""
