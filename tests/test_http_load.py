@@ -1,6 +1,8 @@
 """Loading a model over HTTP: Ollama's /api/pull through the official `ollama` client, and the
 dashboard's picker endpoints (/meshd/models, /meshd/load), against a real loopback daemon
 that starts without a model and shares the test session's store (the embedded SmolLM2).
+A Hub repository is pulled from a real Hub-compatible server on loopback (olah, see
+tests/support/local_hub.py) into a daemon of its own.
 
 A pull answers only once the mesh serves the model (the next generate runs on it); a name the
 node cannot resolve is a 404 in each API's error shape, with the name and the reason in words;
@@ -9,6 +11,8 @@ a load from another site, or not sent as JSON, is refused like every other write
 
 from __future__ import annotations
 
+import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,12 +23,14 @@ import pytest
 from meshd.api.launcher import DaemonProcess
 from meshd.models.store import ModelEntry
 from meshd.wire import pb
+from tests.support.local_hub import LocalHub, make_repo, olah_available
 from tests.test_dashboard_browser import browser, wait_until  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
 LOOPBACK = ["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"]
 UNKNOWN = "no-such-model-in-this-store"
+REPO = "test-org/pulled-llama"
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +38,6 @@ def daemon(
     tmp_path_factory: pytest.TempPathFactory, profile_template: Path, model_store: Path
 ) -> Iterator[DaemonProcess]:
     """One daemon, no model selected, the session's store (where the default model is)."""
-    import shutil
-
     state = tmp_path_factory.mktemp("http-load")
     shutil.copyfile(profile_template, state / profile_template.name)
     process = DaemonProcess(state, [*LOOPBACK], env={"MESHD_MODEL_STORE": str(model_store)})
@@ -147,3 +151,50 @@ def test_the_dashboards_picker_loads_and_shows_refusals_in_words(
     note = "return document.getElementById('load-note').textContent"
     assert "re-planning for " + model_name in wait_until(lambda: script(note), 15, "the note")
     assert script(error) == ""
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.skipif(not olah_available(), reason="olah is not installed (install.sh --dev)")
+def test_ollama_pull_of_a_hub_repository_downloads_and_serves_it(
+    tmp_path: Path, profile_template: Path
+) -> None:
+    from tests.support.random_model import make_random_model_dir
+
+    model = make_random_model_dir(
+        tmp_path / "model", "llama", layers=4, hidden=128, heads=4, kv_heads=2
+    )
+    make_repo(tmp_path / "mirrors", REPO, model)
+    hub = LocalHub(tmp_path / "mirrors", tmp_path / "olah", "127.0.0.1", free_loopback_port())
+    state = tmp_path / "node"
+    state.mkdir()
+    shutil.copyfile(profile_template, state / profile_template.name)
+    env = {
+        "MESHD_MODEL_STORE": str(state / "store"),
+        "HF_HUB_CACHE": str(state / "hf"),
+        "HF_ENDPOINT": hub.url,
+        "HF_TOKEN": "",
+        "HF_HUB_OFFLINE": "0",
+    }
+    with hub:
+        process = DaemonProcess(state, [*LOOPBACK, "--context-length", "256"], env=env)
+        try:
+            process.start().wait_for(lambda s: bool(s.http_url), 60, "the HTTP server")
+            client = ollama.Client(host=url_of(process))
+            progress = list(client.pull(REPO, stream=True))
+            statuses = [p.status for p in progress]
+            assert statuses[0] == "pulling manifest" and statuses[-1] == "success", statuses
+            status = process.status()
+            assert status.agreement.model == REPO and status.transitions.active_plan_loaded
+            assert hub.file_requests()["config.json"] >= 1  # it came from the server
+            with pytest.raises(ollama.ResponseError) as refused:
+                client.pull("test-org/not-on-this-hub")
+            # As the gRPC LoadModel: a repository the Hub does not have is not runnable (400).
+            assert refused.value.status_code == 400, refused.value.error
+            assert "no repository test-org/not-on-this-hub" in refused.value.error
+        finally:
+            process.kill()
