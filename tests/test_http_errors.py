@@ -96,3 +96,21 @@ def test_deeply_nested_json_is_400_in_the_api_shape(depth: int) -> None:
     shallow = [{"role": "user", "content": "x"}]  # 3 deep: refused only by the router here
     reply = client.post("/v1/chat/completions", json={"messages": shallow})
     assert reply.status_code == 503, reply.text
+
+
+def test_loading_a_model_needs_a_key_off_loopback(tmp_path) -> None:
+    """The dashboard's load and Ollama's pull switch the whole mesh's model: on a network
+    address they are refused without a valid key, before the node is asked anything."""
+    from meshd.http.keys import ApiKeyStore
+
+    keys = ApiKeyStore(tmp_path)
+    keys.create("ops")
+    app = build_app(MeshBackend(SimpleNamespace(), bridge=None), keys=keys, loopback=False,
+                    closing=asyncio.Event())  # fmt: skip
+    client = TestClient(app, base_url="http://10.0.0.1:52380")
+    for headers in ({}, {"Authorization": "Bearer msk_wrong"}):
+        assert client.get("/meshd/models", headers=headers).status_code == 401
+        reply = client.post("/meshd/load", json={"model": "m"}, headers=headers)
+        assert reply.status_code == 401 and "key" in reply.json()["error"]["message"]
+        reply = client.post("/api/pull", json={"model": "m"}, headers=headers)
+        assert reply.status_code == 401 and "key" in reply.json()["error"]
