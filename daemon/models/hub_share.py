@@ -255,6 +255,9 @@ class HubFileServer:
                     )
             else:
                 self._downloads.ensure(manifest, path)
+        # A download queued behind this node's others has not started writing yet: wait for it
+        # (the caller's deadline bounds the wait), or the peer would fall back to the Hub and
+        # the file would come over the internet twice. Without one, APPEAR_WAIT_S at most.
         deadline = time.monotonic() + APPEAR_WAIT_S
         while True:
             for candidate in (blob, partial):
@@ -262,7 +265,8 @@ class HubFileServer:
                     return await asyncio.to_thread(candidate.open, "rb")
                 except FileNotFoundError:
                     continue
-            if time.monotonic() > deadline:
+            pending = self._downloads.running(manifest, path) or key in self._downloads.writing
+            if not pending and time.monotonic() > deadline:
                 raise TimeoutError(f"{manifest.repo_id}/{path} has not started arriving here")
             await asyncio.sleep(GROW_POLL_S * 4)
 
