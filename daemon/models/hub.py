@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from meshd.models.share import NON_WEIGHT_FILES
+
 HUB_PATH_PREFIX = "hf:"
 MANIFESTS_DIR = "hub"
 PARTIAL_SUFFIX = ".meshd-partial"
@@ -42,19 +44,10 @@ CHUNK_BYTES = 1024 * 1024
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
-# What a node needs besides weights: config, generation settings, tokenizer, chat template.
+# What a node needs besides weights: the files a model part carries (config, generation
+# settings, tokenizer, chat template), less meshd's own record, plus the Hub's index.
 METADATA_FILES = (
-    "config.json",
-    "generation_config.json",
-    "hf_quant_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
+    *(name for name in NON_WEIGHT_FILES if name != "meshd-model.json"),
     "added_tokens.json",
     INDEX_FILE,
 )
