@@ -23,6 +23,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from meshd.service import units
 from meshd.service.manager import Launchd, Manager, Systemd, home_of
@@ -151,30 +152,30 @@ def host_platform_or_none() -> str | None:
         return None
 
 
-def _checked_run_args(run_args: list[str]) -> list[str]:
+def _checked_run_args(run_args: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """The options for `meshd run`, checked now, and the settings they give (by name)."""
     if run_args[:1] == ["--"]:
         run_args = run_args[1:]
     if any(arg == "--state-dir" or arg.startswith("--state-dir=") for arg in run_args):
         raise ServiceError("give the state directory as `meshd service install --state-dir DIR`")
     from meshd.api.cli import build_parser
+    from meshd.config import flags_given
 
-    _, unknown = build_parser().parse_known_args(["run", *run_args])  # a bad value exits here
+    parsed, unknown = build_parser().parse_known_args(["run", *run_args])  # a bad value exits
     if unknown:
         raise ServiceError(
             f"not options of `meshd run`: {' '.join(unknown)} (see `meshd run --help`)"
         )
-    return run_args
+    return run_args, flags_given(parsed)
 
 
-def _leave_grace_s(state_dir: Path, run_args: list[str]) -> float:
+def _leave_grace_s(state_dir: Path, flags: dict[str, Any]) -> float:
     """The leave grace the service's daemon will use (its options, the state directory's
     meshd.toml, the defaults): the stop timeout must outlast it."""
-    from meshd.api.cli import build_parser
-    from meshd.config import ConfigError, flags_given, load_config
+    from meshd.config import ConfigError, load_config
 
-    parsed, _ = build_parser().parse_known_args(["run", *run_args])
     try:
-        config = load_config({**flags_given(parsed), "state_dir": state_dir}, env={})
+        config = load_config({**flags, "state_dir": state_dir}, env={})
     except ConfigError as exc:
         raise ServiceError(f"the daemon's configuration is not valid: {exc}") from exc
     return config.leave_grace_s
@@ -199,8 +200,8 @@ def cmd_install(args: argparse.Namespace) -> int:
             f"the system-wide unit keeps its state in {units.SYSTEM_STATE_DIR} (systemd's "
             "StateDirectory); drop --state-dir"
         )
-    run_args = _checked_run_args(args.run_args)
-    command = units.this_installation(state_dir, run_args, _leave_grace_s(state_dir, run_args))
+    run_args, flags = _checked_run_args(args.run_args)
+    command = units.this_installation(state_dir, run_args, _leave_grace_s(state_dir, flags))
     if platform_name == "launchd":
         return _install_launchd(args, command)
     return _install_systemd(args, command)

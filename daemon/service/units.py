@@ -18,13 +18,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshd.service.notify import STOP_MARGIN_S  # the daemon asks systemd for the same
+
 DAEMON_LABEL = "org.meshd.daemon"  # launchd label of the daemon's LaunchAgent
 UNIT_NAME = "meshd.service"
 SYSTEM_STATE_DIR = Path("/var/lib/meshd")  # systemd's StateDirectory=meshd
 DUPLICATE_NODE_EXIT = 3  # `meshd run`: duplicate node id / state directory in use
 RESTART_DELAY_S = 5  # systemd RestartSec and launchd ThrottleInterval
 STOP_TIMEOUT_S = 20  # SIGTERM, then SIGKILL after this long, at the least
-STOP_MARGIN_S = 15  # beyond the leave grace: closing the servers and exiting
 WATCHDOG_S = 60  # systemd restarts a daemon whose loops did not ping for this long
 DOCUMENTATION = "https://pypi.org/project/meshd/"
 # A daemon waiting for work should block, not spin (idle OpenMP threads would steal a
