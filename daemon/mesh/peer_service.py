@@ -127,14 +127,9 @@ class PeerService(rpc.PeerServicer):
         caller = peer_node_id(context)
         if self._model_parts is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node shares no models")
-        try:
-            async for chunk in self._model_parts.stream_part(request, caller):
-                yield chunk
-        except FileNotFoundError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except ValueError as exc:
-            log.warning("refused a malformed model part request from %s: %s", caller, exc)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        chunks = self._model_parts.stream_part(request, caller)
+        async for chunk in _file_chunks(chunks, context, caller, "model part"):
+            yield chunk
 
     async def FetchHubFile(
         self, request: pb.HubFileRequest, context: grpc.aio.ServicerContext
@@ -142,16 +137,9 @@ class PeerService(rpc.PeerServicer):
         caller = peer_node_id(context)
         if self._hub_files is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node shares no Hub files")
-        try:
-            async for chunk in self._hub_files.stream_file(request, caller):
-                yield chunk
-        except FileNotFoundError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except TimeoutError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except ValueError as exc:
-            log.warning("refused a malformed Hub file request from %s: %s", caller, exc)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        chunks = self._hub_files.stream_file(request, caller)
+        async for chunk in _file_chunks(chunks, context, caller, "Hub file"):
+            yield chunk
 
     async def Propose(self, request: pb.ProposalMessage, context: grpc.aio.ServicerContext):
         if self._agreement is None:
@@ -176,3 +164,24 @@ def caller_address_host(peer: str) -> str | None:
     if kind == "ipv6":
         return rest.rpartition(":")[0].strip("[]")
     return None
+
+
+async def _file_chunks(
+    chunks: AsyncIterator[pb.FileChunk],
+    context: grpc.aio.ServicerContext,
+    caller: str | None,
+    what: str,
+) -> AsyncIterator[pb.FileChunk]:
+    """A file streamed to a peer, its failures as the statuses the fetching side acts on:
+    a file this node does not have (NOT_FOUND), one that did not start arriving here in time
+    (UNAVAILABLE: try elsewhere), a malformed request (INVALID_ARGUMENT, logged)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except FileNotFoundError as exc:
+        await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+    except TimeoutError as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    except ValueError as exc:
+        log.warning("refused a malformed %s request from %s: %s", what, caller, exc)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
