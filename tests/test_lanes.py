@@ -47,7 +47,7 @@ class Recorder:
         self.frames.append((sender, frame))
         self.changed.set()
 
-    def on_peer_lost(self, peer: str, reason: str) -> None:
+    def on_peer_lost(self, peer: str, reason: str, since: float | None = None) -> None:
         self.lost.append((peer, reason))
         self.changed.set()
 
@@ -370,6 +370,31 @@ def test_a_lane_that_cannot_be_resumed_breaks_the_link_on_both_sides(
             await b.recorder.wait_for(lambda: len(b.recorder.frames) == received + 1)
             assert steps(b.recorder)[-1] == 500
             assert a.transport._outbound["b"].lane is not None
+
+    loop.run(run(), timeout=60)
+
+
+def test_a_peer_the_mesh_lost_gets_a_fresh_link_when_next_needed(
+    loop: LoopThread, tmp_path: Path
+) -> None:
+    """When membership loses a peer, its link is closed at once and quietly: a stream the
+    network cut would otherwise be reused by the plan committed on the peer's return and
+    break seconds later under its first request. The next frame dials a new link."""
+
+    async def run() -> None:
+        async with running(tmp_path, "a", "b") as (a, b):
+            assert a.transport.send("b", b.address, frame(0))
+            await b.recorder.wait_for(lambda: b.recorder.frames)
+            old = a.transport._outbound["b"]
+            a.transport.drop_peer("b")
+            assert "b" not in a.transport._outbound and old.broken
+            await b.recorder.wait_for(lambda: b.recorder.lost)  # b sees a's stream end
+            assert a.transport.send("b", b.address, frame(1))
+            await b.recorder.wait_for(lambda: len(b.recorder.frames) == 2)
+            assert steps(b.recorder) == [0, 1]
+            new = a.transport._outbound["b"]
+            assert new is not old and new.lane is not None and not new.broken
+            assert not a.recorder.lost  # the drop itself reports nothing: membership did
 
     loop.run(run(), timeout=60)
 

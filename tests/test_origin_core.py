@@ -109,6 +109,19 @@ def test_a_lane_reset_between_stages_reads_as_unreachable_and_is_retried_too() -
     assert isinstance(core.on_tick(1.5, SERVES_P1)[0], Connect)
 
 
+def test_a_loss_told_late_ends_only_the_attempts_begun_before_the_link_broke() -> None:
+    """A listener tells a lane's loss up to its resume grace after the break: a request
+    begun meanwhile went over a new link and must not be replayed for it."""
+    core = OriginCore("r", P1, 5.0, timeouts=Timeouts(resume_s=60.0), resume=True)
+    core.begin()
+    core.on_connected(0, None, 5.0)
+    give(core, 0, 3, now=5.5)
+    assert core.on_link_lost("b", "its lane to us broke", 6.0, since=4.0) == ()
+    assert core.phase is Phase.RUNNING and core.resumes == 0
+    decisions = core.on_link_lost("b", "its lane to us broke", 6.5, since=5.0)
+    assert of_type(decisions, SendEnd) and of_type(decisions, Moving)  # begun by 5.0: it used it
+
+
 def test_transport_retries_back_off_then_the_request_waits_for_a_re_plan_and_fails() -> None:
     core = started()
     give(core, 0, 1)

@@ -582,6 +582,15 @@ def test_an_end_may_overtake_its_start_and_only_the_origin_ends_a_request() -> N
     assert core.on_end(EndFrame("o", "p", "r")) == [Release("p", "r")]
 
 
+def test_a_loss_told_late_spares_the_requests_opened_after_the_link_broke() -> None:
+    core = core_on("b", plan_of("p", "a", "b"))
+    core.on_activation(activation("p", "r1", 0, "a", start_of(origin="o")), None, T0)
+    core.on_activation(activation("p", "r2", 0, "a", start_of(origin="o")), None, T0 + 2)
+    failure = only_failure(core.on_peer_lost("a", "its lane to us broke", since=T0 + 1))
+    assert failure.request_id == "r1"  # r2 came over the link that replaced it
+    assert core.open_requests("p") == 1
+
+
 def test_a_lost_peer_ends_the_requests_it_is_part_of() -> None:
     core = core_on("b", plan_of("p", "a", "b"), plan_of("q", "b", "c"))
     core.on_activation(activation("p", "r1", 0, "a", start_of(origin="o")), None, T0)

@@ -342,7 +342,9 @@ class DataPlane:
 
     def member_lost(self, node_id: str, reason: str) -> list[str]:
         """The mesh lost ``node_id``: kill at once every runner here whose group it was in
-        (MLX's collectives would hang on it); returns the affected stages' names."""
+        (MLX's collectives would hang on it), and close the link to it, which may sit on a
+        connection the network cut; returns the affected stages' names."""
+        self.transport.drop_peer(node_id)
         return self.runners.member_lost(node_id, reason)
 
     def abort_starting_runners(self, plan_id: str, reason: str) -> list[str]:
@@ -514,12 +516,13 @@ class DataPlane:
         if delivered and self._step_first:
             self._compute.hand_over()  # the step it queued, then the stream it woke
 
-    def on_peer_lost(self, peer: str, reason: str) -> None:
-        """Every request that involves ``peer`` is over: frames to or from it may be lost."""
+    def on_peer_lost(self, peer: str, reason: str, since: float | None = None) -> None:
+        """Every request that involves ``peer`` is over: frames to or from it may be lost.
+        ``since``: when the link broke, where known; a request begun later is not touched."""
         if self._closed:
             return
-        self.origin.on_peer_lost(peer, reason)
-        self.stage.on_peer_lost(peer, reason)
+        self.origin.on_peer_lost(peer, reason, since)
+        self.stage.on_peer_lost(peer, reason, since)
 
     # ---------------------------------------------------------------- status and shutdown
 

@@ -485,8 +485,10 @@ async def _handshake(sock: ssl.SSLSocket) -> str:
 class LaneListener:
     """The accepting side: one TLS listener per node, its lanes by peer node id;
     ``on_open(peer)`` once the first bytes arrived on a peer's lane (from then on the peer
-    sends its frames there), ``on_lost(peer, reason)`` when a lane that carried any ends and
-    its dialler did not resume it within ``RESUME_GRACE_S`` (see the module docstring).
+    sends its frames there), ``on_lost(peer, reason, broke_at)`` when a lane that carried any
+    ends and its dialler did not resume it within ``RESUME_GRACE_S`` (see the module
+    docstring); ``broke_at`` (time.monotonic()) is when it broke: said up to the grace later,
+    the loss is no news to a request begun meanwhile, over another link.
 
     A connection becomes a lane once its handshake passed (within the handshake timeout); at
     most MAX_PENDING_PER_SOURCE connections from one address, and MAX_PENDING from all, may
@@ -498,7 +500,7 @@ class LaneListener:
         context: ssl.SSLContext,
         on_frame: Callable[[str, dp.Frame], None],
         on_open: Callable[[str], None],
-        on_lost: Callable[[str, str], None],
+        on_lost: Callable[[str, str, float], None],
         *,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
@@ -616,7 +618,7 @@ class LaneListener:
         if lane.recoverable:
             self._keep_broken(lane, reason, report=True)  # its dialler may resume it
         else:
-            self._on_lost(lane.peer, f"its lane to us broke: {reason}")
+            self._on_lost(lane.peer, f"its lane to us broke: {reason}", time.monotonic())
 
     def _keep_broken(self, lane: Lane, reason: str, *, report: bool) -> None:
         """Keep ``lane`` for a resume for RESUME_GRACE_S; then, if ``report``, say it is
@@ -625,7 +627,9 @@ class LaneListener:
         if earlier is not None:
             earlier.expiry.cancel()
             if earlier.report:  # a lane broken before this one, never resumed
-                self._on_lost(lane.peer, f"its lane to us broke: {earlier.reason}")
+                self._on_lost(
+                    lane.peer, f"its lane to us broke: {earlier.reason}", earlier.broke_at
+                )
         expiry = asyncio.get_running_loop().call_later(RESUME_GRACE_S, self._expire, lane)
         self._broken[lane.peer] = _Broken(lane, reason, report, expiry)
 
@@ -639,6 +643,7 @@ class LaneListener:
                 lane.peer,
                 f"its lane to us broke ({broken.reason}) and was not resumed within "
                 f"{RESUME_GRACE_S:g} s",
+                broken.broke_at,
             )
 
     def _hello(self, lane: Lane, hello: dp.Hello | None) -> None:
@@ -652,7 +657,7 @@ class LaneListener:
             broken.expiry.cancel()
         if hello is None or not hello.resume:
             if broken is not None and broken.report:
-                self._on_lost(lane.peer, f"its lane to us broke: {broken.reason}")
+                self._on_lost(lane.peer, f"its lane to us broke: {broken.reason}", broken.broke_at)
             elif broken is not None:
                 for frame in broken.waiting:
                     lane.send(frame)
@@ -670,6 +675,7 @@ class LaneListener:
                 lane.peer,
                 f"its lane to us broke ({broken.reason or 'replaced'}) and this node's frames "
                 "in doubt are no longer kept",
+                broken.broke_at,
             )
             return
         for frame in broken.waiting:
@@ -712,13 +718,14 @@ class LaneListener:
 class _Broken:
     """A listener's lane that broke (or was replaced), kept for its dialler's resume."""
 
-    __slots__ = ("expiry", "lane", "reason", "report", "waiting")
+    __slots__ = ("broke_at", "expiry", "lane", "reason", "report", "waiting")
 
     def __init__(self, lane: Lane, reason: str, report: bool, expiry: asyncio.TimerHandle) -> None:
         self.lane = lane
         self.reason = reason
         self.report = report  # said lost when the grace ends (a replaced lane is not)
         self.expiry = expiry
+        self.broke_at = time.monotonic()  # requests begun later never used it
         self.waiting: list[dp.Frame] = []
 
 

@@ -212,13 +212,14 @@ class Origin:
         if plan.plan_id == frame.plan_id and (sender in plan.nodes or sender == self.node_id):
             request.deliver(frame, attempt.number)
 
-    def on_peer_lost(self, peer: str, reason: str) -> None:
+    def on_peer_lost(self, peer: str, reason: str, since: float | None = None) -> None:
         for request in list(self._requests.values()):
             for attempt in request.core.attempts():
                 if peer in attempt.plan.nodes:
                     address = request.plan_of(attempt).assignment.address_of(peer)
                     where = f" at {address}" if address else ""
-                    request.deliver(LinkLost(peer, f"stage {peer}{where} unreachable: {reason}"))
+                    message = f"stage {peer}{where} unreachable: {reason}"
+                    request.deliver(LinkLost(peer, message, since))
                     break
 
     def on_plan_removed(self, plan_id: str, reason: str) -> None:
@@ -355,7 +356,7 @@ class Origin:
         if isinstance(item, Cancelled):
             return core.cancel()
         if isinstance(item, LinkLost):
-            return core.on_link_lost(item.node, item.message, now)
+            return core.on_link_lost(item.node, item.message, now, item.since)
         if isinstance(item, PlanRemoved):
             return core.on_plan_removed(item.plan_id, item.reason, now)
         request.connecting.pop(item.number, None)

@@ -430,13 +430,21 @@ class OriginCore:
             transport=kind is FailureKind.UNREACHABLE,
         )
 
-    def on_link_lost(self, node: str, reason: str, now: float) -> Decisions:
-        """The link to ``node`` broke: every attempt through it may have lost its frames."""
+    def on_link_lost(
+        self, node: str, reason: str, now: float, since: float | None = None
+    ) -> Decisions:
+        """The link to ``node`` broke (at ``since``, where known): every attempt through it
+        begun before then may have lost its frames. One begun after it broke did not use it
+        (its frames went over a new link), however late the loss is told."""
+
+        def used_it(attempt: Attempt) -> bool:
+            return node in attempt.plan.nodes and (since is None or attempt.started_at <= since)
+
         decisions: Decisions = NOTHING
         candidate = self.candidate
-        if candidate is not None and node in candidate.plan.nodes:
+        if candidate is not None and used_it(candidate):
             decisions += self._drop_candidate(reason, now, give_up=False)
-        if self.phase is Phase.RUNNING and node in self.attempt.plan.nodes:
+        if self.phase is Phase.RUNNING and used_it(self.attempt):
             decisions += self._interrupt(ErrorKind.UNAVAILABLE, reason, now, transport=True)
         return decisions
 

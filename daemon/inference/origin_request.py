@@ -49,10 +49,12 @@ class Cancelled:
 
 @dataclass(frozen=True, slots=True)
 class LinkLost:
-    """The link to ``node`` broke (``message`` says which stage, where, and why)."""
+    """The link to ``node`` broke (``message`` says which stage, where, and why), at
+    ``since`` (the loop's clock) where known."""
 
     node: str
     message: str
+    since: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

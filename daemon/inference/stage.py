@@ -214,8 +214,8 @@ class StageRuntime:
         self._carry_out(self.core.on_end(event))
         self._pump()  # a request that ended may have made room for a queued one
 
-    def on_peer_lost(self, peer: str, reason: str) -> None:
-        self._carry_out(self.core.on_peer_lost(peer, reason))
+    def on_peer_lost(self, peer: str, reason: str, since: float | None = None) -> None:
+        self._carry_out(self.core.on_peer_lost(peer, reason, since))
         self._pump()
 
     @contextlib.contextmanager

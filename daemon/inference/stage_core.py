@@ -389,8 +389,10 @@ class StageCore:
 
     # ------------------------------------------------------------ peers and links
 
-    def on_peer_lost(self, peer: str, reason: str) -> list[Action]:
-        """Every request that involves ``peer`` is over: frames to or from it may be lost."""
+    def on_peer_lost(self, peer: str, reason: str, since: float | None = None) -> list[Action]:
+        """Every request that involves ``peer`` is over: frames to or from it may be lost.
+        ``since``: when the link broke, where known; a request opened after it came over
+        another link and is not touched, however late the loss is told."""
         actions: list[Action] = []
         for plan in list(self._plans.values()):
             involved = peer in plan.assignment.node_ids
@@ -407,6 +409,8 @@ class StageCore:
                         )
                     )
             for request in list(plan.requests.values()):
+                if since is not None and request.opened_at > since:
+                    continue
                 if request.origin == peer:
                     actions += self._drop(plan, request, None, "")
                 elif involved:
@@ -549,6 +553,7 @@ class StageCore:
             sampling=start.sampling,
             chunk_steps=chunk_steps,
             last_activity=now,
+            opened_at=now,
             next_index=len(start.generated),
         )
         plan.requests[request.request_id] = request

@@ -43,6 +43,7 @@ class StageRequest:
     sampling: SamplingParams  # the Start's, validated
     chunk_steps: int  # C: prompt chunks before the step that samples
     last_activity: float
+    opened_at: float = 0.0  # when this stage opened it (a loss told later may predate it)
     next_step: int = 0  # the step whose input this stage expects next
     next_index: int = 0  # the index of the next generated token (sampled here / expected)
     inputs: deque[StepInput] = field(default_factory=deque)

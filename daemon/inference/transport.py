@@ -69,7 +69,9 @@ class LinkHandler(Protocol):
 
     def on_frame(self, sender: str, frame: dp.Frame) -> None: ...
 
-    def on_peer_lost(self, peer: str, reason: str) -> None: ...
+    def on_peer_lost(self, peer: str, reason: str, since: float | None = None) -> None:
+        """Frames to or from ``peer`` may be lost; ``since`` (time.monotonic()), when known,
+        is when the link broke: requests begun after it did not use it."""
 
 
 def describe_error(error: BaseException) -> str:
@@ -155,13 +157,18 @@ class _OutboundLink:
         return f"stage {self.peer} at {self.address} unreachable: {reason}"
 
     async def close(self) -> None:
+        self.stop()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+
+    def stop(self) -> None:
+        """Take no frame from now on, and end the stream and lane (without reporting the
+        peer lost); :meth:`close` also waits for that end."""
         self._closing = True
         self.broken = True
         if self.lane is not None:
             self.lane.close()
         self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._task
 
     async def _run(self) -> None:
         channel = None
@@ -259,6 +266,7 @@ class _OutboundLink:
         lane ends and cannot be resumed."""
         reader = asyncio.create_task(self._read(call))
         other = self._lane_lost if self.lane is not None else asyncio.create_task(self._write(call))
+        resuming: asyncio.Task[None] | None = None
         try:
             while True:
                 done, _ = await asyncio.wait({other, reader}, return_when=asyncio.FIRST_COMPLETED)
@@ -277,6 +285,9 @@ class _OutboundLink:
                 resuming.result()  # LinkError when the lane could not be resumed
                 other = self._lane_lost
         finally:
+            if resuming is not None:  # the link may have closed while it ran
+                resuming.cancel()
+                resuming.add_done_callback(_retrieve_exception)
             other.cancel()
             reader.cancel()
             call.cancel()
@@ -439,9 +450,9 @@ class Transport:
         )
         return await self._lanes.start(host, port)
 
-    def _on_lane_lost(self, peer: str, reason: str) -> None:
+    def _on_lane_lost(self, peer: str, reason: str, since: float) -> None:
         if not self._closed:
-            self._handler.on_peer_lost(peer, reason)
+            self._handler.on_peer_lost(peer, reason, since)
 
     def bind_loop(self) -> asyncio.AbstractEventLoop:
         """The one asyncio loop this transport runs on (bound on first use)."""
@@ -530,10 +541,8 @@ class Transport:
     def _link_to(self, node_id: str, address: str) -> _OutboundLink:
         link = self._outbound.get(node_id)
         if link is None or link.broken or link.address != address:
-            if link is not None and not link.broken:
-                closing = asyncio.ensure_future(link.close())
-                self._retired.add(closing)
-                closing.add_done_callback(self._retired.discard)
+            if link is not None:
+                self.drop_peer(node_id)
             link = _OutboundLink(
                 node_id,
                 address,
@@ -548,6 +557,20 @@ class Transport:
             )
             self._outbound[node_id] = link
         return link
+
+    def drop_peer(self, node_id: str) -> None:
+        """The mesh lost ``node_id``: close this node's link to it now, quietly (the plans
+        it served are withdrawn by the agreement, not by the link). A stream cut with the
+        network stays open on a dead connection until TCP gives up, seconds later; were it
+        kept, the plan committed when the peer comes back would send over it and lose its
+        first request to that late timeout. A fresh link is dialled when next needed."""
+        link = self._outbound.pop(node_id, None)
+        if link is None or link.broken:
+            return
+        link.stop()
+        closing = asyncio.ensure_future(link.close())
+        self._retired.add(closing)
+        closing.add_done_callback(self._retired.discard)
 
     # ------------------------------------------------------------ receiving
 
