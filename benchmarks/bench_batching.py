@@ -82,8 +82,8 @@ from meshd.runtime.blas import enable_fast_blas
 enable_fast_blas()  # before mlx.core (the profile measurement runs MLX)
 
 from meshd.api.launcher import DaemonProcess
-from meshd.inference.origin import STREAM_FIRST_ENV
-from meshd.inference.stage import LOOP_SENDS_ENV
+from meshd.inference.origin.runtime import STREAM_FIRST_ENV
+from meshd.inference.stage.runtime import LOOP_SENDS_ENV
 from meshd.mesh import security
 from meshd.mesh.profiling import load_or_measure_profile
 from meshd.models.store import ModelStore

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.inference.assignment import Assignment, StageSpec
-from meshd.inference.stage_model import even_layer_ranges
+from meshd.inference.stage.model import even_layer_ranges
 from meshd.mesh import security
 from meshd.models.store import DEFAULT_MODEL, ModelStore
 from tests.support.random_model import make_random_model_dir

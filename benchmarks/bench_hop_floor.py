@@ -7,7 +7,7 @@ benchmark strips the daemon away to show what each
 data-plane design would cost here: two processes, each in its own network namespace (tests/netns.py:
 a bridge in its own namespace, nothing touches the machine's interfaces) and each pinned to
 one core, pass one greedy SmolLM2-135M decode back and forth over the product's own lanes
-(:mod:`meshd.inference.lanes`: mutual TLS 1.3 with mesh certificates, length-prefixed
+(:mod:`meshd.inference.transport.lanes`: mutual TLS 1.3 with mesh certificates, length-prefixed
 ``dataplane.Frame`` messages). A computes layers 0-15 and sends the hidden states; B computes
 layers 15-30, the norm and the head, and sends the greedy token back. No stage core, no
 fencing, no gRPC, no other thread of a daemon. A hop is timed from the sender's compute done
@@ -135,7 +135,7 @@ def stage_process(
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
-    from meshd.inference import lanes
+    from meshd.inference.transport import lanes
     from meshd.mesh import security
     from meshd.models.store import ModelStore
     from meshd.runtime import tls_buffers

@@ -29,8 +29,8 @@ enable_fast_blas()  # before mlx.core
 import mlx.core as mx
 import mlx_lm
 
-from meshd.inference.local_pipeline import LocalPipeline
-from meshd.inference.stage_model import even_layer_ranges
+from meshd.inference.stage.local_pipeline import LocalPipeline
+from meshd.inference.stage.model import even_layer_ranges
 from meshd.models.store import DEFAULT_MODEL, ModelStore
 from tests.support.random_model import make_random_model_dir
 

@@ -28,10 +28,10 @@ from meshd.agreement.service import PlanAgreement, model_selection
 from meshd.api.local_service import start_api_server
 from meshd.config import Config, ConfigError
 from meshd.http.server import start_http_server
-from meshd.inference.dataplane import DataPlane
 from meshd.inference.fencing import CommittedPlans
-from meshd.inference.installer import PlanInstaller
+from meshd.inference.install.installer import PlanInstaller
 from meshd.inference.router import RequestRouter
+from meshd.inference.serving.dataplane import DataPlane
 from meshd.mesh import channels, security
 from meshd.mesh.gate import ConnectionGate
 from meshd.mesh.identity import Identity, load_or_create_node_id
@@ -375,7 +375,7 @@ class Node:
     def model_dir_for_selection(self, selection: pb.ModelSelection) -> Path:
         """This node's full copy of the selected model: the directory it selected itself
         (`meshd load DIR`, `--model DIR`), else its store (a peer's selection)."""
-        from meshd.inference.installer import model_dir_for
+        from meshd.inference.install.installer import model_dir_for
 
         snapshot = hub_snapshot_for(self.store_root, selection.path)
         if snapshot is not None:  # hf:ORG/NAME@COMMIT, complete in this node's HF cache
@@ -489,7 +489,7 @@ class Node:
         while this node's stages keep serving the requests running through them. Once it is
         loaded, their origins move them to it in the background (the old attempt streams on
         through this node while the new one catches up, see
-        :mod:`meshd.inference.origin_core`), and this node waits until none runs through its
+        :mod:`meshd.inference.origin.core`), and this node waits until none runs through its
         stages any more. Then the plans with a
         stage here are uninstalled: a request still running through it (its origin could not
         move it in time) ends here with a failure its origin moves it on by (a replay of its

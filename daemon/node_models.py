@@ -128,7 +128,7 @@ def check_model_type(model_dir: Path) -> None:
 
     Reads only config.json; the stage code (and mlx-lm) is imported on this first use."""
     import_model_runtime()  # first: a worker thread may be importing mlx-lm at this moment
-    from meshd.inference import shard
+    from meshd.inference.stage import shard
 
     shard.check_model_type(model_dir)
 

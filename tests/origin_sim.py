@@ -1,4 +1,4 @@
-"""Deterministic simulation of the origin core (`meshd.inference.origin_core`), without sockets.
+"""Deterministic simulation of the origin core (`meshd.inference.origin.core`), without sockets.
 
 Why: the origin's promise (a request completes with exactly the tokens an undisturbed run gives,
 or fails in bounded time with a reason; it never waits out a timeout for an event that cannot
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshd.inference.errors import ErrorKind
-from meshd.inference.origin_core import (
+from meshd.inference.origin.core import (
     Connect,
     Deliver,
     DroppedCandidate,

@@ -73,7 +73,7 @@ def test_plan_and_the_daemon_refuse_an_unverified_architecture_with_the_same_wor
     import json
 
     from meshd.api.plan_cli import EXIT_REFUSED, add_plan_arguments, run_plan
-    from meshd.inference.stage_model import UnsupportedModel
+    from meshd.inference.stage.model import UnsupportedModel
     from meshd.node_models import check_model_type
     from tests.support.random_model import write_model_dir
     from tests.support.tiny_architectures import tiny_config

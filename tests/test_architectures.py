@@ -33,9 +33,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import load_model
 
-from meshd.inference.local_pipeline import LocalPipeline
-from meshd.inference.shard import load_stage
-from meshd.inference.stage_model import StageLoadError, UnsupportedModel, prefill_chunks
+from meshd.inference.stage.local_pipeline import LocalPipeline
+from meshd.inference.stage.model import StageLoadError, UnsupportedModel, prefill_chunks
+from meshd.inference.stage.shard import load_stage
 from meshd.models.info import read_safetensors_header
 from tests.support.random_model import (
     SLIDING_WINDOW,

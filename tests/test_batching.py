@@ -30,11 +30,11 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_model
 
-from meshd.inference import shard
 from meshd.inference.generation_events import FinalEvent
 from meshd.inference.sampling import SamplingParams
-from meshd.inference.shard import load_stage
-from meshd.inference.stage_model import RequestCaches, StageRecipe
+from meshd.inference.stage import shard
+from meshd.inference.stage.model import RequestCaches, StageRecipe
+from meshd.inference.stage.shard import load_stage
 from meshd.models.store import ModelEntry
 from tests.support.dataplane_mesh import LoopThread, Mesh, collect, mlx_lm_reference
 from tests.support.random_model import TINY_CONFIGS, make_architecture_dir, make_random_model_dir

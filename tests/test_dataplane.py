@@ -34,10 +34,10 @@ import numpy as np
 import pytest
 
 from meshd.inference.assignment import Assignment, InvalidAssignment, StageSpec
-from meshd.inference.dataplane import DataPlane
 from meshd.inference.errors import ErrorKind, InferenceError
 from meshd.inference.generation_events import FinalEvent, TokenEvent
 from meshd.inference.sampling import SamplingParams
+from meshd.inference.serving.dataplane import DataPlane
 from meshd.mesh import security
 from meshd.mesh.channels import peer_channel_factory
 from meshd.models.store import ModelEntry

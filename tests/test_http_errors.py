@@ -36,7 +36,7 @@ class RefusingRouter:
     def __init__(self, code: str) -> None:
         self.code = code
 
-    async def generate(self, **kwargs):
+    async def stream(self, **kwargs):
         raise InferenceError(ErrorKind[self.code], f"refused with {self.code}")
         yield  # an async generator, like the real one
 

@@ -6,8 +6,8 @@ the lane (the direct TLS connection that carries the data plane's frames) from t
 to the second is killed with ``ss -K``: the kernel aborts the socket and resets its peer.
 Every node stays a member and the plan stays: nothing will re-plan. The first stage re-opens
 the lane at once and both ends send again the frames the other did not act on
-(:mod:`meshd.inference.lanes`), so the request goes on where it was: the text is exactly the
-undisturbed run's, the stream's longest pause is a token interval or two (well under the
+(:mod:`meshd.inference.transport.lanes`), so the request goes on where it was: the text is exactly
+the undisturbed run's, the stream's longest pause is a token interval or two (well under the
 bound asserted here; measured ones are printed), and the origin did not replay the request
 (its final event counts no resume; the event log says the lane was re-opened).
 """

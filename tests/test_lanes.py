@@ -21,8 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from meshd.inference import lanes
-from meshd.inference.transport import DataPlaneServicer, Transport, start_server
+from meshd.inference.transport.links import DataPlaneServicer, Transport, lanes, start_server
 from meshd.mesh import security
 from meshd.mesh.channels import peer_channel_factory
 from meshd.runtime import tls_buffers
@@ -539,7 +538,7 @@ def test_the_listener_bounds_handshakes_in_time_and_per_source_address(
 OUT_OF_DESCRIPTORS = """
 import asyncio, logging, os, resource, subprocess, sys
 from pathlib import Path
-from meshd.inference import lanes
+from meshd.inference.transport import lanes
 from meshd.mesh import security
 
 warnings = []

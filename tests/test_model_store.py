@@ -20,9 +20,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model, load_tokenizer
 
-from meshd.inference.local_pipeline import LocalPipeline
 from meshd.inference.sampling import SamplingParams
-from meshd.inference.stage_model import even_layer_ranges
+from meshd.inference.stage.local_pipeline import LocalPipeline
+from meshd.inference.stage.model import even_layer_ranges
 from meshd.models.gguf import (
     GGUFImportError,
     hf_tensor_name,

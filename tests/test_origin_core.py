@@ -1,4 +1,4 @@
-"""The origin core (`meshd.inference.origin_core`): one event at a time, and under seeded faults.
+"""The origin core (`meshd.inference.origin.core`): one event at a time, and under seeded faults.
 
 The hand-written cases pin each decision (start, take a token, move by replay, retry a plan
 whose link broke, move in the background, ignore late frames, give up with a reason); the
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from meshd.inference import origin_core
 from meshd.inference.errors import ErrorKind
-from meshd.inference.origin_core import (
+from meshd.inference.origin import core as origin_core
+from meshd.inference.origin.core import (
     DELIVER,
     Connect,
     DroppedCandidate,

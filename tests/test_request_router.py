@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from meshd.inference.errors import ErrorKind, InferenceError
-from meshd.inference.generation_events import FinalEvent, TokenEvent
-from meshd.inference.installer import InstallProgress, ServingSnapshot
-from meshd.inference.router import RequestRouter, Routed
-from meshd.wire import pb
+from meshd.inference.generation_events import FinalEvent, Finished, Piece, TokenEvent
+from meshd.inference.install.installer import InstallProgress, ServingSnapshot
+from meshd.inference.router import RequestRouter, Routed, fit_context
+from meshd.inference.sampling import SamplingParams
 from tests.support.dataplane_mesh import LoopThread, Mesh
 from tests.support.random_model import make_random_model_dir
 
@@ -77,7 +77,7 @@ async def routed_events(router: RequestRouter, plan_id: str = "") -> list[Any]:
         async for event in router.generate(
             prompt="hello mesh",
             messages=None,
-            sampling=pb.Sampling(max_tokens=5),
+            sampling=SamplingParams(max_tokens=5),
             model="",
             plan_id=plan_id,
             chat_template=False,
@@ -199,3 +199,39 @@ def test_a_refusal_is_answered_at_once(mesh: Mesh) -> None:
     (error,) = route(mesh, router)
     assert isinstance(error, InferenceError) and error.kind is ErrorKind.NO_PLAN
     assert "not enough memory in this mesh" in str(error)
+
+
+def test_the_client_stream_is_routed_then_pieces_then_finished(mesh: Mesh, model_dir: Path) -> None:
+    """What every API renders: the route, a piece per token with text (the token with it),
+    the text held back as a last piece, and the end with its usage and serving plan."""
+    plan = mesh.assignment_for(model_dir, LAYOUT)
+    mesh.install(plan)
+    router = RequestRouter(
+        mesh.nodes["n1"].plane, Snapshots(serving(plan.plan_id)), loaded_here(mesh, plan.plan_id)
+    )
+
+    async def stream() -> list[Any]:
+        request = {"prompt": "hello mesh", "messages": None, "model": "", "plan_id": ""}
+        sampling = SamplingParams(max_tokens=6)
+        events = router.stream(sampling=sampling, chat_template=False, **request)
+        return [event async for event in events]
+
+    try:
+        events = mesh.loop.run(stream(), timeout=30)
+    finally:
+        mesh.uninstall(plan.plan_id)
+    assert isinstance(events[0], Routed) and events[0].plan_id == plan.plan_id
+    finished = events[-1]
+    assert isinstance(finished, Finished) and finished.plan_id == plan.plan_id
+    assert finished.model == "llama" and finished.completion_tokens == 6
+    pieces = [event for event in events[1:-1] if isinstance(event, Piece)]
+    assert len(pieces) == len(events) - 2 and all(piece.text for piece in pieces)
+    assert all(piece.token is not None for piece in pieces[:-1])
+
+
+def test_an_unset_max_tokens_is_lowered_to_the_context_and_a_given_one_is_kept() -> None:
+    unset = SamplingParams(max_tokens_given=False)  # the default, 256
+    assert fit_context(unset, prompt=100, context=200).max_tokens == 100
+    given = SamplingParams(max_tokens=256)
+    assert fit_context(given, prompt=100, context=200) is given  # the origin refuses it
+    assert fit_context(unset, prompt=10, context=0) is unset  # no limit

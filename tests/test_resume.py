@@ -29,7 +29,7 @@ import pytest
 from meshd.inference.assignment import Assignment
 from meshd.inference.errors import ErrorKind, InferenceError
 from meshd.inference.generation_events import FinalEvent, TokenEvent
-from meshd.inference.origin import DEFAULT_CATCH_UP_TIMEOUT_S
+from meshd.inference.origin.runtime import DEFAULT_CATCH_UP_TIMEOUT_S
 from meshd.inference.sampling import SamplingParams
 from tests.support.dataplane_mesh import LoopThread, Mesh, mlx_lm_reference
 from tests.support.random_model import make_random_model_dir
@@ -427,7 +427,7 @@ def test_a_moved_boundary_reads_only_the_layers_a_node_gains(mesh: Mesh, model_d
 def test_a_model_folder_rewritten_gives_another_tokenizer_key(tmp_path: Path) -> None:
     """The tokenizer a re-plan reuses is the one of the same files: a rewritten tokenizer (or
     config) in the same folder is loaded again; the weights do not count."""
-    from meshd.inference.loaded_stages import _tokenizer_key
+    from meshd.inference.serving.loaded_stages import _tokenizer_key
 
     (tmp_path / "tokenizer.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"x")

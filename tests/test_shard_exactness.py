@@ -17,10 +17,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model, save_config, save_model
 
-from meshd.inference.local_pipeline import LocalPipeline
 from meshd.inference.sampling import SamplingParams, TokenSampler
-from meshd.inference.shard import load_stage
-from meshd.inference.stage_model import (
+from meshd.inference.stage.local_pipeline import LocalPipeline
+from meshd.inference.stage.model import (
     RequestCaches,
     StageLoadError,
     TooManyRequests,
@@ -28,6 +27,7 @@ from meshd.inference.stage_model import (
     even_layer_ranges,
     prefill_chunks,
 )
+from meshd.inference.stage.shard import load_stage
 from tests.support.random_model import make_random_model_dir
 
 pytestmark = pytest.mark.integration

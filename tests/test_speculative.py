@@ -21,9 +21,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from meshd.inference.drafting import DraftIndex
 from meshd.inference.sampling import SamplingParams
-from meshd.inference.stage_core import StageCore
+from meshd.inference.stage.core import StageCore
+from meshd.inference.stage.drafting import DraftIndex
 from meshd.inference.stage_events import (
     ActivationFrame,
     Advanced,

@@ -1,8 +1,8 @@
 """The stage core alone: every refusal, the ordering rules and the scheduler, without gRPC or MLX.
 
 Each test feeds events to a :class:`StageCore` and checks the actions it answers with and the
-steps it hands out, the way :mod:`meshd.inference.stage` drives it on a real node. Time is an
-argument; nothing here starts a thread or opens a socket, and the core imports no MLX (checked
+steps it hands out, the way :mod:`meshd.inference.stage.runtime` drives it on a real node. Time is
+an argument; nothing here starts a thread or opens a socket, and the core imports no MLX (checked
 in a fresh interpreter).
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 from meshd.inference.assignment import Assignment, StageSpec
 from meshd.inference.sampling import SamplingParams
-from meshd.inference.stage_core import StageCore
+from meshd.inference.stage.core import StageCore
 from meshd.inference.stage_events import (
     ActivationFrame,
     Advanced,
@@ -197,10 +197,10 @@ def test_tokens_go_to_the_origin_alone_when_it_is_the_first_stage() -> None:
 
 
 def test_a_decode_step_names_the_stage_its_hidden_states_go_to() -> None:
-    """The compute thread sends a decode step's hidden states itself (meshd.inference.stage),
-    to the node the core named when it handed the step out (Work.forward_to); the core's own
-    action for the result names the same node. Prompt chunks, a last stage's steps and a
-    single stage's name none (their frames go through the loop)."""
+    """The compute thread sends a decode step's hidden states itself
+    (meshd.inference.stage.runtime), to the node the core named when it handed the step out
+    (Work.forward_to); the core's own action for the result names the same node. Prompt chunks,
+    a last stage's steps and a single stage's name none (their frames go through the loop)."""
     plan = plan_of("p", "a", "b", "c")
     first = core_on("a", plan)
     first.on_start(StartFrame("o", "p", "r", start_of(chunk=2)), None, T0)  # steps 0-1 prompt
@@ -236,7 +236,7 @@ def test_a_decode_step_names_the_stage_its_hidden_states_go_to() -> None:
 
 def test_a_last_stage_names_the_first_stage_its_tokens_go_to() -> None:
     """The compute thread of a last stage sends a token that does not end its request to the
-    first stage itself (meshd.inference.stage), as the core named it at hand-out
+    first stage itself (meshd.inference.stage.runtime), as the core named it at hand-out
     (Work.token_to): the token's index, and what would end the request. The core's own
     action for the result is the same token to the same node."""
     plan = plan_of("p", "a", "b")
@@ -644,8 +644,8 @@ def test_only_silent_requests_are_swept() -> None:
 
 def test_the_core_imports_no_mlx_grpc_or_asyncio() -> None:
     code = (
-        "import sys, meshd.inference.stage_core, meshd.inference.stage_events\n"
-        "import meshd.inference.stage_admission, meshd.inference.stage_state\n"
+        "import sys, meshd.inference.stage.core, meshd.inference.stage_events\n"
+        "import meshd.inference.stage.admission, meshd.inference.stage.state\n"
         "print(sorted(m for m in ('mlx', 'mlx.core', 'grpc', 'asyncio') if m in sys.modules))"
     )
     done = subprocess.run(

@@ -1,12 +1,11 @@
 """What the stage runtime leaves to its loop after the compute thread sent a step's frame
-itself (meshd.inference.stage): nothing of it twice, nothing else less."""
+itself (meshd.inference.stage.runtime): nothing of it twice, nothing else less."""
 
 from __future__ import annotations
 
 import pytest
 
-from meshd.inference.frames import finish_from_proto, finish_to_proto, token_frame
-from meshd.inference.stage import _not_sent_again, _token_frame
+from meshd.inference.stage.runtime import _not_sent_again, _token_frame
 from meshd.inference.stage_events import (
     Finish,
     Hidden,
@@ -17,6 +16,7 @@ from meshd.inference.stage_events import (
     TokenRoute,
     Work,
 )
+from meshd.inference.transport.frames import finish_from_proto, finish_to_proto, token_frame
 from meshd.wire import dataplane_pb2 as dp
 
 pytestmark = pytest.mark.unit

@@ -1,6 +1,6 @@
 """Rank 0's engine: the stage runtime's step function over a real TP=2 group of runners.
 
-The data plane drives every stage through :func:`meshd.inference.engine.run_step` on its
+The data plane drives every stage through :func:`meshd.inference.stage.engine.run_step` on its
 compute thread; for a tensor-parallel stage the engine is a
 :class:`TensorParallelEngine` whose steps run in the group's runner processes (on loopback
 here, real ``mx.distributed`` ring groups). Checked: prefill and greedy decode sample what one
@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshd.inference.engine import StageKey, run_step
 from meshd.inference.sampling import SamplingParams
+from meshd.inference.stage.engine import StageKey, run_step
 from meshd.inference.stage_events import (
     ComputeFailed,
     FailureKind,

@@ -35,7 +35,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from meshd.inference.shard import load_stage
+from meshd.inference.stage.shard import load_stage
 from meshd.inference.tensor_parallel import (
     RunnerState,
     RunnerSupervisor,

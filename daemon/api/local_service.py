@@ -81,71 +81,57 @@ class LocalService(rpc.LocalServicer):
         return await self._bridge.call_in_trio(self._node.status)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        events = self._node.router.generate(
+        async for reply in self._stream(
+            context,
+            request.sampling,
             prompt=request.prompt,
             messages=None,
-            sampling=request.sampling,
             model=request.model,
             plan_id=request.plan_id,
             chat_template=request.chat_template,
             return_logits=request.return_logits,
-        )
-        async for reply in self._stream(events, context):
+        ):
             yield reply
 
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext):
-        events = self._node.router.generate(
+        async for reply in self._stream(
+            context,
+            request.sampling,
             prompt=None,
             messages=[{"role": m.role, "content": m.content} for m in request.messages],
-            sampling=request.sampling,
             model=request.model,
             plan_id=request.plan_id,
             chat_template=True,
-        )
-        async for reply in self._stream(events, context):
+        ):
             yield reply
 
-    async def _stream(self, events, context: grpc.aio.ServicerContext):
-        """GenerateEvents from data-plane events; failures become gRPC statuses."""
+    async def _stream(
+        self, context: grpc.aio.ServicerContext, sampling: pb.Sampling, **request: Any
+    ) -> AsyncIterator[pb.GenerateEvent]:
+        """The router's client stream as GenerateEvents; failures become gRPC statuses. The
+        wire's sampling message becomes meshd's settings here, at the edge."""
         from meshd.inference.errors import InferenceError
-        from meshd.inference.generation_events import FinalEvent
-        from meshd.inference.router import Routed
+        from meshd.inference.generation_events import Finished, Piece
+        from meshd.inference.sampling import sampling_from_message
 
-        routed = Routed("", "")
         try:
-            async for event in events:
-                if isinstance(event, Routed):
-                    routed = event
-                    continue
-                if not isinstance(event, FinalEvent):
-                    if event.logits is not None:
-                        logits = event.logits.astype("<f4").tobytes()
-                        token = pb.TokenLogits(
-                            token_id=event.token_id, index=event.index, logits=logits
+            params = sampling_from_message(sampling)
+        except (TypeError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            async for event in self._node.router.stream(sampling=params, **request):
+                if isinstance(event, Piece):
+                    token = event.token
+                    if token is not None and token.logits is not None:
+                        logits = token.logits.astype("<f4").tobytes()
+                        message = pb.TokenLogits(
+                            token_id=token.token_id, index=token.index, logits=logits
                         )
-                        yield pb.GenerateEvent(token=token)
+                        yield pb.GenerateEvent(token=message)
                     if event.text:
                         yield pb.GenerateEvent(text=event.text)
-                    continue
-                if event.text:
-                    yield pb.GenerateEvent(text=event.text)
-                usage = event.usage
-                yield pb.GenerateEvent(
-                    done=pb.GenerationDone(
-                        finish_reason=event.finish_reason,
-                        prompt_tokens=usage.prompt_tokens,
-                        completion_tokens=usage.completion_tokens,
-                        ttft_s=usage.ttft_s,
-                        decode_tokens_per_s=usage.decode_tokens_per_s,
-                        total_s=usage.total_s,
-                        plan_id=usage.plan_id or routed.plan_id,
-                        model=routed.model,
-                        seed=usage.seed,
-                        resumes=usage.resumes,
-                        paused_s=usage.paused_s,
-                        transport_s_per_token=usage.transport_s_per_token,
-                    )
-                )
+                elif isinstance(event, Finished):
+                    yield pb.GenerateEvent(done=_done(event))
         except InferenceError as exc:
             await context.abort(grpc.StatusCode[exc.kind.grpc_status], str(exc))
 
@@ -234,3 +220,21 @@ async def start_api_server(
         raise OSError(f"cannot listen on the local API address {address}: is it in use?")
     await server.start()
     return server
+
+
+def _done(finished: Any) -> pb.GenerationDone:
+    usage = finished.usage
+    return pb.GenerationDone(
+        finish_reason=finished.finish_reason,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        ttft_s=usage.ttft_s,
+        decode_tokens_per_s=usage.decode_tokens_per_s,
+        total_s=usage.total_s,
+        plan_id=finished.plan_id,
+        model=finished.model,
+        seed=usage.seed,
+        resumes=usage.resumes,
+        paused_s=usage.paused_s,
+        transport_s_per_token=usage.transport_s_per_token,
+    )

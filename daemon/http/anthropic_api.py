@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshd.http.backend import BackendError, Event, Finished, MeshBackend, Piece, Started
+from meshd.http.backend import BackendError, Event, Finished, MeshBackend, Piece, Routed
 from meshd.http.common import (
     STATUS_OF_KIND,
     collect,
@@ -139,7 +139,7 @@ class AnthropicApi:
         head: list[Event],
         rest: AsyncIterator[Event],
     ) -> AsyncIterator[bytes]:
-        started = next((e for e in head if isinstance(e, Started)), None)
+        started = next((e for e in head if isinstance(e, Routed)), None)
         yield _event(
             "message_start",
             {

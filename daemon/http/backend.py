@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from meshd.inference.generation_events import Finished, Piece, Routed
+from meshd.inference.sampling import SamplingParams
 from meshd.runtime.bridge import AsyncioThread
 from meshd.wire import pb
 
@@ -54,34 +56,8 @@ class BackendError(Exception):
         self.kind = kind
 
 
-@dataclass(frozen=True)
-class Started:
-    """The plan and model serving the request, and the prompt's length in tokens."""
-
-    plan_id: str
-    model: str
-    prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Generated text, in order; concatenated, the pieces are the whole answer."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class Finished:
-    finish_reason: str  # eos, stop (a stop string), length, cancelled
-    prompt_tokens: int
-    completion_tokens: int
-    ttft_s: float
-    decode_tokens_per_s: float
-    total_s: float
-    seed: int
-
-
-Event = Started | Piece | Finished
+# What a request yields, the router's client stream (one adapter for every API).
+Event = Routed | Piece | Finished
 
 
 @dataclass(frozen=True)
@@ -150,22 +126,20 @@ class MeshBackend:
     async def generate(
         self,
         *,
-        sampling: pb.Sampling,
+        sampling: SamplingParams,
         model: str,
         messages: Sequence[Mapping[str, Any]] | None = None,
         prompt: str | None = None,
         chat_template: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> AsyncIterator[Event]:
-        """Run one request on the mesh: Started, Pieces, then Finished; or BackendError.
+        """Run one request on the mesh: Routed, Pieces, then Finished; or BackendError.
 
         Closing the iterator early (the client went away) cancels the request everywhere.
         """
         from meshd.inference.errors import InferenceError
-        from meshd.inference.generation_events import FinalEvent
-        from meshd.inference.router import Routed
 
-        events = self._node.router.generate(
+        events = self._node.router.stream(
             prompt=prompt,
             messages=messages,
             sampling=sampling,
@@ -177,24 +151,7 @@ class MeshBackend:
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
-                    if isinstance(event, Routed):
-                        yield Started(event.plan_id, event.model, event.prompt_tokens)
-                    elif isinstance(event, FinalEvent):
-                        if event.text:
-                            yield Piece(event.text)
-                        usage = event.usage
-                        yield Finished(
-                            event.finish_reason,
-                            usage.prompt_tokens,
-                            usage.completion_tokens,
-                            usage.ttft_s,
-                            usage.decode_tokens_per_s,
-                            usage.total_s,
-                            usage.seed,
-                        )
-                        return
-                    elif event.text:
-                        yield Piece(event.text)
+                    yield event
         except InferenceError as exc:
             kind = KIND_OF_HTTP_STATUS.get(exc.kind.http_status, "internal")
             raise BackendError(kind, str(exc)) from exc

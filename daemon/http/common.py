@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from meshd.http.backend import BackendError, Event, Finished, Piece
-from meshd.wire import pb
+from meshd.inference.sampling import SamplingParams
 
 STATUS_OF_KIND = {
     "bad_request": 400,
@@ -120,10 +120,10 @@ def sampling(
     seed: int | None = None,
     max_tokens: int | None = None,
     stop: Sequence[str] = (),
-) -> pb.Sampling:
-    """The request path's sampling message; unset values take the daemon's defaults, and
-    the request path checks the ranges (one implementation for every API)."""
-    message = pb.Sampling(stop=list(stop))
+) -> SamplingParams:
+    """The request's sampling settings, checked (one implementation for every API); unset
+    values take the daemon's defaults, and an unset max_tokens is lowered to what fits the
+    plan's context."""
     values = {
         "temperature": temperature,
         "top_p": top_p,
@@ -133,14 +133,11 @@ def sampling(
         "seed": seed,
         "max_tokens": max_tokens,
     }
-    for name, value in values.items():
-        if value is None:
-            continue
-        try:
-            setattr(message, name, value)
-        except (TypeError, ValueError) as exc:
-            raise BackendError("bad_request", f"{name} {value!r} is out of range") from exc
-    return message
+    given = {name: value for name, value in values.items() if value is not None}
+    try:
+        return SamplingParams(**given, stop=tuple(stop), max_tokens_given=max_tokens is not None)
+    except (TypeError, ValueError) as exc:
+        raise BackendError("bad_request", str(exc)) from exc
 
 
 def text_of_content(content: Any, where: str) -> str:

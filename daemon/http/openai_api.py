@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshd.http.backend import BackendError, Event, Finished, MeshBackend, Piece, Started
+from meshd.http.backend import BackendError, Event, Finished, MeshBackend, Piece, Routed
 from meshd.http.common import (
     STATUS_OF_KIND,
     collect,
@@ -179,7 +179,7 @@ def _usage(finished: Finished) -> dict[str, int]:
 
 
 def _fingerprint(events: list[Event]) -> str | None:
-    started = next((e for e in events if isinstance(e, Started)), None)
+    started = next((e for e in events if isinstance(e, Routed)), None)
     return f"fp_{started.plan_id[:12]}" if started else None
 
 

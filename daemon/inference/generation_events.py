@@ -1,4 +1,4 @@
-"""What a client gets from a request it asks the mesh (:mod:`meshd.inference.origin`).
+"""What a client gets from a request it asks the mesh (:mod:`meshd.inference.origin.runtime`).
 
 Its own module because every side that speaks to clients reads these and nothing else of the
 origin: the router, the local gRPC service and the HTTP backend.
@@ -62,3 +62,63 @@ class FinalEvent:
 
 
 GenerationEvent = TokenEvent | FinalEvent
+
+
+# --- What the APIs show a client: one stream for the local gRPC API and every HTTP API ------
+
+
+@dataclass(frozen=True)
+class Routed:
+    """The plan (epoch) and model that serve the request; again when a request moved to a
+    newer plan before its first token."""
+
+    plan_id: str
+    model: str
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Generated text, in order (concatenated, the pieces are the whole answer), and the
+    token it came with (its logits, when asked for); the text held back to the end comes
+    as a piece of its own, without a token."""
+
+    text: str
+    token: TokenEvent | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request's end: why, its usage, and the plan and model that served it."""
+
+    finish_reason: FinishReason
+    usage: Usage
+    plan_id: str
+    model: str
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.usage.prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.usage.completion_tokens
+
+    @property
+    def ttft_s(self) -> float:
+        return self.usage.ttft_s
+
+    @property
+    def total_s(self) -> float:
+        return self.usage.total_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.usage.decode_tokens_per_s
+
+    @property
+    def seed(self) -> int:
+        return self.usage.seed
+
+
+ClientEvent = Routed | Piece | Finished

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from meshd.inference.assignment import Assignment, StageSpec
 
 if TYPE_CHECKING:  # the engine imports MLX
-    from meshd.inference.engine import StageEngine
+    from meshd.inference.stage.engine import StageEngine
 
 
 @dataclass(eq=False)

@@ -8,7 +8,7 @@ chat), and streams the data plane's events, first announcing the plan that serve
 request (:class:`Routed`). A request started on a plan finishes on it even when a newer plan
 is committed meanwhile (the old one drains). A request whose plan cannot carry it on (a stage
 lost or leaving, the plan withdrawn) moves to the next plan and goes on exactly where it was
-(the origin does this, see :mod:`meshd.inference.origin_core`), unless the client named
+(the origin does this, see :mod:`meshd.inference.origin.core`), unless the client named
 the plan. Before its first token, a request that meets a stage still loading its layers, or
 one that has moved to a newer plan, is also started again here (a few times at most).
 
@@ -33,12 +33,18 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from meshd.inference.dataplane import DataPlane
 from meshd.inference.errors import ErrorKind, InferenceError
-from meshd.inference.generation_events import FinalEvent, TokenEvent
-from meshd.inference.installer import InstallProgress, ServingSnapshot
-from meshd.inference.sampling import SamplingParams, sampling_from_message
-from meshd.wire import pb
+from meshd.inference.generation_events import (
+    ClientEvent,
+    FinalEvent,
+    Finished,
+    Piece,
+    Routed,
+    TokenEvent,
+)
+from meshd.inference.install.installer import InstallProgress, ServingSnapshot
+from meshd.inference.sampling import SamplingParams
+from meshd.inference.serving.dataplane import DataPlane
 
 log = logging.getLogger("meshd.requests")
 
@@ -52,15 +58,6 @@ PLAN_WAIT_S = 60.0  # the longest a new request waits for the mesh to commit a p
 # grace is 3 s): until then "no model selected" is not an answer yet.
 STARTUP_HEARING_S = 15.0
 ROLES = ("system", "user", "assistant", "tool")
-
-
-@dataclass(frozen=True)
-class Routed:
-    """First event of a request: the plan (epoch) and model that serve it."""
-
-    plan_id: str
-    model: str
-    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,7 +113,7 @@ class RequestRouter:
         *,
         prompt: str | None,
         messages: Messages | None,
-        sampling: pb.Sampling,
+        sampling: SamplingParams,
         model: str,
         plan_id: str,
         chat_template: bool,
@@ -172,19 +169,39 @@ class RequestRouter:
             else:
                 log.info("request %s refused before it started: %s", client_id, outcome)
 
+    async def stream(self, **request: Any) -> AsyncIterator[ClientEvent]:
+        """:meth:`generate` (same arguments) as every API shows it to a client: Routed (again
+        after a move before the first token), a Piece per token that brings text or logits,
+        the text held back to the end as a last Piece, then Finished. The one place the
+        router's events become a client's; each API only renders these."""
+        routed = Routed("", "")
+        events = self.generate(**request)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if isinstance(event, Routed):
+                    routed = event
+                    yield event
+                elif isinstance(event, FinalEvent):
+                    if event.text:
+                        yield Piece(event.text)
+                    plan_id = event.usage.plan_id or routed.plan_id
+                    yield Finished(event.finish_reason, event.usage, plan_id, routed.model)
+                    return
+                elif event.text or event.logits is not None:
+                    yield Piece(event.text, event)
+
     async def _generate(
         self,
         client_id: str,
         prompt: str | None,
         messages: Messages | None,
-        sampling: pb.Sampling,
+        params: SamplingParams,
         model: str,
         plan_id: str,
         chat_template: bool,
         tools: Tools,
         return_logits: bool,
     ) -> AsyncIterator[RequestInfo | Routed | TokenEvent | FinalEvent]:
-        params = sampling_params(sampling)
         if messages is None:
             if not prompt or not prompt.strip():
                 raise InferenceError(ErrorKind.BAD_INPUT, "the prompt is empty; give some text")
@@ -196,8 +213,7 @@ class RequestRouter:
             snapshot, chosen, tokens = await self._route(
                 model, plan_id, prompt, messages, chat_template, tools
             )
-            explicit = sampling.HasField("max_tokens")
-            fitted = fit_context(params, explicit, len(tokens), self._plane.context_length(chosen))
+            fitted = fit_context(params, len(tokens), self._plane.context_length(chosen))
             too_long = self._plane.context_error(chosen, len(tokens), fitted.max_tokens)
             if too_long is not None:
                 raise InferenceError(ErrorKind.BAD_INPUT, too_long)
@@ -350,14 +366,6 @@ class _PlanPending(Exception):
     """No plan is committed here yet, but one is on its way (the text says why)."""
 
 
-def sampling_params(sampling: pb.Sampling) -> SamplingParams:
-    """The request's sampling settings, validated (bad values: BAD_INPUT)."""
-    try:
-        return sampling_from_message(sampling)
-    except (TypeError, ValueError) as exc:
-        raise InferenceError(ErrorKind.BAD_INPUT, str(exc)) from exc
-
-
 def _outcome(final: FinalEvent) -> str:
     usage = final.usage
     return (
@@ -368,15 +376,13 @@ def _outcome(final: FinalEvent) -> str:
     )
 
 
-def fit_context(
-    params: SamplingParams, explicit: bool, prompt: int, context: int
-) -> SamplingParams:
+def fit_context(params: SamplingParams, prompt: int, context: int) -> SamplingParams:
     """The request's settings within the plan's context (``context`` tokens per sequence, 0:
     no limit). An unset max_tokens (the default) is lowered to what fits after the prompt;
     a max_tokens the client asked for is kept, and the origin refuses the request when it
     does not fit (INVALID_ARGUMENT with the numbers)."""
     room = context - prompt
-    if not context or explicit or params.max_tokens <= room:
+    if not context or params.max_tokens_given or params.max_tokens <= room:
         return params
     if room < 1:
         raise InferenceError(

@@ -53,6 +53,10 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = field(default=())
+    # False: the client named no max_tokens, so the router may lower the default to what fits
+    # the plan's context; one it named is kept (and refused when it does not fit). Known only
+    # where the request enters (the APIs); not a setting of the sampler, not on the wire.
+    max_tokens_given: bool = field(default=True, compare=False)
 
     def __post_init__(self) -> None:
         _check_finite_range("temperature", self.temperature, 0.0, 100.0)
@@ -103,7 +107,9 @@ def _check_stop_strings(stop: tuple[str, ...]) -> None:
 
 # The settings a Sampling message carries, in the dataclass's order; ``stop`` (a list) only
 # the local API's message has: stop strings are applied where the request was asked.
-SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams) if f.name != "stop")
+SAMPLING_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in fields(SamplingParams) if f.name not in ("stop", "max_tokens_given")
+)
 
 M = TypeVar("M")
 
@@ -122,7 +128,7 @@ def sampling_from_message(message: Any) -> SamplingParams:
             continue
         present[name] = getattr(message, name)
     stop = tuple(message.stop) if "stop" in by_name else ()
-    return SamplingParams(**present, stop=stop)
+    return SamplingParams(**present, stop=stop, max_tokens_given="max_tokens" in present)
 
 
 def sampling_to_message(params: SamplingParams, message: M) -> M:

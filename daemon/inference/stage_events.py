@@ -1,11 +1,11 @@
 """The stage core's vocabulary: the events it is given, the actions it answers with.
 
 Plain frozen values (no I/O, no MLX, no protobuf), shared by the pure core
-(:mod:`meshd.inference.stage_core`), the runtime that carries its actions out
-(:mod:`meshd.inference.stage`), the compute side (:mod:`meshd.inference.engine`) and the
-frame codec (:mod:`meshd.inference.frames`). :func:`prefill_steps` is a request's step
-schedule, mlx-lm's ``generate_step`` schedule, and :func:`request_steps` a resumed request's:
-the same, then each generated token alone.
+(:mod:`meshd.inference.stage.core`), the runtime that carries its actions out
+(:mod:`meshd.inference.stage.runtime`), the compute side (:mod:`meshd.inference.stage.engine`) and
+the frame codec (:mod:`meshd.inference.transport.frames`). :func:`prefill_steps` is a request's step
+schedule, mlx-lm's ``generate_step`` schedule, and :func:`request_steps` a resumed request's: the
+same, then each generated token alone.
 """
 
 from __future__ import annotations

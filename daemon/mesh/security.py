@@ -10,7 +10,7 @@ member needs to talk to other members is derived from it, with no certificate au
 * a public **fingerprint** that mDNS may announce so daemons skip meshes they cannot join.
 
 Every peer gRPC channel, and every data-plane lane (a plain TLS socket, see
-`meshd.inference.lanes`), is mutual TLS under that CA: a daemon without the secret cannot
+`meshd.inference.transport.lanes`), is mutual TLS under that CA: a daemon without the secret cannot
 join, call a peer RPC, send a frame or read traffic. The mesh name is a label carried with the
 secret; the keys and the fingerprint depend only on the secret bytes, so renaming a mesh does
 not split it.

@@ -4,8 +4,8 @@ exo's users complain that every node downloads the whole model. Here a node that
 stage of the committed plan but has no copy of the model asks a member that has it for
 exactly its part: the tensors of its layer range (plus the embedding on the first stage and
 norm/head on the last), the config and the tokenizer files. The part is a small, valid
-model directory whose index lists only those tensors, so `meshd.inference.shard.load_stage` loads
-it like any other. A node that holds no stage fetches only the config and tokenizer (it
+model directory whose index lists only those tensors, so `meshd.inference.stage.shard.load_stage`
+loads it like any other. A node that holds no stage fetches only the config and tokenizer (it
 may still be the origin of requests).
 
 The transfer runs over the peer's mutual-TLS channel (`Peer.FetchModelPart`), so only mesh

@@ -133,7 +133,7 @@ SEGMENTS: tuple[tuple[str, str], ...] = (
     ("R", "step_submitted"),
     ("R", "step_start"),
 )
-# A decode step's frames sent by the compute thread itself (:mod:`meshd.inference.stage`):
+# A decode step's frames sent by the compute thread itself (:mod:`meshd.inference.stage.runtime`):
 # the sender's loop is not on the hop's path (it does its part after the frame left).
 EARLY_SEGMENTS: tuple[tuple[str, str], ...] = tuple(
     point for point in SEGMENTS if point != ("S", "result_on_loop")

@@ -1,7 +1,7 @@
 """Scratch directories in the system's temp directory, named after the process that made them.
 
 A stage load builds mlx-lm's model from a view of the model's config files in a temporary
-directory (:func:`meshd.inference.shard.load_stage`). A daemon or runner killed while it
+directory (:func:`meshd.inference.stage.shard.load_stage`). A daemon or runner killed while it
 loads (`kill -9`, the OOM killer, a test's teardown) leaves that directory behind, and a
 daemon that runs for months on a machine that rarely reboots would collect them. So each one
 carries its creator's PID, and a daemon removes, when it starts, those whose creator is gone;

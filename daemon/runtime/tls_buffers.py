@@ -2,7 +2,7 @@
 
 Why: CPython creates every ``ssl.SSLContext`` with OpenSSL's ``SSL_MODE_RELEASE_BUFFERS``,
 so each connection frees its ~17 KB read and write buffers whenever they empty and
-allocates them again for the next record. On a lane (:mod:`meshd.inference.lanes`) that is
+allocates them again for the next record. On a lane (:mod:`meshd.inference.transport.lanes`) that is
 an allocation per frame, and with glibc's malloc it is an expensive one on the thread that
 just ran a forward pass: the pass freed thousands of small blocks into that thread's
 fastbins, and glibc coalesces them all before it serves the next large request (0.6-0.7 ms

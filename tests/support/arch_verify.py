@@ -43,8 +43,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from meshd.inference.local_pipeline import LocalPipeline
-from meshd.inference.stage_model import UnsupportedModel, _TextModel, even_layer_ranges
+from meshd.inference.stage.local_pipeline import LocalPipeline
+from meshd.inference.stage.model import UnsupportedModel, _TextModel, even_layer_ranges
 from meshd.inference.tensor_parallel.spec import num_routed_experts
 from meshd.models.architectures import NOT_APPLICABLE, REFUSED, VERIFIED
 from tests.support.ports import free_ports

@@ -28,14 +28,14 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from meshd.inference.assignment import Assignment, StageSpec
-from meshd.inference.dataplane import DataPlane
 from meshd.inference.errors import InferenceError
 from meshd.inference.fencing import CommittedPlans
 from meshd.inference.generation_events import FinalEvent, TokenEvent
-from meshd.inference.origin import DEFAULT_PREFILL_CHUNK
+from meshd.inference.origin.runtime import DEFAULT_PREFILL_CHUNK
 from meshd.inference.sampling import SamplingParams, TokenSampler
+from meshd.inference.serving.dataplane import DataPlane
 from meshd.inference.stage_events import prefill_steps
-from meshd.inference.transport import start_server
+from meshd.inference.transport.links import start_server
 from meshd.mesh import security
 from meshd.mesh.channels import peer_channel_factory
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshd.inference.origin import DEFAULT_PREFILL_CHUNK
+from meshd.inference.origin.runtime import DEFAULT_PREFILL_CHUNK
 from meshd.inference.sampling import SamplingParams
 from tests.support.dataplane_mesh import LoopThread, Mesh, mlx_lm_reference
 

@@ -3,8 +3,8 @@
 Why: exactness tests and benchmarks need models of a chosen shape without a model hub. The
 directory this writes has the same layout as a converted MLX model (``config.json``, sharded
 ``model-XXXXX-of-YYYYY.safetensors`` with ``model.safetensors.index.json``, ``tokenizer.json`` and
-``tokenizer_config.json``), so ``mlx_lm.load`` and :func:`meshd.inference.shard.load_stage` read
-it exactly like a real one. Weights are float32, the only fast dtype on the CPUs we test on.
+``tokenizer_config.json``), so ``mlx_lm.load`` and :func:`meshd.inference.stage.shard.load_stage`
+read it exactly like a real one. Weights are float32, the only fast dtype on the CPUs we test on.
 
 Models are built by mlx-lm itself (:func:`build_model` runs ``mlx_lm.utils.load_model`` on a
 directory holding only ``config.json``), so every architecture mlx-lm has can be made here: the
@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import load_model
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from meshd.inference.shard import skeleton_classes
+from meshd.inference.stage.shard import skeleton_classes
 from meshd.models.safetensors import write_sharded_safetensors
 
 Architecture = Literal["llama", "qwen2", "qwen3"]

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from meshd.inference.assignment import Assignment
-from meshd.inference.dataplane import DataPlane
 from meshd.inference.errors import InferenceError
 from meshd.inference.fencing import CommittedPlans
 from meshd.inference.generation_events import TokenEvent
-from meshd.inference.origin import DEFAULT_PREFILL_CHUNK
+from meshd.inference.origin.runtime import DEFAULT_PREFILL_CHUNK
 from meshd.inference.sampling import SamplingParams
-from meshd.inference.transport import start_server
+from meshd.inference.serving.dataplane import DataPlane
+from meshd.inference.transport.links import start_server
 from meshd.mesh import security
 from meshd.mesh.channels import peer_channel_factory
 

@@ -1,7 +1,7 @@
 """Rank 0's stage engine: the stage runtime's engine interface over a tensor-parallel group.
 
-The stage runtime (:mod:`meshd.inference.stage`) drives one engine per plan through
-:func:`meshd.inference.engine.run_step` on the compute thread: ``run`` (a step's layers),
+The stage runtime (:mod:`meshd.inference.stage.runtime`) drives one engine per plan through
+:func:`meshd.inference.stage.engine.run_step` on the compute thread: ``run`` (a step's layers),
 ``open_sampler``/``sample``/``last_token`` (the last stage's sampling), ``release`` and
 ``unload``. :class:`TensorParallelEngine` implements the same interface for a stage whose
 layers are split over a group: ``run`` hands the step to this node's rank-0 runner
@@ -14,7 +14,7 @@ One step at a time: the runner executes the steps of all requests in the order t
 steps would run request by request.
 
 Failures: a group that broke (a member lost, a step overran, the runner died) raises
-:class:`meshd.inference.engine.StageUnavailable`, so the request ends as UNAVAILABLE, the
+:class:`meshd.inference.stage.engine.StageUnavailable`, so the request ends as UNAVAILABLE, the
 kind its origin may retry on the mesh's next plan; a step the runner refused (the request was
 not acceptable) is an ordinary compute failure.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from meshd.inference.engine import StageEngine, StageUnavailable
+from meshd.inference.stage.engine import StageEngine, StageUnavailable
 from meshd.inference.tensor_parallel.member import (
     RUN_DEADLINE_MARGIN_S,
     STOP_TIMEOUT_S,

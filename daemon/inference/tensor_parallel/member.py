@@ -285,7 +285,7 @@ class TensorParallelMember:
         self, request_id: str, inputs: Any, *, logits: str = "last", timeout_s: float | None = None
     ) -> Any:
         """:meth:`run` with ``mx.array`` (or token id list) in and out, like
-        :meth:`meshd.inference.shard.StageModel.run`."""
+        :meth:`meshd.inference.stage.shard.StageModel.run`."""
         import mlx.core as mx
 
         from meshd.inference.tensor_parallel.wire import from_mx, to_mx

@@ -59,7 +59,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from meshd.inference.stage_model import RequestCaches, StageModel, TooManyRequests
+from meshd.inference.stage.model import RequestCaches, StageModel, TooManyRequests
 from meshd.inference.tensor_parallel.sharding import load_rank_stage
 from meshd.inference.tensor_parallel.spec import TensorParallelSpec
 from meshd.inference.tensor_parallel.wire import (

@@ -1,7 +1,7 @@
 """One rank's part of a tensor-parallel stage: the stage's layers, sharded over the group.
 
-Loading reuses the pipeline stage loader (:func:`meshd.inference.shard.load_stage`: mlx-lm's own
-loader, only the stage's tensors, pruned to the stage) and, while the weights are still lazy,
+Loading reuses the pipeline stage loader (:func:`meshd.inference.stage.shard.load_stage`: mlx-lm's
+own loader, only the stage's tensors, pruned to the stage) and, while the weights are still lazy,
 applies mlx-lm's own ``shard(group)`` to the stage's layers. Each layer is then evaluated on its
 own, so a rank holds its shards plus, for a moment, one layer's whole tensors (``mx.load`` reads
 a tensor whole; the slice is what stays).
@@ -30,8 +30,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from meshd.inference.shard import load_stage, only_stage_layers
-from meshd.inference.stage_model import StageModel
+from meshd.inference.stage.model import StageModel
+from meshd.inference.stage.shard import load_stage, only_stage_layers
 from meshd.inference.tensor_parallel.spec import (
     TensorParallelSpec,
     TensorParallelUnsupported,

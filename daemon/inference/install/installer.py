@@ -39,9 +39,9 @@ import trio
 
 from meshd.agreement.contract import PlanChange, PlanSource
 from meshd.inference.assignment import Assignment
-from meshd.inference.dataplane import DataPlane
 from meshd.inference.fencing import CommittedPlans
-from meshd.inference.hub_fetch import HubFetch
+from meshd.inference.install.hub_fetch import HubFetch
+from meshd.inference.serving.dataplane import DataPlane
 from meshd.inference.tensor_parallel.groups import spec_for_stage
 from meshd.inference.tensor_parallel.spec import TensorParallelSpec
 from meshd.mesh.membership import EventLog, Membership
@@ -231,8 +231,9 @@ class PlanInstaller:
             why,
             level=logging.WARNING,
         )
-        await self._bridge.run(self._plane.uninstall, plan_id, f"its runner ended: {why}")
-        await self._bridge.run(self.progress.forget, plan_id)
+        await self._bridge.run(
+            _unload_plan, self._plane, self.progress, plan_id, f"its runner ended: {why}"
+        )
         self._publish_loaded(plan_id, loaded=False)
         return await self._install(change)
 
@@ -271,8 +272,9 @@ class PlanInstaller:
         if change.kind == "committed" and change.plan is not None:
             return await self._install(change)
         if change.kind == "withdrawn":
-            await self._bridge.run(self._plane.uninstall, change.plan_id, change.reason)
-            await self._bridge.run(self.progress.forget, change.plan_id)
+            await self._bridge.run(
+                _unload_plan, self._plane, self.progress, change.plan_id, change.reason
+            )
             self._plan_parts.pop(change.plan_id, None)
             self._publish_loaded(change.plan_id, loaded=False)
         return True
@@ -313,16 +315,33 @@ class PlanInstaller:
             assignment = Assignment.from_plan(plan, model_dir, self._addresses())
             colocated = self._colocated_stages(plan)
             group = self._group_spec(assignment, change)
-            await self._free_before_load(plan, assignment, where)
-            await self._bridge.run(_install, self._plane, assignment, colocated, group)
         except Exception as exc:
-            self.moving = ""
-            reason = f"cannot serve plan {plan.plan_id[:12]} here: {exc}"
-            await self._bridge.run(self.progress.mark_failed, plan.plan_id, reason)
-            await self._bridge.run(_record_load_failure, self._plane, plan.plan_id, str(exc))
-            self._events.add("%s", reason, level=logging.ERROR)
-            return False
-        await self._bridge.run(self.progress.mark_loaded, plan.plan_id)
+            await self._bridge.run(_load_failed, self._plane, self.progress, plan.plan_id, exc)
+            return self._failed(plan.plan_id, exc)
+        # One crossing to the asyncio side does the rest of the change: free what is in the
+        # way, load, and tell the requests that wait for it (docs/architecture.md counts it).
+        loaded = await self._bridge.run(
+            _load_plan,
+            self._plane,
+            self.progress,
+            LoadRequest(assignment, colocated, group, self._budget_for(plan), self._mlx_held),
+        )
+        if loaded.freed:
+            for plan_id in loaded.freed:
+                self._publish_loaded(plan_id, loaded=False)
+            budget = self._budget_for(plan)
+            assert budget is not None
+            self._events.add(
+                "freed the stage of plan %s before loading plan %s (%s): holding both needs "
+                "%.0f MB, the budget leaves the model %.0f MB here",
+                ", ".join(plan_id[:12] for plan_id in loaded.freed),
+                plan.plan_id[:12],
+                where,
+                loaded.needed / 1e6,
+                budget.allowance / 1e6,
+            )
+        if loaded.error is not None:
+            return self._failed(plan.plan_id, loaded.error)
         self._publish_loaded(plan.plan_id, loaded=True)
         self.moving = ""
         self.last_install = f"plan {plan.plan_id[:12]}: {where} of {selection.name}"
@@ -330,9 +349,14 @@ class PlanInstaller:
         await self._prune_parts()
         return True
 
-    async def _free_before_load(self, plan: Any, assignment: Assignment, where: str) -> None:
-        """Free the stages of the plans still installed here (draining) before this node
-        loads its stage of ``plan``, where holding both would exceed its budget.
+    def _failed(self, plan_id: str, error: BaseException) -> bool:
+        self.moving = ""
+        self._events.add("%s", _cannot_serve(plan_id, error), level=logging.ERROR)
+        return False
+
+    def _budget_for(self, plan: Any) -> LoadBudget | None:
+        """What this node's budget allows MLX, and what its stage of ``plan`` needs on top of
+        what MLX holds (None: the plan reserved nothing here, nothing is freed first).
 
         A node whose range moves would otherwise hold the old stage (its plan drains) and the
         new one at once: in MLX terms, what it holds now plus the new plan's weights, KV cache
@@ -341,34 +365,18 @@ class PlanInstaller:
         and their origins move them to the new plan (token replay: the same text); the load
         then takes the layers both stages run from the freed stage and reads only the rest.
         """
-        in_the_way = await self._bridge.run(_stages_to_free, self._plane, assignment)
-        share = plan.memory_of(self._membership.identity.node_id)
-        if not in_the_way or share is None:
-            return
-        allowance = share.usable_bytes - share.overhead_bytes
-        held = self._mlx_held()
-        needed = held + share.weights_bytes + share.kv_cache_bytes + share.activation_bytes
-        if needed <= allowance:
-            return
-        freed = ", ".join(plan_id[:12] for plan_id in in_the_way)
-        self.moving = f"freeing the stage of plan {freed}, then loading plan {plan.plan_id[:12]}"
-        reason = (
-            f"plan {plan.plan_id[:12]} replaces it on node {self._membership.identity.node_id}"
-            " (its old stage is freed first, to stay within the memory budget)"
+        node = self._membership.identity.node_id
+        share = plan.memory_of(node)
+        if share is None:
+            return None
+        return LoadBudget(
+            allowance=share.usable_bytes - share.overhead_bytes,
+            stage_bytes=share.weights_bytes + share.kv_cache_bytes + share.activation_bytes,
+            reason=(
+                f"plan {plan.plan_id[:12]} replaces it on node {node} (its old stage is freed "
+                "first, to stay within the memory budget)"
+            ),
         )
-        for plan_id in in_the_way:
-            await self._bridge.run(self._plane.uninstall, plan_id, reason)
-            self._publish_loaded(plan_id, loaded=False)
-        self._events.add(
-            "freed the stage of plan %s before loading plan %s (%s): holding both needs %.0f MB, "
-            "the budget leaves the model %.0f MB here",
-            freed,
-            plan.plan_id[:12],
-            where,
-            needed / 1e6,
-            allowance / 1e6,
-        )
-        self.moving = f"loading plan {plan.plan_id[:12]}: {where}"
 
     def _group_spec(self, assignment: Assignment, change: PlanChange) -> TensorParallelSpec | None:
         """This node's tensor-parallel stage of the plan as its runner needs it, or None."""
@@ -435,9 +443,9 @@ class PlanInstaller:
         )
 
     async def _fetch_from_hub(self, selection: pb.ModelSelection, plan: Any) -> Path:
-        """The files this node's stage needs of a Hub repository (`hf:ORG/NAME@COMMIT`),
-        into its HF cache, each file downloaded once per mesh (see `meshd.inference.hub_fetch`):
-        from the Hub, or from the peer that downloads it while it arrives."""
+        """The files this node's stage needs of a Hub repository (`hf:ORG/NAME@COMMIT`), into its HF
+        cache, each file downloaded once per mesh (see `meshd.inference.install.hub_fetch`): from
+        the Hub, or from the peer that downloads it while it arrives."""
         if self._hub_fetch is None:
             raise RuntimeError("this node was started without Hub downloads")
         label = self.moving
@@ -500,17 +508,76 @@ class PlanInstaller:
                     self._agreement.release(plan_id)
 
 
-async def _install(
-    plane: DataPlane,
-    assignment: Assignment,
-    colocated: int,
-    group: TensorParallelSpec | None,
+@dataclass(frozen=True)
+class LoadBudget:
+    """This node's memory for a plan change: what its budget leaves MLX, what its new stage
+    needs beyond what MLX holds now, and what a request on a stage freed first is told."""
+
+    allowance: int
+    stage_bytes: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """A committed plan's stage to load here, as the asyncio side needs it."""
+
+    assignment: Assignment
+    colocated: int
+    group: TensorParallelSpec | None
+    budget: LoadBudget | None
+    mlx_held: Callable[[], int]
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    freed: tuple[str, ...] = ()  # plans whose stages were freed first
+    needed: int = 0  # bytes holding both would have needed (when it freed)
+    error: BaseException | None = None
+
+
+async def _load_plan(plane: DataPlane, progress: InstallProgress, load: LoadRequest) -> LoadOutcome:
+    """asyncio side of a committed plan: free the stages in the way when holding them and
+    the new one would exceed the budget, load, and mark the plan loaded (or failed) for the
+    requests that wait for it."""
+    assignment = load.assignment
+    freed: tuple[str, ...] = ()
+    needed = 0
+    in_the_way = plane.stages_to_free_for(assignment)
+    if in_the_way and load.budget is not None:
+        needed = load.mlx_held() + load.budget.stage_bytes
+        if needed > load.budget.allowance:
+            for plan_id in in_the_way:
+                await plane.uninstall(plan_id, load.budget.reason)
+            freed = tuple(in_the_way)
+    try:
+        await plane.install(assignment, colocated_stages=load.colocated, tensor_parallel=load.group)
+    except Exception as exc:
+        await _load_failed(plane, progress, assignment.plan_id, exc)
+        return LoadOutcome(freed, needed, exc)
+    await progress.mark_loaded(assignment.plan_id)
+    return LoadOutcome(freed, needed)
+
+
+async def _load_failed(
+    plane: DataPlane, progress: InstallProgress, plan_id: str, error: BaseException
 ) -> None:
-    await plane.install(assignment, colocated_stages=colocated, tensor_parallel=group)
+    """This node cannot serve ``plan_id``: requests waiting for it, and those reaching it,
+    fail at once with the reason."""
+    await progress.mark_failed(plan_id, _cannot_serve(plan_id, error))
+    plane.record_load_failure(plan_id, str(error))
 
 
-async def _stages_to_free(plane: DataPlane, assignment: Assignment) -> list[str]:
-    return plane.stages_to_free_for(assignment)
+async def _unload_plan(
+    plane: DataPlane, progress: InstallProgress, plan_id: str, reason: str
+) -> None:
+    """asyncio side of a withdrawn plan: its requests end with ``reason``, its stage goes."""
+    await plane.uninstall(plan_id, reason)
+    await progress.forget(plan_id)
+
+
+def _cannot_serve(plan_id: str, error: BaseException) -> str:
+    return f"cannot serve plan {plan_id[:12]} here: {error}"
 
 
 def _mlx_active_bytes() -> int:
@@ -537,10 +604,6 @@ def _describe_part(part: PartSpec) -> str:
     if part.layer_end <= part.layer_start:
         return "the config and tokenizer"
     return f"layers {part.layer_start}-{part.layer_end - 1}"
-
-
-async def _record_load_failure(plane: DataPlane, plan_id: str, reason: str) -> None:
-    plane.record_load_failure(plan_id, reason)
 
 
 async def _count(plane: DataPlane, plan_id: str) -> int:

@@ -17,7 +17,7 @@ it opened last (its lane, once it has one), so they follow its frames' path.
 
 A lane whose connection breaks while the link's stream stays open (a reset: every node is
 still a member) does not break the link: the sender re-opens it at once and both ends send
-again the frames the other did not act on (:func:`meshd.inference.lanes.reopen`, exact
+again the frames the other did not act on (:func:`meshd.inference.transport.lanes.reopen`, exact
 counts, no frame twice); frames sent meanwhile wait, in order, behind those. Only when that
 fails within ``lanes.RECOVER_WITHIN_S`` is the link broken and the peer reported lost, so
 the origins replay their requests as before. A reset lane costs milliseconds, not a replay.
@@ -48,8 +48,8 @@ from typing import Any, Protocol
 
 import grpc
 
-from meshd.inference import lanes
-from meshd.inference.lanes import Lane, LaneClosed, LaneListener
+from meshd.inference.transport import lanes
+from meshd.inference.transport.lanes import Lane, LaneClosed, LaneListener
 from meshd.mesh import channels, security
 from meshd.mesh.channels import ChannelFactory
 from meshd.runtime import tls_buffers
@@ -435,7 +435,7 @@ class Transport:
         port: int = 0,
         handshake_timeout_s: float = lanes.HANDSHAKE_TIMEOUT_S,
     ) -> int:
-        """Offer peers a lane (:mod:`meshd.inference.lanes`) on ``host``:``port`` and dial
+        """Offer peers a lane (:mod:`meshd.inference.transport.lanes`) on ``host``:``port`` and dial
         theirs; returns the listener's port. OSError when it cannot listen there."""
         self.bind_loop()
         server_context, self._lane_context = security.ssl_contexts(credentials)

@@ -43,7 +43,7 @@ How a request flows (origin O holds the request; stages S0..Sn-1 hold the layers
 Loading: a stage loads on the compute thread, so while a new plan loads, requests of a
 draining plan on the same node wait (MLX evaluations stay on one thread). A new plan whose
 stage on this node is identical to an installed one shares its weights instead, and one that
-overlaps a loaded stage takes the layers they share (:mod:`meshd.inference.loaded_stages`).
+overlaps a loaded stage takes the layers they share (:mod:`meshd.inference.serving.loaded_stages`).
 
 Tensor-parallel stages (:mod:`meshd.inference.tensor_parallel`): every member of the stage's
 group starts its rank's runner process when the plan is installed (:class:`RunnerSupervisor`,
@@ -55,7 +55,7 @@ killed at once (:meth:`DataPlane.member_lost`); the requests on the group end as
 Epochs and fencing: every frame carries its plan id, and a node serves a frame only for a
 plan that ``check_serving(plan_id)`` (the agreement's fencing, see
 :mod:`meshd.inference.fencing`) says is committed here, installed and loaded, and only from
-the node the plan says (see :mod:`meshd.inference.stage_core`). Requests that fail reach the
+the node the plan says (see :mod:`meshd.inference.stage.core`). Requests that fail reach the
 client as :class:`meshd.inference.errors.InferenceError`.
 """
 
@@ -72,24 +72,24 @@ from typing import Any
 import psutil
 
 from meshd.inference.assignment import Assignment
-from meshd.inference.engine import StageEngine, StageKey
 from meshd.inference.errors import ErrorKind, InferenceError
 from meshd.inference.fencing import FenceCheck, ServedSource
 from meshd.inference.generation_events import GenerationEvent
 from meshd.inference.installed import InstalledPlan
-from meshd.inference.loaded_stages import LoadedStages, StageLoads
-from meshd.inference.origin import (
+from meshd.inference.origin.runtime import (
     DEFAULT_PREFILL_CHUNK,
     DEFAULT_RESUME_TIMEOUT_S,
     STREAM_FIRST_ENV,
     Origin,
 )
 from meshd.inference.sampling import SamplingParams
-from meshd.inference.stage import StageRuntime
+from meshd.inference.serving.loaded_stages import LoadedStages, StageLoads
+from meshd.inference.stage.engine import StageEngine, StageKey
+from meshd.inference.stage.runtime import StageRuntime
 from meshd.inference.tensor_parallel.engine import TensorParallelEngine
 from meshd.inference.tensor_parallel.member import RunnerSupervisor
 from meshd.inference.tensor_parallel.spec import TensorParallelSpec
-from meshd.inference.transport import ChannelFactory, DataPlaneServicer, Transport
+from meshd.inference.transport.links import ChannelFactory, DataPlaneServicer, Transport
 from meshd.models.info import every_layer_keeps_kv
 from meshd.runtime.compute import ComputeExecutor
 from meshd.runtime.lazy_imports import import_model_runtime
@@ -110,7 +110,7 @@ class DataPlane:
     raises (any exception, with a message naming the plan and node) when the plan is not
     committed here; ``served()`` (optional) says which plan is active, so that the origin can
     move its requests to the next plan when theirs cannot carry them on (see
-    :mod:`meshd.inference.origin`). Everything runs on the asyncio thread that calls it; MLX
+    :mod:`meshd.inference.origin.runtime`). Everything runs on the asyncio thread that calls it; MLX
     runs on ``compute`` (one thread per node, created here unless given).
     """
 
@@ -278,7 +278,7 @@ class DataPlane:
 
     async def _drafts_for(self, assignment: Assignment, plan: InstalledPlan) -> int:
         """Tokens this node drafts per step for ``plan``'s greedy requests (speculative
-        decoding, :mod:`meshd.inference.drafting`): ``draft_tokens`` on the first stage of a
+        decoding, :mod:`meshd.inference.stage.drafting`): ``draft_tokens`` on the first stage of a
         plan of plain stages whose every layer keeps a KV cache (rejected drafts are taken
         back by dropping cache positions); 0 everywhere else."""
         stages = assignment.stages

@@ -10,7 +10,7 @@ depends on what is here already:
   plan's, or the spare an uninstalled plan left): it takes those layers and reads the rest;
 * the tokenizer and config of the last plan, when it ran the same model files.
 
-:class:`LoadedStages` keeps that state for the :class:`meshd.inference.dataplane.DataPlane`
+:class:`LoadedStages` keeps that state for the :class:`meshd.inference.serving.dataplane.DataPlane`
 that owns it (it shares the facade's table of installed plans) and counts what each load
 read or kept (:class:`StageLoads`, shown by ``meshd status``). All on the asyncio thread.
 """
@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshd.inference.assignment import Assignment
-from meshd.inference.engine import StageEngine, StageKey
 from meshd.inference.installed import InstalledPlan
+from meshd.inference.stage.engine import StageEngine, StageKey
 from meshd.inference.tensor_parallel.engine import TensorParallelEngine
 from meshd.runtime.compute import ComputeExecutor
 
 if TYPE_CHECKING:  # the stage model imports mlx-lm: only where a stage is loaded
-    from meshd.inference.stage_model import StageModel
+    from meshd.inference.stage.model import StageModel
 
 SPARE_KEEP_S = 20.0  # how long an uninstalled plan's stage waits for a plan to take it over
 

@@ -12,7 +12,7 @@ model itself (a draft the first stage could run with no extra weights) agree wit
 model on only 2-42 % of tokens, too few for any speed-up.
 
 The protocol (``StageCore.plan_loaded(draft_tokens=k)``, the first stage of a plan of plain
-stages, :mod:`meshd.inference.stage_core`): for a greedy request without a repetition
+stages, :mod:`meshd.inference.stage.core`): for a greedy request without a repetition
 penalty that decodes alone on the plan, the first stage looks up to k tokens it guesses
 follow the token it just received in the request's prompt and answer so far, and runs them
 in the same step (1 + k positions). The later stages run the step as it comes, and the last
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # stage_state keeps a DraftIndex per request: imported for the types only
-    from meshd.inference.stage_state import StagePlan, StageRequest
+    from meshd.inference.stage.state import StagePlan, StageRequest
 
 # Longest and shortest context matched: a longer match is a better guess when there is one.
 MAX_NGRAM = 3

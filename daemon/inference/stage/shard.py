@@ -52,7 +52,7 @@ import_model_runtime()
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.utils import _get_classes, load_model  # noqa: E402
 
-from meshd.inference.stage_model import (  # noqa: E402
+from meshd.inference.stage.model import (  # noqa: E402
     StageLoadError,
     StageModel,
     StageRecipe,

@@ -1,7 +1,7 @@
 """Admission at a stage: whether a request may open here now, must wait for room, or is
 refused, and why.
 
-Pure, as the stage core that asks it (:mod:`meshd.inference.stage_core`): no I/O, no clock,
+Pure, as the stage core that asks it (:mod:`meshd.inference.stage.core`): no I/O, no clock,
 no MLX, asyncio or gRPC. It answers with messages and :class:`Refusal`s; the core ends the
 request and tells its origin.
 

@@ -13,8 +13,8 @@ import mlx.core as mx
 
 from meshd.inference.assignment import check_stage_chain
 from meshd.inference.sampling import SamplingParams, TokenSampler
-from meshd.inference.shard import load_stage
-from meshd.inference.stage_model import Cache, StageModel, prefill_chunks
+from meshd.inference.stage.model import Cache, StageModel, prefill_chunks
+from meshd.inference.stage.shard import load_stage
 
 
 class LocalPipeline:

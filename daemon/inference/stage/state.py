@@ -1,5 +1,5 @@
 """What a stage remembers of the plans it holds and their requests
-(:mod:`meshd.inference.stage_core`): a request's inputs and the step it expects, the steps
+(:mod:`meshd.inference.stage.core`): a request's inputs and the step it expects, the steps
 it has handed out; a plan's position in the pipeline, its requests and its queue.
 
 Pure records, as the core that keeps them: no I/O, no clock, no MLX, asyncio or gRPC. The
@@ -12,9 +12,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from meshd.inference.assignment import Assignment
-from meshd.inference.drafting import DraftIndex
 from meshd.inference.sampling import SamplingParams
-from meshd.inference.stage_admission import StartQueue
+from meshd.inference.stage.admission import StartQueue
+from meshd.inference.stage.drafting import DraftIndex
 from meshd.inference.stage_events import RequestStart, SamplerSetup, TokenRoute, Work
 
 

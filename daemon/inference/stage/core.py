@@ -9,7 +9,7 @@ events it is given (frames as values, compute results, lost peers, plan changes)
 the node must do comes back as actions (``SendActivation``, ``SendToken``, ``SendFailure``,
 ``Release``; events and actions are the values of :mod:`meshd.inference.stage_events`), plus
 :meth:`StageCore.next_batch`, the scheduler's answer to "what does the compute thread run
-next". :mod:`meshd.inference.stage` carries the actions out.
+next". :mod:`meshd.inference.stage.runtime` carries the actions out.
 
 A request's steps (the schedule of mlx-lm's ``generate_step``, so a request alone computes
 exactly what one mlx-lm process computes): the prompt is prefilled as ``prompt[:-1]`` in
@@ -34,7 +34,7 @@ origin's check: it compares every token of the new attempt with the one it deliv
 Speculative decoding (``plan_loaded(draft_tokens=k)``): the first stage may run a step of
 the token it received plus up to k tokens it guesses follow; the last stage sends on those
 greedy decoding confirms, and the next step says how many drafted positions every stage drops
-(``rollback``). The protocol in full: :mod:`meshd.inference.drafting`.
+(``rollback``). The protocol in full: :mod:`meshd.inference.stage.drafting`.
 
 Rules (each refusal ends the request on this node and tells its origin with a Failure):
 
@@ -53,10 +53,10 @@ Rules (each refusal ends the request on this node and tells its origin with a Fa
 * Copies: a frame this stage already acted on is dropped, not computed twice: an Activation
   of a step before the one it expects, a Token of an index it has, a Start identical to the
   one it holds or queues for that request. A lane resumed after a reset sends again only
-  what its peer did not act on (:mod:`meshd.inference.lanes`), so a copy is not expected;
+  what its peer did not act on (:mod:`meshd.inference.transport.lanes`), so a copy is not expected;
   this keeps a frame that comes twice harmless all the same. A different Start under an
   open request's id is still refused.
-* Admission (:mod:`meshd.inference.stage_admission`): a Start this stage can never run is
+* Admission (:mod:`meshd.inference.stage.admission`): a Start this stage can never run is
   refused (bad settings, a token outside the vocabulary, too long for the plan's context); a
   plan holds at most ``max_requests`` requests on this stage (``OVERLOADED``); on the first
   stage a Start waits, in order, until the plan's KV budget has room for it, in a queue of at
@@ -81,8 +81,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from meshd.inference.assignment import Assignment
-from meshd.inference.drafting import DraftIndex, drafts_for
-from meshd.inference.stage_admission import StartQueue, limit_error, start_error, token_error
+from meshd.inference.stage.admission import StartQueue, limit_error, start_error, token_error
+from meshd.inference.stage.drafting import DraftIndex, drafts_for
+from meshd.inference.stage.state import StagePlan, StageRequest, StepInput
 from meshd.inference.stage_events import (
     Action,
     ActivationFrame,
@@ -105,7 +106,6 @@ from meshd.inference.stage_events import (
     Work,
     request_steps,
 )
-from meshd.inference.stage_state import StagePlan, StageRequest, StepInput
 
 ENDED_REMEMBERED = 4096  # ids of ended requests kept to drop their late frames
 LOAD_FAILURES_REMEMBERED = 64

@@ -5,9 +5,10 @@ by replay or in the background, retry it on the same plan, give up) is where the
 correctness lives, and it must be testable without gRPC, mutual TLS or MLX, under thousands
 of seeded fault schedules (``tests/origin_sim.py``, ``tests/test_origin_core.py``). So this
 module does no I/O, starts nothing, reads no clock and imports no asyncio, gRPC or MLX, like
-the stage's core (:mod:`meshd.inference.stage_core`): time is the ``now`` argument, the world
+the stage's core (:mod:`meshd.inference.stage.core`): time is the ``now`` argument, the world
 comes in as events, and what the origin must do goes out as decisions.
-:mod:`meshd.inference.origin` carries the decisions out (frames, the client's events, timers).
+:mod:`meshd.inference.origin.runtime` carries the decisions out (frames, the client's events,
+timers).
 
 Events (methods of :class:`OriginCore`)::
 

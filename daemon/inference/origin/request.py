@@ -1,6 +1,6 @@
-"""One request the origin holds for a client (:mod:`meshd.inference.origin`): the client's
+"""One request the origin holds for a client (:mod:`meshd.inference.origin.runtime`): the client's
 side of it (stop strings, text, timing, the final event's usage), its inbox of frames and
-local events, and its :class:`meshd.inference.origin_core.OriginCore`, which decides where
+local events, and its :class:`meshd.inference.origin.core.OriginCore`, which decides where
 the request runs and when it ends.
 
 State and bookkeeping, no I/O: the origin carries the core's decisions out.
@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from meshd.inference.errors import InferenceError
-from meshd.inference.frames import start_to_proto
 from meshd.inference.generation_events import (
     FinalEvent,
     FinishReason,
@@ -24,9 +23,10 @@ from meshd.inference.generation_events import (
     Usage,
 )
 from meshd.inference.installed import InstalledPlan
-from meshd.inference.origin_core import Attempt, OriginCore
+from meshd.inference.origin.core import Attempt, OriginCore
 from meshd.inference.sampling import SamplingParams, StopChecker
 from meshd.inference.stage_events import RequestStart
+from meshd.inference.transport.frames import start_to_proto
 from meshd.wire import dataplane_pb2 as dp
 
 MAX_ACTIVATION_BYTES = 32 << 20  # a prefill chunk is cut so its activation stays below this

@@ -50,13 +50,13 @@ dialler re-opens the lane at once (:func:`reopen`, at most ``RECOVER_ATTEMPTS`` 
   listener replaces is read to its end before its count is given. A lane that ended for a
   reason a new connection would not cure (a frame that cannot be read, one over the size
   limit) is reported at once, as is one that cannot be resumed: then the origins replay as
-  before (:mod:`meshd.inference.origin_core`), which stays the fallback.
+  before (:mod:`meshd.inference.origin.core`), which stays the fallback.
 
 A TCP reset is seen at once by both ends: the end that aborts gets ``ECONNABORTED`` and the
 one that receives the RST ``ECONNRESET``, both wake the loop's reader callback (epoll reports
 the socket's error as readable), so the lane fails in the same loop turn, not at its next
 write. The stage core drops a copy of a frame it already acted on as well (a step, a token
-index or a Start it has: :mod:`meshd.inference.stage_core`), so a re-sent frame is harmless
+index or a Start it has: :mod:`meshd.inference.stage.core`), so a re-sent frame is harmless
 even where the counts could not be exact.
 """
 
@@ -207,7 +207,7 @@ class Lane:
 
     def send_from_thread(self, frame: dp.Frame) -> bool:
         """Write ``frame`` from another thread than the loop's (the compute thread sends a
-        step's result the moment it is done, :mod:`meshd.inference.stage`); False when the
+        step's result the moment it is done, :mod:`meshd.inference.stage.runtime`); False when the
         lane was closed already (the frame was not taken). A write that fails takes the
         frame all the same: a resume sends it again, or the loss is reported on the loop.
 

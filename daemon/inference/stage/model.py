@@ -15,7 +15,7 @@ the same floating-point operations as one mlx-lm process: logits are bit-identic
 Chunked prefill: the prompt is cut into chunks (:func:`prefill_chunks`); each stage advances
 its own per-request caches by each chunk, in order. Only the last stage applies
 :meth:`StageModel.head`. :meth:`StageModel.run` is exactly one stage's part of a chunk.
-How a stage is loaded is :mod:`meshd.inference.shard`'s business.
+How a stage is loaded is :mod:`meshd.inference.stage.shard`'s business.
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@ ComputeExecutor`), never on the trio thread nor on the asyncio thread that moves
 that heartbeats and other requests' frames never wait behind a matrix multiplication.
 
 * :class:`StageEngine`: this node's layers of one plan (mlx-lm's own model classes, see
-  :mod:`meshd.inference.shard`), the KV caches of its open requests and, on the last stage,
+  :mod:`meshd.inference.stage.shard`), the KV caches of its open requests and, on the last stage,
   each request's seeded sampler. Its methods are the interface :func:`run_step` and the stage
   runtime drive; :class:`meshd.inference.tensor_parallel.engine.TensorParallelEngine`
   implements it for a stage split over a group (its rank 0 runs the step in runner processes).
 * :func:`run_step`: one step of one request as the stage core handed it out
-  (:class:`meshd.inference.stage_core.Work`): embed or decode the input, run the layers,
+  (:class:`meshd.inference.stage.core.Work`): embed or decode the input, run the layers,
   and return the hidden states for the next stage, or sample the next token on the last.
 * The activation codec (:func:`encode_hidden`/:func:`decode_hidden`): raw little-endian
   bytes plus dtype and shape; no pickle ever crosses the wire.
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from meshd.inference.drafting import DraftIndex
 from meshd.inference.sampling import TokenSampler
+from meshd.inference.stage.drafting import DraftIndex
 from meshd.inference.stage_events import (
     Advanced,
     ComputeFailed,
@@ -44,8 +44,10 @@ from meshd.inference.stage_events import (
 from meshd.runtime.blas import default_blas_threads, set_blas_threads
 from meshd.runtime.compute import computing
 
-if TYPE_CHECKING:  # meshd.inference.shard imports mlx_lm (and transformers): loaded on first use
-    from meshd.inference.stage_model import RequestCaches, StageModel
+if (
+    TYPE_CHECKING
+):  # meshd.inference.stage.shard imports mlx_lm (and transformers): loaded on first use
+    from meshd.inference.stage.model import RequestCaches, StageModel
 
 # dtype name on the wire -> (MLX dtype, numpy dtype used for the bytes). bfloat16 has no numpy
 # dtype: its bytes travel as uint16 and are reinterpreted on arrival.
@@ -150,9 +152,9 @@ class StageEngine:
     ) -> None:
         """Load the stage's weights (or adopt ``shared``, identical weights already loaded;
         ``donors``: a stage of the same model whose common layers are taken over, see
-        :func:`meshd.inference.shard.load_stage`)."""
-        from meshd.inference.shard import load_stage
-        from meshd.inference.stage_model import RequestCaches
+        :func:`meshd.inference.stage.shard.load_stage`)."""
+        from meshd.inference.stage.model import RequestCaches
+        from meshd.inference.stage.shard import load_stage
 
         self.stage = shared or load_stage(
             self.key.model_dir,
@@ -340,7 +342,7 @@ def run_steps(engine: StageEngine, works: Sequence[Work], cores_share: int) -> l
     same ``head``) in one forward pass on their batched caches, each row's result in order.
     Rows whose step is skipped (a single stage's following step after a stop token) drop out;
     a batch left with one row runs that row alone (:func:`run_step`), on its own cache."""
-    from meshd.inference.stage_model import TooManyRequests
+    from meshd.inference.stage.model import TooManyRequests
 
     set_blas_threads(None if cores_share <= 1 else default_blas_threads() // cores_share)
     started = time.perf_counter()
@@ -417,7 +419,7 @@ def run_step(engine: StageEngine, work: Work, cores_share: int) -> StepResult:
     ``cores_share`` is how many busy stages share this machine's cores right now (1: use
     them all); the stage sets its BLAS threads to its share before computing.
     """
-    from meshd.inference.stage_model import TooManyRequests
+    from meshd.inference.stage.model import TooManyRequests
 
     share = max(1, cores_share)
     set_blas_threads(None if share == 1 else default_blas_threads() // share)

@@ -1,10 +1,10 @@
 """The stage runtime: carries out what the pure stage core decides.
 
-:class:`meshd.inference.stage_core.StageCore` decides; this runs it on the asyncio thread:
+:class:`meshd.inference.stage.core.StageCore` decides; this runs it on the asyncio thread:
 it reads Start/Activation/Token/End frames into core events (with the agreement's fencing
 verdict for each), sends the frames the core's actions name, frees caches on the compute
 thread, and keeps the compute thread fed: the core's next steps go to it
-(:func:`meshd.inference.engine.run_step`), at most ``QUEUED_STEPS`` at a time, and each
+(:func:`meshd.inference.stage.engine.run_step`), at most ``QUEUED_STEPS`` at a time, and each
 result comes back here. So each decision about what runs next is taken late, the order of a
 request's steps is the core's, and the compute thread does not wait for this loop between
 two steps (of different requests, or of one request on a single stage). Frames that carry
@@ -14,7 +14,7 @@ handed the step out (:meth:`StageRuntime._lanes_for`), as is a last stage's toke
 first stage; this loop then does its bookkeeping while the next stage computes.
 
 Continuous batching: the decode steps ready at once (one position each, of one plan) run in
-one forward pass on the requests' merged caches (:meth:`meshd.inference.stage_model.
+one forward pass on the requests' merged caches (:meth:`meshd.inference.stage.model.
 RequestCaches.batch`, mlx-lm's batch caches); prefill chunks run alone, interleaved with
 them. The frames of one batched step go to each node as one Bundle, and a bundle's frames are
 read before the next steps are handed out, so a batch stays together down the pipeline. The
@@ -41,18 +41,9 @@ from functools import partial
 from typing import Any
 
 from meshd.inference.assignment import Assignment
-from meshd.inference.engine import StageEngine, is_decode_step, run_step, run_steps
 from meshd.inference.fencing import FenceCheck
-from meshd.inference.frames import (
-    failure_to_proto,
-    finish_from_proto,
-    sampled_token_frame,
-    start_from_proto,
-    start_to_proto,
-    token_frame,
-)
-from meshd.inference.lanes import Lane
-from meshd.inference.stage_core import StageCore
+from meshd.inference.stage.core import StageCore
+from meshd.inference.stage.engine import StageEngine, is_decode_step, run_step, run_steps
 from meshd.inference.stage_events import (
     Action,
     ActivationFrame,
@@ -71,7 +62,16 @@ from meshd.inference.stage_events import (
     Verified,
     Work,
 )
-from meshd.inference.transport import Transport, describe_error
+from meshd.inference.transport.frames import (
+    failure_to_proto,
+    finish_from_proto,
+    sampled_token_frame,
+    start_from_proto,
+    start_to_proto,
+    token_frame,
+)
+from meshd.inference.transport.lanes import Lane
+from meshd.inference.transport.links import Transport, describe_error
 from meshd.runtime import hoptrace
 from meshd.runtime.compute import ComputeExecutor, Outcome
 from meshd.wire import dataplane_pb2 as dp

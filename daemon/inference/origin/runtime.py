@@ -8,12 +8,12 @@ way out (finished, stopped, cancelled, the client gone, failed) it sends End to 
 so they free the request's caches.
 
 Where a request runs and when it ends is decided by its pure core,
-:class:`meshd.inference.origin_core.OriginCore`: starts, tokens taken or ignored, moves to the
+:class:`meshd.inference.origin.core.OriginCore`: starts, tokens taken or ignored, moves to the
 next plan by replay or in the background, retries on the same plan after a broken link, and
 every way a request fails. This module only does the I/O around it: it turns frames, lost
 links, withdrawn plans and the passing of time into the core's events, and carries its
 decisions out (links opened, frames sent, the client's events). The client's side of a
-request (text, stop strings, timing) is :mod:`meshd.inference.origin_request`; what a client
+request (text, stop strings, timing) is :mod:`meshd.inference.origin.request`; what a client
 gets, :mod:`meshd.inference.generation_events`. When the origin itself dies, its clients lose
 their connection: the one loss nothing can undo.
 
@@ -46,10 +46,9 @@ import numpy as np
 
 from meshd.inference.errors import ErrorKind, InferenceError
 from meshd.inference.fencing import FenceCheck, ServedSource
-from meshd.inference.frames import failure_from_proto, finish_from_proto
 from meshd.inference.generation_events import FinalEvent, GenerationEvent
 from meshd.inference.installed import InstalledPlan
-from meshd.inference.origin_core import (
+from meshd.inference.origin.core import (
     DELIVER,
     JUST_DELIVER,
     NO_PLAN_VIEW,
@@ -71,7 +70,7 @@ from meshd.inference.origin_core import (
     SendStart,
     Timeouts,
 )
-from meshd.inference.origin_request import (
+from meshd.inference.origin.request import (
     NOT_A_FRAME,
     Cancelled,
     Connected,
@@ -82,7 +81,8 @@ from meshd.inference.origin_request import (
     RequestOptions,
 )
 from meshd.inference.sampling import MAX_SEED, SamplingParams
-from meshd.inference.transport import Transport
+from meshd.inference.transport.frames import failure_from_proto, finish_from_proto
+from meshd.inference.transport.links import Transport
 from meshd.wire import dataplane_pb2 as dp
 
 log = logging.getLogger("meshd.dataplane")
@@ -172,7 +172,7 @@ class Origin:
         ignore_eos: bool = False,
         resume: bool = True,
     ) -> AsyncIterator[GenerationEvent]:
-        """See :meth:`meshd.inference.dataplane.DataPlane.generate`."""
+        """See :meth:`meshd.inference.serving.dataplane.DataPlane.generate`."""
         self._check_request(plan_id, prompt_tokens, params, request_id, prefill_chunk)
         chunk = prefill_chunk or self.prefill_chunk
         options = RequestOptions(
