@@ -60,6 +60,7 @@ def mesh_status(node: Node) -> pb.MeshStatus:
         protocol_version=PROTOCOL_VERSION,
         peer_address=f"{node.config.peer_host}:{node.peer_port}",
         lane_address=f"{node.config.peer_host}:{node.lane_port}" if node.lane_port else "",
+        loop_crossings=node.bridge.crossings(),
         nodes=nodes,
         links=links,
         events=node.events.lines(),

@@ -333,3 +333,42 @@ def test_a_stage_killed_mid_stream_does_not_interrupt_the_stream(mesh) -> None:
     assert answer.status_code == 200, answer.text
     assert "Paris" in answer.json()["choices"][0]["message"]["content"]
     print(f"the stream paused {resumed_at - killed_at:.2f} s at the kill and went on")
+
+
+def test_requests_do_not_cross_between_the_loops_and_a_plan_change_crosses_once(mesh) -> None:
+    """The request path (HTTP or gRPC API, router, origin, stages) stays on the asyncio
+    thread: a request costs no crossing to trio that idle time does not; and each plan
+    change this node applied crossed to the asyncio side once (docs/architecture.md)."""
+    origin = mesh[0]
+    client = openai.OpenAI(base_url=url_of(origin) + "/v1", api_key="unused-on-loopback")
+    requests = 12
+
+    def crossings_while(work, seconds: float = 0.0) -> tuple[dict[str, int], float]:  # type: ignore[no-untyped-def]
+        before = dict(origin.status().loop_crossings)
+        began = time.monotonic()
+        work()
+        time.sleep(max(0.0, seconds - (time.monotonic() - began)))
+        after = dict(origin.status().loop_crossings)
+        return {key: after[key] - before.get(key, 0) for key in after}, time.monotonic() - began
+
+    def ask() -> None:
+        for _ in range(requests):
+            client.completions.create(
+                model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=4
+            )
+
+    busy, took = crossings_while(ask)
+    idle, _ = crossings_while(lambda: None, took)  # as long: heartbeats cross as often
+    per_request = {
+        key: count - idle.get(key, 0)
+        for key, count in busy.items()
+        if count - idle.get(key, 0) >= requests
+    }
+    assert not per_request, f"crossings that grew with the requests: {per_request}"
+
+    status = origin.status()
+    installed = sum(" ready here: " in line for line in status.events)
+    crossings = status.loop_crossings
+    assert installed >= 1 and crossings["to asyncio _load_plan"] >= installed, crossings
+    plan_sites = {key for key in crossings if key.startswith("to asyncio _") and "plan" in key}
+    assert plan_sites <= {"to asyncio _load_plan", "to asyncio _unload_plan"}, plan_sites

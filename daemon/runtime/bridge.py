@@ -28,8 +28,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -82,12 +84,25 @@ class AsyncioThread:
         self._trio_calls: set[trio.CancelScope] = set()
         self._trio_calls_idle = trio.Event()
         self._trio_calls_idle.set()
+        # Crossings since start, by direction and the function that crossed: what a request
+        # or a plan change costs in crossings is counted from these (docs/architecture.md).
+        self._crossings: Counter[str] = Counter()
+        self._crossings_lock = threading.Lock()  # counted from both threads
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             raise RuntimeError("AsyncioThread is not started: use `async with AsyncioThread()`")
         return self._loop
+
+    def crossings(self) -> dict[str, int]:
+        """Crossings since start: "to asyncio <function>" / "to trio <function>" -> count."""
+        with self._crossings_lock:
+            return dict(self._crossings)
+
+    def _count(self, direction: str, fn: Callable[..., object]) -> None:
+        with self._crossings_lock:
+            self._crossings[f"{direction} {_qualname(fn)}"] += 1
 
     @property
     def trio_calls_in_flight(self) -> int:
@@ -164,6 +179,7 @@ class AsyncioThread:
         """
         loop = self.loop
         token = self._token()
+        self._count("to asyncio", coro_fn)
         finished = trio.Event()
         outcome: dict[str, Any] = {}
         tasks: list[asyncio.Task[None]] = []
@@ -199,6 +215,7 @@ class AsyncioThread:
         logged with its traceback there. After the loop has closed the call is dropped.
         """
 
+        self._count("to asyncio", fn)
         try:
             self.loop.call_soon_threadsafe(_logged_call, fn, args, "trio to the asyncio thread")
         except RuntimeError:  # not started, or closed: nobody is left to wake
@@ -213,6 +230,7 @@ class AsyncioThread:
         a bug, logged with its traceback here instead of crashing the trio run.
         """
 
+        self._count("to trio", fn)
         try:
             self._token().run_sync_soon(_logged_call, fn, args, "the asyncio thread to trio")
         except trio.RunFinishedError:
@@ -224,7 +242,8 @@ class AsyncioThread:
         async def call() -> T:
             return fn(*args)
 
-        return await self.run_in_trio(call)
+        self._count("to trio", fn)
+        return await self._run_in_trio(call)
 
     async def run_in_trio(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """From the asyncio thread: run `afn(*args)` as a trio system task and await it.
@@ -232,6 +251,10 @@ class AsyncioThread:
         The task's exception is raised here. Cancelling this await cancels the trio task and
         waits (bounded) until it has ended, so no trio task outlives its asyncio caller.
         """
+        self._count("to trio", afn)
+        return await self._run_in_trio(afn, *args)
+
+    async def _run_in_trio(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
         loop = asyncio.get_running_loop()
         ended: asyncio.Future[T] = loop.create_future()
         scope = trio.CancelScope()
@@ -306,6 +329,12 @@ def _logged_call(fn: Callable[..., object], args: tuple[Any, ...], crossing: str
         fn(*args)
     except Exception:
         log.exception("a call handed from %s failed: %r", crossing, fn)
+
+
+def _qualname(fn: Callable[..., object]) -> str:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__qualname__", type(fn).__qualname__)
 
 
 def _name_of(fn: Callable[..., object]) -> str:
