@@ -1,4 +1,4 @@
-"""The request router: a client's Generate or Chat, from the local API to the data plane.
+"""The request router: a client's request, from the local gRPC or HTTP APIs to the data plane.
 
 It runs on the asyncio thread, where the API handlers and the data plane live. For each
 request it validates the input (nothing is sent for bad input), picks the plan (the one the
