@@ -320,17 +320,17 @@ class PlanInstaller:
             return self._failed(plan.plan_id, exc)
         # One crossing to the asyncio side does the rest of the change: free what is in the
         # way, load, and tell the requests that wait for it (docs/architecture.md counts it).
+        budget = self._budget_for(plan)
         loaded = await self._bridge.run(
             _load_plan,
             self._plane,
             self.progress,
-            LoadRequest(assignment, colocated, group, self._budget_for(plan), self._mlx_held),
+            LoadRequest(assignment, colocated, group, budget, self._mlx_held),
         )
         if loaded.freed:
             for plan_id in loaded.freed:
                 self._publish_loaded(plan_id, loaded=False)
-            budget = self._budget_for(plan)
-            assert budget is not None
+            assert budget is not None  # nothing is freed without one
             self._events.add(
                 "freed the stage of plan %s before loading plan %s (%s): holding both needs "
                 "%.0f MB, the budget leaves the model %.0f MB here",
