@@ -355,6 +355,13 @@ class Config:
         read=_draft_count,
         metavar="N",
     )
+    prefix_cache: bool = setting(
+        True,
+        "keep the KV of recent requests' prompts on every stage, so that a request that "
+        "begins as an earlier one did (an agent's conversation so far) computes only the rest; "
+        "it lives in the KV memory the plan reserves (--no-prefix-cache: off)",
+        read=_flag,
+    )
     leave_grace_s: float = setting(
         10.0,
         "on SIGTERM or `meshd leave`: how long this node lets the mesh plan without it and "

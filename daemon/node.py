@@ -183,6 +183,7 @@ class Node:
             resume_timeout_s=self.config.resume_timeout_s,
             max_queued_per_plan=self.config.queue_limit,
             draft_tokens=self.config.draft_tokens,
+            prefix_cache=self.config.prefix_cache,
             report=lambda text: bridge.call_soon_in_trio(events.add, "%s", text),
         )
         self.plans = PlanInstaller(

@@ -12,6 +12,7 @@ import asyncio
 import ipaddress
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -84,6 +85,7 @@ class LocalService(rpc.LocalServicer):
         async for reply in self._stream(
             context,
             request.sampling,
+            request.no_prefix_cache,
             prompt=request.prompt,
             messages=None,
             model=request.model,
@@ -97,6 +99,7 @@ class LocalService(rpc.LocalServicer):
         async for reply in self._stream(
             context,
             request.sampling,
+            request.no_prefix_cache,
             prompt=None,
             messages=[{"role": m.role, "content": m.content} for m in request.messages],
             model=request.model,
@@ -106,7 +109,11 @@ class LocalService(rpc.LocalServicer):
             yield reply
 
     async def _stream(
-        self, context: grpc.aio.ServicerContext, sampling: pb.Sampling, **request: Any
+        self,
+        context: grpc.aio.ServicerContext,
+        sampling: pb.Sampling,
+        no_prefix_cache: bool,
+        **request: Any,
     ) -> AsyncIterator[pb.GenerateEvent]:
         """The router's client stream as GenerateEvents; failures become gRPC statuses. The
         wire's sampling message becomes meshd's settings here, at the edge."""
@@ -115,7 +122,7 @@ class LocalService(rpc.LocalServicer):
         from meshd.inference.sampling import sampling_from_message
 
         try:
-            params = sampling_from_message(sampling)
+            params = replace(sampling_from_message(sampling), prefix_cache=not no_prefix_cache)
         except (TypeError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
@@ -237,4 +244,5 @@ def _done(finished: Any) -> pb.GenerationDone:
         resumes=usage.resumes,
         paused_s=usage.paused_s,
         transport_s_per_token=usage.transport_s_per_token,
+        cached_tokens=usage.cached_tokens,
     )

@@ -122,6 +122,10 @@ class Assignment:
     # ``context_length``, the KV tokens the first stage may admit at once (see
     # :attr:`kv_budget_tokens`). 0: no bound but the stages' request limit.
     concurrency: int = 0
+    # Sequences of KV the plan reserves beyond ``concurrency`` for the prefix cache's kept
+    # prefixes (:mod:`meshd.inference.stage.prefix`); they also use what running requests
+    # leave free of the ``concurrency`` ones.
+    cache_sequences: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -137,6 +141,8 @@ class Assignment:
             raise InvalidAssignment(f"{what}: concurrency {self.concurrency} < 0")
         if self.context_length < 0:
             raise InvalidAssignment(f"{what}: context length {self.context_length} < 0")
+        if self.cache_sequences < 0:
+            raise InvalidAssignment(f"{what}: cache sequences {self.cache_sequences} < 0")
 
     def context_error(self, prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request of ``prompt_tokens`` and ``max_tokens`` does not fit the context the

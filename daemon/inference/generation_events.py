@@ -38,6 +38,7 @@ class Usage:
     resumes: int = 0  # times the request moved to another plan and went on where it was
     paused_s: float = 0.0  # what those moves added: interruption -> the next token, in total
     plan_id: str = ""  # the plan that gave the last token
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -57,6 +57,9 @@ class SamplingParams:
     # the plan's context; one it named is kept (and refused when it does not fit). Known only
     # where the request enters (the APIs); not a setting of the sampler, not on the wire.
     max_tokens_given: bool = field(default=True, compare=False)
+    # Whether the request may start from a prompt prefix the stages keep and leave its own
+    # (the prefix cache); a client opts out for a benchmark. Travels as the Start's flag.
+    prefix_cache: bool = field(default=True, compare=False)
 
     def __post_init__(self) -> None:
         _check_finite_range("temperature", self.temperature, 0.0, 100.0)
@@ -108,7 +111,9 @@ def _check_stop_strings(stop: tuple[str, ...]) -> None:
 # The settings a Sampling message carries, in the dataclass's order; ``stop`` (a list) only
 # the local API's message has: stop strings are applied where the request was asked.
 SAMPLING_FIELDS: tuple[str, ...] = tuple(
-    f.name for f in fields(SamplingParams) if f.name not in ("stop", "max_tokens_given")
+    f.name
+    for f in fields(SamplingParams)
+    if f.name not in ("stop", "max_tokens_given", "prefix_cache")
 )
 
 M = TypeVar("M")

@@ -26,6 +26,9 @@ class FailureKind(enum.Enum):
     INTERNAL = enum.auto()  # the stage failed (to load, to compute, or the request went idle)
     BAD_REQUEST = enum.auto()  # the frame contradicts the plan (sender, order, contents)
     QUEUE_FULL = enum.auto()  # the plan's reserved KV memory is taken and its queue is full
+    # A later stage holds no cached prefix the first stage chose to start from: the origin
+    # runs the request again without the prefix cache.
+    CACHE_MISS = enum.auto()
 
 
 class Finish(enum.Enum):
@@ -55,6 +58,12 @@ class RequestStart:
     # request delivers meanwhile (Tokens from the origin, see StageCore.on_token).
     catch_up: bool = False
     invalid: str | None = None  # why the frame's settings cannot be served
+    # The prefix cache (:mod:`meshd.inference.stage.prefix`): whether the request may start
+    # from a kept prefix and leave its own (a client may opt out), and, as the first stage
+    # forwards the Start, the positions it kept and their digest, which every stage keeps too.
+    prefix_cache: bool = True
+    reuse: int = 0
+    reuse_digest: bytes = b""
 
     @property
     def context_length(self) -> int:
@@ -80,6 +89,7 @@ class ActivationFrame:
     start: RequestStart | None = None  # on the request's first Activation (step 0) only
     rollback: int = 0  # positions of the step before to drop first (rejected drafts)
     drafts: tuple[int, ...] = ()  # tokens drafted after the step's first (speculative step)
+    tokens: tuple[int, ...] = ()  # the token ids of the step's positions (the prefix cache's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +124,17 @@ class SamplerSetup:
 
 
 @dataclass(frozen=True, slots=True)
+class SlotUse:
+    """How a request starts from a kept prefix (:mod:`meshd.inference.stage.prefix`): the
+    positions it keeps of slot ``slot``, and whether it takes the slot's caches (``take``:
+    the slot leaves the cache) or copies them (the slot stays)."""
+
+    slot: int
+    length: int
+    take: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Work:
     """One step of one request on this stage: what the compute thread runs."""
 
@@ -137,6 +158,8 @@ class Work:
     # A last stage's decode step whose token, unless it ends the request, goes on to the
     # first stage (another node): the compute thread sends it itself. None: the loop does.
     token_to: TokenRoute | None = None
+    slot_use: SlotUse | None = None  # a request's first step here: the kept prefix it starts on
+    positions: tuple[int, ...] = ()  # the token ids of the positions the step adds
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +247,7 @@ class SendToken:
     finish: Finish
     compute_s: float
     logits: bytes
+    cached: int = 0  # an attempt's first token: the context positions its stages reused
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,9 +265,19 @@ class Release:
 
     plan_id: str
     request_id: str
+    keep_as: int | None = None  # keep the caches as this prefix slot instead of freeing them
+    positions: int = 0  # ...which then hold this many positions (else they are not kept)
 
 
-Action = SendActivation | SendToken | SendFailure | Release
+@dataclass(frozen=True, slots=True)
+class DropSlots:
+    """Free kept prefixes of the plan's stage (on the compute thread, after queued steps)."""
+
+    plan_id: str
+    slot_ids: tuple[int, ...]
+
+
+Action = SendActivation | SendToken | SendFailure | Release | DropSlots
 
 
 def prefill_steps(context_length: int, chunk: int) -> tuple[int, ...]:
@@ -255,12 +289,21 @@ def prefill_steps(context_length: int, chunk: int) -> tuple[int, ...]:
     return (*(min(chunk, head - start) for start in range(0, head, chunk)), 1)
 
 
-def request_steps(prompt_length: int, generated: int, chunk: int) -> tuple[int, ...]:
+def request_steps(
+    prompt_length: int, generated: int, chunk: int, reuse: int = 0
+) -> tuple[int, ...]:
     """Tokens per context step of a request that already generated ``generated`` tokens: the
     prompt as :func:`prefill_steps` cuts it, then each generated token alone, as the request
     computed them the first time. Every cache then holds exactly the bits an uninterrupted
     run computed (a chunked replay would change the matmul shapes, and with them the
-    rounding); the last step is the last generated token's, which samples the next one."""
+    rounding); the last step is the last generated token's, which samples the next one.
+    ``reuse``: context positions the stages' caches hold already (a kept prefix): the steps
+    cover only the positions after them."""
     if generated < 0:
         raise ValueError(f"a request cannot have generated {generated} tokens")
-    return prefill_steps(prompt_length, chunk) + (1,) * generated
+    context = prompt_length + generated
+    if not 0 <= reuse < context:
+        raise ValueError(f"a request of {context} context tokens cannot reuse {reuse} of them")
+    if reuse < prompt_length:
+        return prefill_steps(prompt_length - reuse, chunk) + (1,) * generated
+    return (1,) * (context - reuse)

@@ -23,6 +23,7 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_INTERNAL: _ClassVar[FailureKind]
     FAILURE_BAD_REQUEST: _ClassVar[FailureKind]
     FAILURE_QUEUE_FULL: _ClassVar[FailureKind]
+    FAILURE_CACHE_MISS: _ClassVar[FailureKind]
 FINISH_NONE: FinishReason
 FINISH_EOS: FinishReason
 FINISH_LENGTH: FinishReason
@@ -34,6 +35,7 @@ FAILURE_UNREACHABLE: FailureKind
 FAILURE_INTERNAL: FailureKind
 FAILURE_BAD_REQUEST: FailureKind
 FAILURE_QUEUE_FULL: FailureKind
+FAILURE_CACHE_MISS: FailureKind
 
 class Frame(_message.Message):
     __slots__ = ("plan_id", "request_id", "hello", "start", "activation", "token", "end", "failure", "bundle")
@@ -94,7 +96,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class Start(_message.Message):
-    __slots__ = ("origin_node_id", "prompt_tokens", "prompt_length", "sampling", "eos_token_ids", "prefill_chunk", "return_logits", "generated_tokens", "catch_up")
+    __slots__ = ("origin_node_id", "prompt_tokens", "prompt_length", "sampling", "eos_token_ids", "prefill_chunk", "return_logits", "generated_tokens", "catch_up", "no_prefix_cache", "reuse_positions", "reuse_digest")
     ORIGIN_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +106,9 @@ class Start(_message.Message):
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CATCH_UP_FIELD_NUMBER: _ClassVar[int]
+    NO_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    REUSE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    REUSE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     origin_node_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     prompt_length: int
@@ -113,10 +118,13 @@ class Start(_message.Message):
     return_logits: bool
     generated_tokens: _containers.RepeatedScalarFieldContainer[int]
     catch_up: bool
-    def __init__(self, origin_node_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., return_logits: _Optional[bool] = ..., generated_tokens: _Optional[_Iterable[int]] = ..., catch_up: _Optional[bool] = ...) -> None: ...
+    no_prefix_cache: bool
+    reuse_positions: int
+    reuse_digest: bytes
+    def __init__(self, origin_node_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., return_logits: _Optional[bool] = ..., generated_tokens: _Optional[_Iterable[int]] = ..., catch_up: _Optional[bool] = ..., no_prefix_cache: _Optional[bool] = ..., reuse_positions: _Optional[int] = ..., reuse_digest: _Optional[bytes] = ...) -> None: ...
 
 class Activation(_message.Message):
-    __slots__ = ("start", "step", "dtype", "shape", "data", "compute_s", "rollback", "draft_tokens")
+    __slots__ = ("start", "step", "dtype", "shape", "data", "compute_s", "rollback", "draft_tokens", "tokens")
     START_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +133,7 @@ class Activation(_message.Message):
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     start: Start
     step: int
     dtype: str
@@ -133,21 +142,24 @@ class Activation(_message.Message):
     compute_s: float
     rollback: int
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, start: _Optional[_Union[Start, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., compute_s: _Optional[float] = ..., rollback: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[_Union[Start, _Mapping]] = ..., step: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., compute_s: _Optional[float] = ..., rollback: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Token(_message.Message):
-    __slots__ = ("token_id", "index", "finish", "compute_s", "logits")
+    __slots__ = ("token_id", "index", "finish", "compute_s", "logits", "cached_positions")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     index: int
     finish: FinishReason
     compute_s: float
     logits: bytes
-    def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish: _Optional[_Union[FinishReason, str]] = ..., compute_s: _Optional[float] = ..., logits: _Optional[bytes] = ...) -> None: ...
+    cached_positions: int
+    def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish: _Optional[_Union[FinishReason, str]] = ..., compute_s: _Optional[float] = ..., logits: _Optional[bytes] = ..., cached_positions: _Optional[int] = ...) -> None: ...
 
 class End(_message.Message):
     __slots__ = ("reason",)

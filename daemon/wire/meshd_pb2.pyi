@@ -368,7 +368,7 @@ class PeerStatus(_message.Message):
     def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., joined_at: _Optional[float] = ..., source: _Optional[str] = ..., instance_id: _Optional[str] = ..., clock_offset_s: _Optional[float] = ...) -> None: ...
 
 class MeshStatus(_message.Message):
-    __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at", "agreement", "memory", "http_url", "requests", "transitions", "tensor_parallel_groups", "tensor_parallel_runners", "lane_address", "downloads", "loop_crossings")
+    __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at", "agreement", "memory", "http_url", "requests", "transitions", "tensor_parallel_groups", "tensor_parallel_runners", "lane_address", "downloads", "loop_crossings", "prefix_cache")
     class LoopCrossingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -396,6 +396,7 @@ class MeshStatus(_message.Message):
     LANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DOWNLOADS_FIELD_NUMBER: _ClassVar[int]
     LOOP_CROSSINGS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     mesh_name: str
     mesh_fingerprint: str
@@ -416,7 +417,8 @@ class MeshStatus(_message.Message):
     lane_address: str
     downloads: _containers.RepeatedCompositeFieldContainer[Download]
     loop_crossings: _containers.ScalarMap[str, int]
-    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ..., agreement: _Optional[_Union[AgreementStatus, _Mapping]] = ..., memory: _Optional[_Union[RuntimeMemory, _Mapping]] = ..., http_url: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., transitions: _Optional[_Union[PlanTransitions, _Mapping]] = ..., tensor_parallel_groups: _Optional[_Iterable[_Union[TensorParallelGroup, _Mapping]]] = ..., tensor_parallel_runners: _Optional[_Iterable[_Union[TensorParallelRunner, _Mapping]]] = ..., lane_address: _Optional[str] = ..., downloads: _Optional[_Iterable[_Union[Download, _Mapping]]] = ..., loop_crossings: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    prefix_cache: _containers.RepeatedCompositeFieldContainer[PrefixCacheStatus]
+    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ..., agreement: _Optional[_Union[AgreementStatus, _Mapping]] = ..., memory: _Optional[_Union[RuntimeMemory, _Mapping]] = ..., http_url: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., transitions: _Optional[_Union[PlanTransitions, _Mapping]] = ..., tensor_parallel_groups: _Optional[_Iterable[_Union[TensorParallelGroup, _Mapping]]] = ..., tensor_parallel_runners: _Optional[_Iterable[_Union[TensorParallelRunner, _Mapping]]] = ..., lane_address: _Optional[str] = ..., downloads: _Optional[_Iterable[_Union[Download, _Mapping]]] = ..., loop_crossings: _Optional[_Mapping[str, int]] = ..., prefix_cache: _Optional[_Iterable[_Union[PrefixCacheStatus, _Mapping]]] = ...) -> None: ...
 
 class RequestStatus(_message.Message):
     __slots__ = ("request_id", "plan_id", "prompt_tokens", "max_tokens", "started_at")
@@ -501,6 +503,28 @@ class TensorParallelRunner(_message.Message):
     held_bytes: int
     members: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, plan_id: _Optional[str] = ..., stage: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., backend: _Optional[str] = ..., link: _Optional[str] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ..., error: _Optional[str] = ..., held_bytes: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PrefixCacheStatus(_message.Message):
+    __slots__ = ("plan_id", "stage_index", "slots", "tokens", "budget_tokens", "lookups", "hits", "reused_tokens", "evicted")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    stage_index: int
+    slots: int
+    tokens: int
+    budget_tokens: int
+    lookups: int
+    hits: int
+    reused_tokens: int
+    evicted: int
+    def __init__(self, plan_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., slots: _Optional[int] = ..., tokens: _Optional[int] = ..., budget_tokens: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., evicted: _Optional[int] = ...) -> None: ...
 
 class RuntimeMemory(_message.Message):
     __slots__ = ("mlx_active", "mlx_peak", "rss", "peak_rss", "budget", "planned")
@@ -605,20 +629,22 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "sampling", "model", "plan_id", "chat_template", "return_logits")
+    __slots__ = ("prompt", "sampling", "model", "plan_id", "chat_template", "return_logits", "no_prefix_cache")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    NO_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     sampling: Sampling
     model: str
     plan_id: str
     chat_template: bool
     return_logits: bool
-    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., model: _Optional[str] = ..., plan_id: _Optional[str] = ..., chat_template: _Optional[bool] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+    no_prefix_cache: bool
+    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., model: _Optional[str] = ..., plan_id: _Optional[str] = ..., chat_template: _Optional[bool] = ..., return_logits: _Optional[bool] = ..., no_prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class TokenLogits(_message.Message):
     __slots__ = ("token_id", "index", "logits")
@@ -639,19 +665,21 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("messages", "sampling", "model", "plan_id")
+    __slots__ = ("messages", "sampling", "model", "plan_id", "no_prefix_cache")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    NO_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: Sampling
     model: str
     plan_id: str
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., model: _Optional[str] = ..., plan_id: _Optional[str] = ...) -> None: ...
+    no_prefix_cache: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., model: _Optional[str] = ..., plan_id: _Optional[str] = ..., no_prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class GenerationDone(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "ttft_s", "decode_tokens_per_s", "total_s", "plan_id", "model", "seed", "resumes", "paused_s", "transport_s_per_token")
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "ttft_s", "decode_tokens_per_s", "total_s", "plan_id", "model", "seed", "resumes", "paused_s", "transport_s_per_token", "cached_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -664,6 +692,7 @@ class GenerationDone(_message.Message):
     RESUMES_FIELD_NUMBER: _ClassVar[int]
     PAUSED_S_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
@@ -676,7 +705,8 @@ class GenerationDone(_message.Message):
     resumes: int
     paused_s: float
     transport_s_per_token: float
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., plan_id: _Optional[str] = ..., model: _Optional[str] = ..., seed: _Optional[int] = ..., resumes: _Optional[int] = ..., paused_s: _Optional[float] = ..., transport_s_per_token: _Optional[float] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., plan_id: _Optional[str] = ..., model: _Optional[str] = ..., seed: _Optional[int] = ..., resumes: _Optional[int] = ..., paused_s: _Optional[float] = ..., transport_s_per_token: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("text", "done", "token")

@@ -75,6 +75,7 @@ FAILURE_KINDS: dict[FailureKind, ErrorKind] = {
     FailureKind.BAD_REQUEST: ErrorKind.UNAVAILABLE,  # the stage's view of the plan differs
     # Not retried here: the client decides (429 / RESOURCE_EXHAUSTED), it knows its deadline.
     FailureKind.QUEUE_FULL: ErrorKind.OVERLOADED,
+    FailureKind.CACHE_MISS: ErrorKind.UNAVAILABLE,  # retried without the cache at once
 }
 # Failures another attempt can get past: on the next plan, or on this one shortly.
 MOVABLE_FAILURES = frozenset(
@@ -296,6 +297,7 @@ class OriginCore:
         self.generated = 0  # tokens the stages generated (an EOS included)
         self.phase = Phase.RUNNING
         self.resumes = 0
+        self.prefix_cache = True  # its Starts may use the stages' kept prefixes
         self.transport_retries = 0  # same-plan retries after broken links, this streak
         self.moving_since: float | None = None
         self.interruption = ""
@@ -418,6 +420,11 @@ class OriginCore:
         attempt = self.attempt_of(number)
         if attempt is None:
             return NOTHING
+        if kind is FailureKind.CACHE_MISS:
+            self.prefix_cache = False
+            if attempt is self.candidate:
+                return self._drop_candidate(message, now, give_up=False)
+            return self._retry_without_cache(message, now)
         if attempt is self.candidate:
             return self._drop_candidate(message, now, give_up=kind not in RETRY_SAME_PLAN)
         error = self.error_kind(kind)
@@ -525,6 +532,20 @@ class OriginCore:
             ErrorKind.INTERNAL,
             f"token {index} arrived, expected {self.generated} (plan "
             f"{self.attempt.plan.plan_id[:12]}, last stage {self.attempt.plan.last})",
+        )
+
+    def _retry_without_cache(self, message: str, now: float) -> Decisions:
+        """A stage lacked the kept prefix its first stage chose (their caches went apart):
+        the request runs again on the same plan at once, without the prefix cache, by replay
+        of what it delivered (nothing moved: no pause is counted)."""
+        failed = self.attempt
+        self._attempts_made += 1
+        number = self._attempts_made
+        self.attempt = Attempt(number, failed.plan, f"{self.request_id}~{number}", started_at=now)
+        self._waited_since = now
+        return (
+            SendEnd(failed, f"again without the prefix cache: {message}"),
+            Connect(self.attempt),
         )
 
     # ------------------------------------------------------------ moves by replay

@@ -101,6 +101,7 @@ class OriginRequest:
         self._last_at: float | None = None
         self._decode_compute_s = 0.0
         self.paused_s = 0.0
+        self.cached_tokens = 0  # prompt positions the first token's stages did not compute
         self.interrupted_at: float | None = None  # set while a move is under way
         self.end_reason = "the client went away"
         # The installed plans of its attempts, by plan id (a withdrawn one still gets Ends).
@@ -127,6 +128,7 @@ class OriginRequest:
         """Timing of a token the core took; the pause it ended (0 when none)."""
         if self._first_at is None:
             self._first_at = arrived_at
+            self.cached_tokens = min(token.cached_positions, len(self.prompt))
         else:
             self._decode_compute_s += token.compute_s
         paused = 0.0
@@ -169,6 +171,7 @@ class OriginRequest:
             resumes=self.core.resumes,
             paused_s=self.paused_s,
             plan_id=self.core.attempt.plan.plan_id,
+            cached_tokens=self.cached_tokens,
         )
         return FinalEvent(reason, usage, flushed)
 
@@ -188,6 +191,7 @@ class OriginRequest:
             return_logits=options.return_logits,
             generated=tuple(self.core.tokens[: attempt.from_tokens]),
             catch_up=attempt.catch_up,
+            prefix_cache=self.params.prefix_cache and self.core.prefix_cache,
         )
         return dp.Frame(
             plan_id=plan.plan_id, request_id=attempt.wire_id, start=start_to_proto(start)

@@ -133,6 +133,7 @@ class DataPlane:
         report: Callable[[str], None] | None = None,
         runners: RunnerSupervisor | None = None,
         draft_tokens: int = 0,
+        prefix_cache: bool = True,
     ) -> None:
         self.node_id = node_id
         self.max_requests_per_stage = max_requests_per_stage
@@ -169,6 +170,7 @@ class DataPlane:
             max_requests=max_requests_per_stage,
             idle_timeout_s=stage_idle_timeout_s,
             max_queued=max_queued_per_plan,
+            prefix_cache=prefix_cache,
         )
         self.runners = runners or RunnerSupervisor(node_id)
         self.runners.set_on_change(self._publish_runners)
@@ -268,13 +270,34 @@ class DataPlane:
             raise
         plan.ready.set_result(None)
         drafts = await self._drafts_for(assignment, plan)
-        self.stage.plan_loaded(assignment.plan_id, vocab_size=plan.vocab_size, draft_tokens=drafts)
+        self.stage.plan_loaded(
+            assignment.plan_id,
+            vocab_size=plan.vocab_size,
+            draft_tokens=drafts,
+            prefix_trimmable=self._prefix_kind(assignment, plan, tensor_parallel),
+        )
         log.info(
             "installed plan %s (stage %s of %d)",
             assignment.plan_id[:12],
             plan.index,
             len(assignment.stages),
         )
+
+    @staticmethod
+    def _prefix_kind(
+        assignment: Assignment,
+        plan: InstalledPlan,
+        tensor_parallel: TensorParallelSpec | None,
+    ) -> bool | None:
+        """How this node's stage of ``plan`` keeps prefixes (:mod:`meshd.inference.stage.
+        prefix`): cut at any position when every layer of the model keeps a KV cache (True),
+        whole only (False), or not at all (None: a tensor-parallel group keeps none yet)."""
+        engine = plan.engine
+        if tensor_parallel is not None or not isinstance(engine, StageEngine):
+            return None
+        if engine.stage is None or any(stage.tensor_parallel for stage in assignment.stages):
+            return None
+        return every_layer_keeps_kv(plan.config or {}) and engine.stage.prefix_trimmable
 
     async def _drafts_for(self, assignment: Assignment, plan: InstalledPlan) -> int:
         """Tokens this node drafts per step for ``plan``'s greedy requests (speculative

@@ -77,17 +77,34 @@ request): the runtime runs the decode steps among them in one batched forward pa
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from meshd.inference.assignment import Assignment
-from meshd.inference.stage.admission import StartQueue, limit_error, start_error, token_error
+from meshd.inference.stage.admission import (
+    StartQueue,
+    limit_error,
+    reservation,
+    start_error,
+    token_error,
+)
 from meshd.inference.stage.drafting import DraftIndex, drafts_for
+from meshd.inference.stage.prefix import (
+    DEFAULT_MAX_SLOTS,
+    PrefixIndex,
+    PrefixStats,
+    Slot,
+    prefix_digest,
+    token_bytes,
+)
 from meshd.inference.stage.state import StagePlan, StageRequest, StepInput
 from meshd.inference.stage_events import (
     Action,
     ActivationFrame,
     ComputeFailed,
+    DropSlots,
     EndFrame,
     FailureKind,
     Finish,
@@ -121,6 +138,8 @@ class StageCore:
         max_requests: int = 64,
         idle_timeout_s: float = 600.0,
         max_queued: int = 64,
+        prefix_cache: bool = True,
+        max_slots: int = DEFAULT_MAX_SLOTS,
     ):
         if max_requests < 1:
             raise ValueError(f"max_requests must be at least 1, got {max_requests}")
@@ -130,6 +149,9 @@ class StageCore:
         self.max_requests = max_requests
         self.max_queued = max_queued
         self.idle_timeout_s = idle_timeout_s
+        self.prefix_cache = prefix_cache  # the operator's switch for the whole node
+        self.max_slots = max_slots
+        self._prefixes: dict[tuple[object, ...], PrefixIndex] = {}  # by the layers they are of
         self._plans: dict[str, StagePlan] = {}
         self._load_failures: OrderedDict[str, str] = OrderedDict()
         self._ended: OrderedDict[tuple[str, str], None] = OrderedDict()
@@ -147,15 +169,41 @@ class StageCore:
             self._plans[assignment.plan_id] = StagePlan(assignment, index, queue)
         self._load_failures.pop(assignment.plan_id, None)
 
-    def plan_loaded(self, plan_id: str, vocab_size: int = 0, draft_tokens: int = 0) -> None:
+    def plan_loaded(
+        self,
+        plan_id: str,
+        vocab_size: int = 0,
+        draft_tokens: int = 0,
+        prefix_trimmable: bool | None = None,
+    ) -> None:
         """The plan's stage is loaded here; ``vocab_size`` (when known) bounds the token ids
         the first stage accepts; ``draft_tokens``: how many tokens the first stage of a
-        pipeline may draft per step (speculative decoding, see :meth:`on_token`)."""
+        pipeline may draft per step (speculative decoding, see :meth:`on_token`);
+        ``prefix_trimmable``: whether the stage's caches can be cut (its prefix cache reuses
+        any common prefix, else only whole slots), None when the stage keeps no prefixes."""
         plan = self._plans.get(plan_id)
         if plan is not None:
             plan.ready = True
             plan.vocab_size = vocab_size
             plan.draft_tokens = draft_tokens if plan.is_first else 0
+            if self.prefix_cache and prefix_trimmable is not None and plan.index is not None:
+                plan.prefix_key = _layers_of(plan)
+                plan.prefix = self._prefixes.get(plan.prefix_key)
+                if plan.prefix is None or plan.prefix.trimmable != prefix_trimmable:
+                    plan.prefix = PrefixIndex(trimmable=prefix_trimmable, max_slots=self.max_slots)
+                    self._prefixes[plan.prefix_key] = plan.prefix
+
+    def prefix_slots(self, plan_id: str) -> list[int]:
+        """The ids of the prefixes the plan's stage keeps here (what its engine must hold)."""
+        plan = self._plans.get(plan_id)
+        return plan.prefix.ids() if plan is not None and plan.prefix is not None else []
+
+    def prefix_stats(self, plan_id: str) -> tuple[int, int, PrefixStats] | None:
+        """The plan's stage's prefix cache here: slots, tokens they hold, counters."""
+        plan = self._plans.get(plan_id)
+        if plan is None or plan.prefix is None:
+            return None
+        return len(plan.prefix), plan.prefix.tokens, plan.prefix.stats
 
     def plan_failed(self, plan_id: str, reason: str) -> list[Action]:
         """This node cannot serve ``plan_id`` (its part could not be fetched or loaded):
@@ -174,7 +222,11 @@ class StageCore:
             return []
         actions: list[Action] = []
         for request in list(plan.requests.values()):
-            actions += self._drop(plan, request, FailureKind.FENCED, reason)
+            actions += self._drop(plan, request, FailureKind.FENCED, reason, keep=False)
+        if plan.prefix is not None and not any(
+            other.prefix is plan.prefix for other in self._plans.values()
+        ):
+            self._prefixes.pop(plan.prefix_key, None)  # its layers go with the plan
         while plan.queue.waiting:
             frame = plan.queue.waiting.popleft()
             self._remember_ended(plan.plan_id, frame.request_id)
@@ -244,8 +296,8 @@ class StageCore:
     def _holds_copy_of(plan: StagePlan, frame: StartFrame) -> bool:
         """The request is open or waiting here with this very Start."""
         request = plan.requests.get(frame.request_id)
-        if request is not None:
-            return request.start == frame.start
+        if request is not None:  # as the origin sent it (the kept prefix is this stage's)
+            return replace(request.start, reuse=0, reuse_digest=b"") == frame.start
         return any(
             waiting.request_id == frame.request_id and waiting.start == frame.start
             for waiting in plan.queue.waiting
@@ -259,22 +311,81 @@ class StageCore:
         return self._refuse(start.origin, frame, error) if error is not None else []
 
     def _admit(self, plan: StagePlan, frame: StartFrame, now: float) -> list[Action]:
-        """Open a request on the first stage and queue its prompt's steps."""
+        """Open a request on the first stage and queue its prompt's steps: those after the
+        longest prefix this stage keeps of its context (the Start it forwards says which)."""
         start = frame.start
+        context = start.prompt + start.generated
+        found = self._kept_prefix(plan, start, context)
+        if found is not None:
+            length = found[1]
+            start = replace(start, reuse=length, reuse_digest=prefix_digest(context, length))
         opened = self._open(plan, frame, start, now)
         if not isinstance(opened, StageRequest):
             return opened
         opened.reserved = plan.queue.reserve(start)
-        context = start.prompt + start.generated
+        actions = self._start_prefix(plan, opened, context[: start.reuse], found)
         if plan.draft_tokens and not plan.is_last and opened.drafts_allowed():
             opened.history = DraftIndex(context)
-        offset = 0
+        offset = start.reuse
         for step, size in enumerate(_steps_of(start)):
             opened.inputs.append(StepInput(step, tokens=context[offset : offset + size]))
             offset += size
         opened.next_step = opened.chunk_steps + 1
         self._enqueue(opened)
-        return []
+        return actions
+
+    def _kept_prefix(
+        self, plan: StagePlan, start: RequestStart, context: tuple[int, ...]
+    ) -> tuple[Slot, int] | None:
+        """The first stage: the kept prefix a request starts from, and how many positions."""
+        if plan.prefix is None or not start.prefix_cache or not _caches_everywhere(plan):
+            return None
+        return plan.prefix.lookup(token_bytes(context), limit=len(context) - 1)
+
+    def _start_prefix(
+        self,
+        plan: StagePlan,
+        request: StageRequest,
+        kept: tuple[int, ...],
+        found: tuple[Slot, int] | None,
+    ) -> list[Action]:
+        """A request opened on a stage that keeps prefixes: it starts from ``found`` (its
+        ``kept`` positions), and the least recently used slots make room for it."""
+        if plan.prefix is None or not request.start.prefix_cache:
+            return []
+        request.cached = list(kept)
+        room = self._slot_room(plan)
+        if found is not None:
+            request.slot_use, dropped = plan.prefix.use(found[0], found[1], room=room)
+        else:
+            dropped = plan.prefix.evict_to(room)
+        return [DropSlots(plan.plan_id, tuple(dropped))] if dropped else []
+
+    def _follow_prefix(
+        self, plan: StagePlan, frame: ActivationFrame, request: StageRequest
+    ) -> list[Action]:
+        """A later stage opens a request the first stage starts from a kept prefix: it starts
+        from its own slot of that prefix, or cannot compute the request at all."""
+        start = request.start
+        if not start.reuse:
+            return self._start_prefix(plan, request, (), None)
+        slot = plan.prefix.follow(start.reuse_digest, start.reuse) if plan.prefix else None
+        if slot is None:
+            message = (
+                f"node {self.node_id} keeps no cached prefix of the {start.reuse} positions "
+                f"stage 0 starts request {frame.request_id} from"
+            )
+            return self._refuse(start.origin, frame, message, FailureKind.CACHE_MISS)
+        kept = tuple(array("I", slot.tokens[: 4 * start.reuse]))
+        return self._start_prefix(plan, request, kept, (slot, start.reuse))
+
+    def _slot_room(self, plan: StagePlan) -> int | None:
+        """KV tokens the kept prefixes may hold now: what the plan reserves here, less what
+        its open requests may come to hold (None: no bound)."""
+        total = plan.kv_tokens
+        if total is None:
+            return None
+        return max(0, total - sum(reservation(r.start) for r in plan.requests.values()))
 
     def on_activation(self, frame: ActivationFrame, fence: str | None, now: float) -> list[Action]:
         """Hidden states of one step from the previous stage."""
@@ -290,6 +401,7 @@ class StageCore:
         if refused := self._admission(origin, frame, plan, fence):
             return refused
         assert plan is not None and plan.index is not None
+        actions: list[Action] = []
         if plan.index == 0 or plan.node(plan.index - 1) != frame.sender:
             return self._refuse(
                 origin,
@@ -303,8 +415,12 @@ class StageCore:
             if not isinstance(opened, StageRequest):
                 return opened
             request = opened
+            if started := self._follow_prefix(plan, frame, request):
+                if request.ended:
+                    return started  # refused: it cannot start where stage 0 does
+                actions = started
         if frame.step < request.next_step:
-            return []  # a copy of a step it has (sent again)
+            return actions  # a copy of a step it has (sent again)
         if frame.step != request.next_step:
             return self._refuse(
                 origin, frame, f"step {frame.step} arrived, expected {request.next_step}"
@@ -318,10 +434,11 @@ class StageCore:
                 upstream_s=frame.upstream_s,
                 rollback=frame.rollback,
                 drafts=frame.drafts,
+                positions=frame.tokens,
             )
         )
         self._enqueue(request)
-        return []
+        return actions
 
     def on_token(self, frame: TokenFrame, fence: str | None, now: float) -> list[Action]:
         """A sampled token, at the first stage of a multi-stage plan: the next step's input.
@@ -442,7 +559,9 @@ class StageCore:
             if not request.can_run():
                 continue
             plan = self._plans[request.plan_id]
-            batch.append(request.work(plan, request.inputs.popleft()))
+            work = request.work(plan, request.inputs.popleft())
+            request.track(work)
+            batch.append(work)
             request.in_flight += 1
             request.last_activity = now
             taken.append(request)
@@ -454,6 +573,9 @@ class StageCore:
         """A step finished on the compute thread: where its result goes."""
         self._clock = max(self._clock, now)
         plan = self._plans.get(work.plan_id)
+        used = work.slot_use
+        if used is not None and not used.take and plan is not None and plan.prefix is not None:
+            plan.prefix.unpin(used.slot)  # the engine copied it (or failed to): it may go
         request = plan.requests.get(work.request_id) if plan is not None else None
         if plan is None or request is None or request.ended:
             return []  # dropped while it computed; its Release follows the step
@@ -462,7 +584,7 @@ class StageCore:
         assert plan.index is not None
         if isinstance(result, ComputeFailed):
             message = f"stage {plan.index} on node {self.node_id} failed: {result.reason}"
-            return self._drop(plan, request, result.kind, message)
+            return self._drop(plan, request, result.kind, message, keep=False)
         actions: list[Action] = []
         if isinstance(result, Hidden):
             forward = request.forward_start() if work.step == 0 else None
@@ -571,6 +693,8 @@ class StageCore:
             finish = Finish.LENGTH
         else:
             finish = Finish.NONE
+        if finish is Finish.NONE and plan.is_first and request.cached is not None:
+            request.cached.append(result.token_id)  # the following step's position (1 stage)
         first = plan.node(0)
         targets = [request.origin]
         if finish is Finish.NONE and first not in (request.origin, self.node_id):
@@ -585,6 +709,7 @@ class StageCore:
                 finish,
                 result.compute_s,
                 result.logits,
+                start.reuse if index == len(start.generated) else 0,
             )
         ]
         if finish is not Finish.NONE:
@@ -614,21 +739,42 @@ class StageCore:
         return actions
 
     def _drop(
-        self, plan: StagePlan, request: StageRequest, kind: FailureKind | None, message: str
+        self,
+        plan: StagePlan,
+        request: StageRequest,
+        kind: FailureKind | None,
+        message: str,
+        *,
+        keep: bool = True,
     ) -> list[Action]:
-        """Forget a request on this stage, free its caches and, when ``kind`` is given, tell
-        its origin why."""
+        """Forget a request on this stage, free its caches (or, with ``keep``, keep them as a
+        prefix slot when this stage keeps prefixes and knows what they hold) and, when
+        ``kind`` is given, tell its origin why."""
         if request.ended:
             return []
         request.ended = True
         request.inputs.clear()
         plan.requests.pop(request.request_id, None)
         self._remember_ended(plan.plan_id, request.request_id)
-        actions: list[Action] = [Release(plan.plan_id, request.request_id)]
+        used, request.slot_use = request.slot_use, None
+        prefix = plan.prefix
+        if used is not None and not used.take and prefix is not None:
+            prefix.unpin(used.slot)  # its first step never went out
+        kept: int | None = None
+        dropped: list[int] = []
+        if keep and prefix is not None and request.cached and request.start.prefix_cache:
+            kept, dropped = prefix.insert(request.cached)
+        actions: list[Action] = [
+            Release(plan.plan_id, request.request_id, kept, len(request.cached or ()))
+        ]
         if kind is not None:
             actions.append(
                 SendFailure(request.origin, plan.plan_id, request.request_id, kind, message)
             )
+        if prefix is not None and kept is not None:
+            dropped += prefix.evict_to(self._slot_room(plan))
+        if dropped:
+            actions.append(DropSlots(plan.plan_id, tuple(dropped)))
         if request.reserved:
             plan.queue.release(request.reserved)
             request.reserved = 0
@@ -659,8 +805,31 @@ class StageCore:
 
 
 def _steps_of(start: RequestStart) -> tuple[int, ...]:
-    """The context steps of a request (see the module docstring)."""
-    return request_steps(start.prompt_length, len(start.generated), start.prefill_chunk)
+    """The context steps of a request (see the module docstring), after its kept prefix."""
+    return request_steps(
+        start.prompt_length, len(start.generated), start.prefill_chunk, start.reuse
+    )
+
+
+def _layers_of(plan: StagePlan) -> tuple[object, ...]:
+    """What identifies a plan's stage's layers here: plans with the same share their kept
+    prefixes (the data plane shares their loaded weights too)."""
+    assert plan.index is not None
+    spec = plan.assignment.stages[plan.index]
+    last = len(plan.assignment.stages) - 1
+    return (
+        str(plan.assignment.model_dir),
+        spec.layer_start,
+        spec.layer_end,
+        plan.index == 0,
+        plan.index == last,
+    )
+
+
+def _caches_everywhere(plan: StagePlan) -> bool:
+    """Whether every stage of the plan can keep prefixes (a tensor-parallel group keeps
+    none yet): only then may the first stage start a request from one."""
+    return not any(spec.tensor_parallel for spec in plan.assignment.stages)
 
 
 def _unreachable(assignment: Assignment, peer: str, reason: str) -> str:

@@ -18,6 +18,7 @@ that heartbeats and other requests' frames never wait behind a matrix multiplica
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from meshd.inference.stage_events import (
     Sampled,
     SamplerSetup,
     Skipped,
+    SlotUse,
     StepResult,
     Verified,
     Work,
@@ -100,6 +102,11 @@ def decode_hidden(dtype: str, shape: Sequence[int], data: bytes) -> mx.array:
 
 
 # --- One stage of one plan ----------------------------------------------------------------
+
+
+class PrefixMissing(RuntimeError):
+    """A kept prefix the core chose is not held here (its caches were not kept): the request
+    ends as CACHE_MISS, which its origin runs again without the prefix cache."""
 
 
 class StageUnavailable(RuntimeError):
@@ -311,11 +318,57 @@ class StageEngine:
             raise RuntimeError(f"request {request_id} has sampled no token on this stage")
         return state.last_token
 
-    def release(self, request_id: str) -> None:
-        """Drop the request's KV caches and sampler (no error if it has none)."""
+    def release(self, request_id: str, keep_as: int | None = None, positions: int = 0) -> None:
+        """Drop the request's KV caches and sampler (no error if it has none); with
+        ``keep_as``, keep the caches as that prefix slot when they hold ``positions``
+        positions (a step that failed after the core decided may have left them otherwise:
+        then they are freed, and a request that asks for the slot is told it is missing)."""
         if self._caches is not None:
-            self._caches.release(request_id)
+            if keep_as is not None and self.stage is not None:
+                cache = self._caches.take(request_id)
+                if cache is not None and _positions_held(cache) in (None, positions):
+                    self.stage.slots[keep_as] = cache
+            else:
+                self._caches.release(request_id)
         self._samplers.pop(request_id, None)
+
+    def start_from_slot(self, request_id: str, use: SlotUse) -> None:
+        """The request's caches start as kept prefix ``use.slot`` cut to ``use.length``
+        positions: the slot's own caches (``take``) or a copy of them."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        if self.stage is None or self._caches is None:
+            raise RuntimeError("this node's stage is not loaded")
+        slots = self.stage.slots
+        kept = slots.pop(use.slot, None) if use.take else slots.get(use.slot)
+        if kept is None:
+            raise PrefixMissing(f"this stage no longer holds cached prefix {use.slot}")
+        cache = kept if use.take else copy.deepcopy(kept)
+        held = _positions_held(cache)
+        if held is not None and held > use.length:
+            trim_prompt_cache(cache, held - use.length)
+        self._caches.adopt(request_id, cache)
+
+    def drop_slots(self, slot_ids: Sequence[int]) -> None:
+        """Free kept prefixes (the core evicted them)."""
+        if self.stage is not None:
+            for slot_id in slot_ids:
+                self.stage.slots.pop(slot_id, None)
+
+    def keep_only_slots(self, slot_ids: Sequence[int]) -> None:
+        """Free every kept prefix but ``slot_ids`` (the core's index of these layers, when a
+        plan is loaded on weights an earlier plan kept prefixes of)."""
+        if self.stage is not None:
+            wanted = set(slot_ids)
+            for slot_id in [s for s in self.stage.slots if s not in wanted]:
+                del self.stage.slots[slot_id]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes the kept prefixes of these layers take."""
+        if self.stage is None:
+            return 0
+        return sum(layer.nbytes for cache in self.stage.slots.values() for layer in cache)
 
     def unload(self) -> None:
         """Forget the weights and caches (they are freed once no other plan shares them)."""
@@ -327,8 +380,8 @@ class StageEngine:
 
 def is_decode_step(work: Work) -> bool:
     """Whether ``work`` runs one position (a decode step, which may join a batch)."""
-    if work.rollback or work.drafts or work.draft_limit:
-        return False  # a speculative step, or the one after it: alone on its own caches
+    if work.rollback or work.drafts or work.draft_limit or work.slot_use is not None:
+        return False  # a speculative step, the one after it, or a first step on a kept prefix
     if work.follows:
         return True
     if work.tokens is not None:
@@ -438,6 +491,8 @@ def run_step(engine: StageEngine, work: Work, cores_share: int) -> StepResult:
         else:
             payload: Any = work.payload
             inputs = decode_hidden(payload.dtype, payload.shape, payload.data)
+        if work.slot_use is not None:
+            engine.start_from_slot(work.request_id, work.slot_use)
         if work.sampler is not None:
             engine.open_sampler(work.request_id, work.sampler)
         if work.rollback:
@@ -462,9 +517,19 @@ def run_step(engine: StageEngine, work: Work, cores_share: int) -> StepResult:
         return ComputeFailed(FailureKind.OVERLOADED, str(error))
     except StageUnavailable as error:
         return ComputeFailed(FailureKind.UNREACHABLE, str(error))
+    except PrefixMissing as error:
+        return ComputeFailed(FailureKind.CACHE_MISS, str(error))
     except Exception as error:
         reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         return ComputeFailed(FailureKind.INTERNAL, reason)
+
+
+def _positions_held(cache: list[Any]) -> int | None:
+    """Positions a request's caches hold (None: no layer counts them, e.g. recurrent only)."""
+    held = {layer.offset for layer in cache if hasattr(layer, "offset")}
+    if len(held) > 1:
+        return -1  # layers disagree: a step failed part way; never kept
+    return held.pop() if held else None
 
 
 def _evaluate(output: mx.array) -> None:

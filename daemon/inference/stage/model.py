@@ -185,6 +185,10 @@ class StageModel:
             _LayerKind.of(cache, layer_range[0] + offset)
             for offset, cache in enumerate(empty_caches)
         ]
+        # The prefix cache's kept prefixes of these layers, by slot id (the stage core's
+        # :class:`meshd.inference.stage.prefix.PrefixIndex` says which): plans that share
+        # these weights share them too.
+        self.slots: dict[int, Cache] = {}
         # Asked for every step the stage runtime schedules: decided once, here.
         self._batchable = self._recipe.batched and all(
             hasattr(type(cache), "merge") for cache in empty_caches
@@ -221,6 +225,12 @@ class StageModel:
     @property
     def has_embedding(self) -> bool:
         return self._has_embedding
+
+    @property
+    def prefix_trimmable(self) -> bool:
+        """Whether a kept prefix can be cut at any position: every layer a plain KV cache
+        (sliding-window and recurrent caches cannot drop positions)."""
+        return all(type(cache) is KVCache for cache in self._empty_caches)
 
     @property
     def batchable(self) -> bool:
@@ -414,6 +424,24 @@ class RequestCaches:
         for rid in group.ids:
             self._groups[rid] = group
         return group.cache, list(group.ids)
+
+    def adopt(self, request_id: str, cache: Cache) -> None:
+        """``request_id`` starts on ``cache`` (a kept prefix's) instead of empty caches."""
+        if request_id not in self and len(self) >= self._max_requests:
+            raise TooManyRequests(
+                f"This stage already holds {len(self)} request caches (limit "
+                f"{self._max_requests}); release finished requests first."
+            )
+        self.release(request_id)
+        self._caches[request_id] = cache
+
+    def take(self, request_id: str) -> Cache | None:
+        """The plain cache of ``request_id``, no longer held here (None if it has none)."""
+        if request_id not in self:
+            return None
+        cache = self.get(request_id)
+        del self._caches[request_id]
+        return cache
 
     def release(self, request_id: str) -> None:
         """Drop the cache of ``request_id`` (no error if it has none)."""

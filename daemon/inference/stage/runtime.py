@@ -48,6 +48,7 @@ from meshd.inference.stage_events import (
     Action,
     ActivationFrame,
     ComputeFailed,
+    DropSlots,
     EndFrame,
     FailureKind,
     Hidden,
@@ -116,6 +117,7 @@ class StageRuntime:
         max_requests: int = 64,
         idle_timeout_s: float = 600.0,
         max_queued: int = 64,
+        prefix_cache: bool = True,
     ) -> None:
         self.node_id = node_id
         self.core = StageCore(
@@ -123,6 +125,7 @@ class StageRuntime:
             max_requests=max_requests,
             idle_timeout_s=idle_timeout_s,
             max_queued=max_queued,
+            prefix_cache=prefix_cache,
         )
         self._transport = transport
         self._compute = compute
@@ -146,10 +149,29 @@ class StageRuntime:
         self.core.add_plan(assignment)
         self._start_sweeper()
 
-    def plan_loaded(self, plan_id: str, vocab_size: int = 0, draft_tokens: int = 0) -> None:
+    def plan_loaded(
+        self,
+        plan_id: str,
+        vocab_size: int = 0,
+        draft_tokens: int = 0,
+        prefix_trimmable: bool | None = None,
+    ) -> None:
         """The plan's stage is loaded; token ids outside ``vocab_size`` are refused; a first
-        stage drafts up to ``draft_tokens`` tokens per step."""
-        self.core.plan_loaded(plan_id, vocab_size=vocab_size, draft_tokens=draft_tokens)
+        stage drafts up to ``draft_tokens`` tokens per step; ``prefix_trimmable``: how the
+        stage keeps prefixes (:meth:`StageCore.plan_loaded`; None: it keeps none). The engine
+        keeps the prefixes of these layers the core's index knows (an earlier plan of the
+        same layers may have kept them), and no others."""
+        self.core.plan_loaded(
+            plan_id,
+            vocab_size=vocab_size,
+            draft_tokens=draft_tokens,
+            prefix_trimmable=prefix_trimmable,
+        )
+        stage = self._stages.get(plan_id)
+        if stage is not None and stage.engine is not None and not self._compute.closed:
+            kept = self.core.prefix_slots(plan_id)
+            done = self._compute.submit(stage.engine.keep_only_slots, kept)
+            done.add_done_callback(partial(_log_failure, "freeing stale cached prefixes"))
 
     def plan_failed(self, plan_id: str, reason: str) -> None:
         self._carry_out(self.core.plan_failed(plan_id, reason))
@@ -190,6 +212,7 @@ class StageRuntime:
             start,
             activation.rollback,
             tuple(activation.draft_tokens),
+            tuple(activation.tokens),
         )
         now = time.monotonic()
         self._carry_out(self.core.on_activation(event, self._fence(frame.plan_id), now))
@@ -249,6 +272,8 @@ class StageRuntime:
                 self._send_failure(action)
             elif isinstance(action, Release):
                 self._release(action)
+            elif isinstance(action, DropSlots):
+                self._drop_slots(action)
 
     def _send_activation(self, action: SendActivation) -> None:
         stage = self._stages.get(action.plan_id)
@@ -311,8 +336,19 @@ class StageRuntime:
         stage = self._stages.get(action.plan_id)
         if stage is None or stage.engine is None or self._compute.closed:
             return
-        done = self._compute.submit(stage.engine.release, action.request_id)
+        engine = stage.engine
+        done = self._compute.submit(
+            engine.release, action.request_id, action.keep_as, action.positions
+        )
         done.add_done_callback(partial(self._released, stage, action.request_id))
+
+    def _drop_slots(self, action: DropSlots) -> None:
+        """Free evicted prefixes after the queued steps (one may still copy one it keeps)."""
+        stage = self._stages.get(action.plan_id)
+        if stage is None or stage.engine is None or self._compute.closed:
+            return
+        done = self._compute.submit(stage.engine.drop_slots, action.slot_ids)
+        done.add_done_callback(partial(_log_failure, "freeing evicted cached prefixes"))
 
     def _released(self, stage: _Stage, request_id: str, future: asyncio.Future[None]) -> None:
         stage.cached.discard(request_id)
@@ -471,6 +507,12 @@ class StageRuntime:
                 await self._sweeper
 
 
+def _log_failure(what: str, future: asyncio.Future[None]) -> None:
+    """A compute-thread job nobody awaits: its error goes to the log."""
+    if not future.cancelled() and future.exception() is not None:
+        log.error("%s failed", what, exc_info=future.exception())
+
+
 # A job's results, and for a job whose hidden states the compute thread sent itself, whether
 # each row's went (None: the loop sends them all).
 _JobResult = tuple[list[StepResult], list[bool] | None]
@@ -576,4 +618,5 @@ def _with_frame(work: Work, result: StepResult) -> StepResult:
     activation.compute_s = result.compute_s
     activation.rollback = work.rollback
     activation.draft_tokens.extend(work.drafts)
+    activation.tokens.extend(work.positions)
     return Hidden(frame, result.compute_s)

@@ -15,7 +15,8 @@ from meshd.inference.assignment import Assignment
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.stage.admission import StartQueue
 from meshd.inference.stage.drafting import DraftIndex
-from meshd.inference.stage_events import RequestStart, SamplerSetup, TokenRoute, Work
+from meshd.inference.stage.prefix import PrefixIndex
+from meshd.inference.stage_events import RequestStart, SamplerSetup, SlotUse, TokenRoute, Work
 
 
 @dataclass(slots=True)
@@ -30,6 +31,7 @@ class StepInput:
     follows: bool = False  # a single stage's next step: its input is the token sampled before
     rollback: int = 0  # positions of the step before to drop first (rejected drafts)
     drafts: tuple[int, ...] = ()  # drafted tokens the step runs after its first (speculative)
+    positions: tuple[int, ...] = ()  # the token ids of the positions the step adds
 
 
 @dataclass(eq=False, slots=True)
@@ -59,6 +61,11 @@ class StageRequest:
     history: DraftIndex | None = None
     drafts: tuple[int, ...] = ()
     accepted: int = 0
+    # The prefix cache: the token ids of the positions this stage's caches hold for the
+    # request once its handed-out steps ran (None: not known, so they are not kept when it
+    # ends), and the kept prefix its first step starts from.
+    cached: list[int] | None = None
+    slot_use: SlotUse | None = None
 
     def can_run(self) -> bool:
         """A request's next step may start: its input is here, and its step before has
@@ -92,6 +99,7 @@ class StageRequest:
                 draft=drafting,
                 generated=len(start.generated),
             )
+        slot_use, self.slot_use = self.slot_use, None
         return Work(
             plan.plan_id,
             self.request_id,
@@ -108,6 +116,8 @@ class StageRequest:
             plan.draft_tokens if drafting and item.follows and plan.one_request_alone else 0,
             self.forward_to(plan, item),
             self.token_to(plan, item, head),
+            slot_use,
+            item.positions or (item.tokens or ()),
         )
 
     def forward_to(self, plan: StagePlan, item: StepInput) -> str | None:
@@ -118,6 +128,8 @@ class StageRequest:
         _lanes_for``)."""
         if plan.is_last or item.step < self.chunk_steps or item.drafts or item.rollback:
             return None
+        if item.step == 0:
+            return None  # it carries the Start on (a context of one step: a kept prefix)
         assert plan.index is not None
         return plan.node(plan.index + 1)
 
@@ -147,7 +159,7 @@ class StageRequest:
 
     def forward_start(self) -> RequestStart:
         """What the next stage gets of the Start: the tokens only where the last stage's
-        repetition penalty needs them."""
+        repetition penalty needs them (the kept prefix travels as its length and digest)."""
         start = self.start
         if self.sampling.repetition_penalty != 1.0:
             return start
@@ -160,7 +172,23 @@ class StageRequest:
             prefill_chunk=start.prefill_chunk,
             return_logits=start.return_logits,
             generated=start.generated,
+            prefix_cache=start.prefix_cache,
+            reuse=start.reuse,
+            reuse_digest=start.reuse_digest,
         )
+
+    def track(self, work: Work) -> None:
+        """A step of the request is handed out: its positions will be in the caches (what a
+        slot of this request holds; the compute thread frees or keeps the caches after its
+        queued steps). A single stage's following step runs on the token its step before
+        samples: that one is added when it is sampled. A speculative step's positions are
+        not followed: such a request is not kept."""
+        if self.cached is None:
+            return
+        if work.rollback or work.drafts or work.draft_limit:
+            self.cached = None
+        elif not work.follows:
+            self.cached.extend(work.positions)
 
 
 @dataclass(eq=False, slots=True)
@@ -174,6 +202,17 @@ class StagePlan:
     requests: dict[str, StageRequest] = field(default_factory=dict)
     vocab_size: int = 0  # the model's token ids are 0 <= id < vocab_size (0: unknown)
     draft_tokens: int = 0  # first stage: tokens it may draft per step (0: no speculation)
+    prefix: PrefixIndex | None = None  # the kept prefixes of this stage's layers (None: off)
+    prefix_key: tuple[object, ...] = ()  # what identifies those layers (plans share its slots)
+
+    @property
+    def kv_tokens(self) -> int | None:
+        """KV tokens the plan reserves on this stage, for running requests and kept
+        prefixes together (None: no bound)."""
+        assignment = self.assignment
+        if not assignment.kv_budget_tokens:
+            return None
+        return assignment.kv_budget_tokens + assignment.context_length * assignment.cache_sequences
 
     @property
     def plan_id(self) -> str:

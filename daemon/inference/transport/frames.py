@@ -34,6 +34,9 @@ def start_to_proto(start: RequestStart) -> dp.Start:
         return_logits=start.return_logits,
         generated_tokens=start.generated,
         catch_up=start.catch_up,
+        no_prefix_cache=not start.prefix_cache,
+        reuse_positions=start.reuse,
+        reuse_digest=start.reuse_digest,
     )
 
 
@@ -55,6 +58,9 @@ def start_from_proto(message: dp.Start) -> RequestStart:
         return_logits=message.return_logits,
         generated=tuple(message.generated_tokens),
         catch_up=message.catch_up,
+        prefix_cache=not message.no_prefix_cache,
+        reuse=message.reuse_positions,
+        reuse_digest=message.reuse_digest,
     )
 
 
@@ -68,6 +74,7 @@ def token_frame(action: SendToken) -> dp.Frame:
         action.compute_s,
         action.finish,
         action.logits,
+        action.cached,
     )
 
 
@@ -79,6 +86,7 @@ def sampled_token_frame(
     compute_s: float,
     finish: Finish = Finish.NONE,
     logits: bytes = b"",
+    cached: int = 0,
 ) -> dp.Frame:
     """A token's frame, its fields set in place: a last stage's compute thread builds one
     per token on the hop, on a core the forward pass left cold. Building a ``Token`` first
@@ -95,6 +103,8 @@ def sampled_token_frame(
         token.finish = finish_to_proto(finish)
     if logits:
         token.logits = logits
+    if cached:
+        token.cached_positions = cached
     return frame
 
 
