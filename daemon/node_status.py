@@ -61,6 +61,7 @@ def mesh_status(node: Node) -> pb.MeshStatus:
         peer_address=f"{node.config.peer_host}:{node.peer_port}",
         lane_address=f"{node.config.peer_host}:{node.lane_port}" if node.lane_port else "",
         loop_crossings=node.bridge.crossings(),
+        prefix_cache=_prefix_cache(node),
         nodes=nodes,
         links=links,
         events=node.events.lines(),
@@ -84,6 +85,27 @@ def mesh_status(node: Node) -> pb.MeshStatus:
         transitions=_transitions(node),
         downloads=downloads,
     )
+
+
+def _prefix_cache(node: Node) -> list[pb.PrefixCacheStatus]:
+    """This node's stages' kept prompt prefixes (the data plane's published snapshot)."""
+    plane = getattr(node, "plane", None)  # created once the asyncio thread runs
+    if plane is None:
+        return []
+    return [
+        pb.PrefixCacheStatus(
+            plan_id=view.plan_id,
+            stage_index=view.stage_index,
+            slots=view.slots,
+            tokens=view.tokens,
+            budget_tokens=view.budget_tokens,
+            lookups=view.lookups,
+            hits=view.hits,
+            reused_tokens=view.reused_tokens,
+            evicted=view.evicted,
+        )
+        for view in plane.stage.prefix_view
+    ]
 
 
 def _transitions(node: Node) -> pb.PlanTransitions:

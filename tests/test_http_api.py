@@ -173,6 +173,67 @@ def test_anthropic_messages_plain_and_streaming(mesh) -> None:
         )
 
 
+SYSTEM = (
+    "You are a helpful assistant for a travel agency. Answer in one short sentence, name the "
+    "city first, and never add a list. The traveller may ask about capitals, rivers, famous "
+    "buildings and the best season to visit; keep every answer under twenty words."
+)
+
+
+def test_a_conversation_reuses_its_prefix_on_every_stage_exactly(mesh) -> None:
+    """An agent's second turn sends the first again: every stage starts from the KV it kept
+    of it, the clients see the reuse in their own usage fields, and the answer is the one the
+    same request gives with the cache off (``cache_prompt: false``). (A re-plan between the
+    turns that moves the layers drops what the stages kept: the turns are then asked again.)"""
+    url = url_of(mesh[0])
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused-on-loopback", max_retries=0)
+    for _ in range(3):
+        plan = mesh[0].status().agreement.active_plan_id
+        turn = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+        first = client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=turn, **GREEDY
+        )
+        turn += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And the capital of Germany?"},
+        ]
+        warm = client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=turn, **GREEDY
+        )
+        if mesh[0].status().agreement.active_plan_id == plan:
+            break
+    cold = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=turn, extra_body={"cache_prompt": False}, **GREEDY
+    )
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    reused = warm.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens < reused < warm.usage.prompt_tokens, warm.usage
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+
+    claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    message = claude.messages.create(
+        model="smollm2-135m-instruct",
+        max_tokens=24,
+        extra_body={"temperature": 0},
+        system=SYSTEM,
+        messages=turn[1:],
+    )
+    assert message.content[0].text == warm.choices[0].message.content
+    usage = message.usage
+    assert usage.cache_read_input_tokens >= reused, usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == warm.usage.prompt_tokens
+
+    for daemon in mesh:  # every stage started from its own kept prefix
+        status = daemon.status()
+        (cache,) = [c for c in status.prefix_cache if c.plan_id == plan]
+        assert cache.hits >= 2 and cache.reused_tokens >= 2 * reused, cache
+        assert cache.tokens <= cache.budget_tokens == CONTEXT, cache
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    assert re.search(
+        r"^meshd_prefix_cache_hits_total\{plan=\"\w+\",stage=\"\d\"\} [2-9]", metrics, re.M
+    )
+
+
 def test_ollama_chat_generate_list_show(mesh) -> None:
     client = ollama.Client(host=url_of(mesh[0]))
     names = [m.model for m in client.list().models]

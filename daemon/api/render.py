@@ -162,6 +162,8 @@ def status_text(status: pb.MeshStatus) -> str:
     if groups:
         plan += "\n" + groups
     plan += "\n" + transitions_text(status.transitions)
+    if status.prefix_cache:
+        plan += "\n" + prefix_cache_text(status.prefix_cache)
     downloads = downloads_text(status)
     if downloads:
         plan += "\n" + downloads
@@ -225,6 +227,21 @@ def downloads_text(status: pb.MeshStatus) -> str:
             f"  {item.node}  {item.file}  {format_bytes(item.done_bytes)}/"
             f"{format_bytes(item.total_bytes)}, {format_bytes(int(item.rate_bytes_per_s))}/s"
             f"{left}, from {item.source}"
+        )
+    return "\n".join(lines)
+
+
+def prefix_cache_text(caches: Iterable[pb.PrefixCacheStatus]) -> str:
+    """This node's stages' prefix caches: what they keep, and what requests reused."""
+    lines = []
+    for cache in caches:
+        budget = f" of {cache.budget_tokens} reserved" if cache.budget_tokens else ""
+        hits = f"{cache.hits} of {cache.lookups}" if cache.lookups else "0"
+        lines.append(
+            f"prefix cache, plan {cache.plan_id[:12]} stage {cache.stage_index}: "
+            f"{cache.slots} prompt(s) kept, {cache.tokens} tokens{budget}; "
+            f"hits {hits}, {cache.reused_tokens} tokens not computed again, "
+            f"{cache.evicted} evicted"
         )
     return "\n".join(lines)
 

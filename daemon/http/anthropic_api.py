@@ -106,6 +106,7 @@ class AnthropicApi:
             top_k=field(body, "top_k", int),
             max_tokens=max_tokens,
             stop=stops,
+            cache_prompt=field(body, "cache_prompt", bool, True),
         )
         messages = _messages(body)
         model = self.backend.check_model(field(body, "model", str, ""))
@@ -122,10 +123,7 @@ class AnthropicApi:
                     "content": [{"type": "text", "text": text}],
                     "stop_reason": STOP_REASONS.get(finished.finish_reason, "end_turn"),
                     "stop_sequence": _stop_sequence(finished.finish_reason, stops),
-                    "usage": {
-                        "input_tokens": finished.prompt_tokens,
-                        "output_tokens": finished.completion_tokens,
-                    },
+                    "usage": _usage(finished),
                 }
             )
         head, rest = await prime(events)
@@ -189,9 +187,21 @@ class AnthropicApi:
                                 "stop_reason": STOP_REASONS.get(event.finish_reason, "end_turn"),
                                 "stop_sequence": _stop_sequence(event.finish_reason, stops),
                             },
-                            "usage": {"output_tokens": event.completion_tokens},
+                            "usage": _usage(event),
                         },
                     )
                     yield _event("message_stop", {"type": "message_stop"})
         except BackendError as exc:
             yield _event("error", error_body(STATUS_OF_KIND.get(exc.kind, 500), str(exc)))
+
+
+def _usage(finished: Finished) -> dict[str, int]:
+    """Anthropic's usage: ``input_tokens`` counts the prompt tokens computed, and
+    ``cache_read_input_tokens`` those the prefix cache served (their sum is the prompt)."""
+    cached = finished.usage.cached_tokens
+    return {
+        "input_tokens": finished.prompt_tokens - cached,
+        "output_tokens": finished.completion_tokens,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }

@@ -80,6 +80,12 @@ class Activity:
     tokens_total: int
     drafted_tokens: int = 0  # speculative drafts this node (a last stage) verified
     accepted_tokens: int = 0  # ...and accepted
+    # The prefix cache of this node's stages: requests that looked for a kept prompt prefix,
+    # those that started from one, the tokens they did not compute again, and what is kept.
+    prefix_lookups: int = 0
+    prefix_hits: int = 0
+    prefix_reused_tokens: int = 0
+    prefix_kept_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -323,6 +329,7 @@ class MeshBackend:
             self._samples.popleft()
         first_at, first_total = self._samples[0]
         rate = (total - first_total) / (now - first_at) if now - first_at > 0.2 else 0.0
+        prefixes = self.prefix_caches()
         return Activity(
             requests=sum(p.origin_requests for p in stats.plans),
             stage_requests=sum(p.open_requests for p in stats.plans),
@@ -331,7 +338,15 @@ class MeshBackend:
             tokens_total=total,
             drafted_tokens=sum(p.drafted_tokens for p in stats.plans),
             accepted_tokens=sum(p.accepted_tokens for p in stats.plans),
+            prefix_lookups=sum(view.lookups for view in prefixes),
+            prefix_hits=sum(view.hits for view in prefixes),
+            prefix_reused_tokens=sum(view.reused_tokens for view in prefixes),
+            prefix_kept_tokens=sum(view.tokens for view in prefixes),
         )
+
+    def prefix_caches(self) -> tuple[Any, ...]:
+        """This node's stages' prefix caches (the data plane's published snapshot)."""
+        return tuple(self._plane.stage.prefix_view)
 
     async def _in_trio(self, fn: Any) -> Any:
         async def call() -> Any:

@@ -120,10 +120,12 @@ def sampling(
     seed: int | None = None,
     max_tokens: int | None = None,
     stop: Sequence[str] = (),
+    cache_prompt: bool = True,
 ) -> SamplingParams:
     """The request's sampling settings, checked (one implementation for every API); unset
     values take the daemon's defaults, and an unset max_tokens is lowered to what fits the
-    plan's context."""
+    plan's context. ``cache_prompt`` False: the request neither starts from a prompt prefix
+    the stages keep nor leaves one (llama.cpp's server names the setting so)."""
     values = {
         "temperature": temperature,
         "top_p": top_p,
@@ -135,7 +137,12 @@ def sampling(
     }
     given = {name: value for name, value in values.items() if value is not None}
     try:
-        return SamplingParams(**given, stop=tuple(stop), max_tokens_given=max_tokens is not None)
+        return SamplingParams(
+            **given,
+            stop=tuple(stop),
+            max_tokens_given=max_tokens is not None,
+            prefix_cache=cache_prompt,
+        )
     except (TypeError, ValueError) as exc:
         raise BackendError("bad_request", str(exc)) from exc
 

@@ -23,7 +23,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from meshd.http.backend import BackendError, MeshBackend
+from meshd.http.backend import Activity, BackendError, MeshBackend
 from meshd.http.common import NO_BUFFERING, field, read_json, stream_response
 from meshd.http.keys import ApiKeyStore
 from meshd.wire import pb
@@ -41,6 +41,31 @@ def status_json(status: pb.MeshStatus) -> dict[str, Any]:
     plan_json = status.agreement.plan_json
     data["plan"] = json.loads(plan_json) if plan_json else None
     return data
+
+
+def metrics_text(activity: Activity, prefixes: tuple[Any, ...]) -> str:
+    """Prometheus text: node gauges and counters, then one series per plan stage."""
+    lines = [
+        "# TYPE meshd_requests_in_flight gauge",
+        f"meshd_requests_in_flight {activity.requests}",
+        "# TYPE meshd_tokens_delivered_total counter",
+        f"meshd_tokens_delivered_total {activity.tokens_total}",
+    ]
+    series = (
+        ("prefix_cache_kept_tokens", "gauge", "tokens"),
+        ("prefix_cache_kept_prompts", "gauge", "slots"),
+        ("prefix_cache_budget_tokens", "gauge", "budget_tokens"),
+        ("prefix_cache_lookups_total", "counter", "lookups"),
+        ("prefix_cache_hits_total", "counter", "hits"),
+        ("prefix_cache_reused_tokens_total", "counter", "reused_tokens"),
+        ("prefix_cache_evicted_total", "counter", "evicted"),
+    )
+    for name, kind, attribute in series:
+        lines.append(f"# TYPE meshd_{name} {kind}")
+        for view in prefixes:
+            labels = f'plan="{view.plan_id}",stage="{view.stage_index}"'
+            lines.append(f"meshd_{name}{{{labels}}} {getattr(view, attribute)}")
+    return "\n".join(lines) + "\n"
 
 
 def _sse(event: str, data: Any) -> bytes:
@@ -63,6 +88,7 @@ class Dashboard:
             Route("/meshd/session", self.session, methods=["POST"]),
             Route("/meshd/models", self.models, methods=["GET"]),
             Route("/meshd/load", self.load, methods=["POST"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ]
 
@@ -74,6 +100,14 @@ class Dashboard:
         return JSONResponse(
             {"status": status_json(status), "activity": asdict(self.backend.activity())},
             headers=NO_BUFFERING,
+        )
+
+    async def metrics(self, request: Request) -> Response:
+        """Counters in Prometheus' text format (what a scraper or `curl` reads): this node's
+        requests and tokens, and each of its stages' prefix cache."""
+        return Response(
+            metrics_text(self.backend.activity(), self.backend.prefix_caches()),
+            media_type="text/plain; version=0.0.4",
         )
 
     async def session(self, request: Request) -> Response:

@@ -74,6 +74,7 @@ def _sampling(body: Mapping[str, Any]) -> Any:
         seed=field(options, "seed", int),
         max_tokens=num_predict if num_predict is not None and num_predict > 0 else None,
         stop=stop_strings(options.get("stop"), "options.stop"),
+        cache_prompt=field(body, "cache_prompt", bool, True),
     )
 
 

@@ -98,6 +98,7 @@ def _options(body: Mapping[str, Any]) -> dict[str, Any]:
             seed=field(body, "seed", int),
             max_tokens=max_tokens,
             stop=stop_strings(body.get("stop"), "stop"),
+            cache_prompt=field(body, "cache_prompt", bool, True),
         ),
         "stream": field(body, "stream", bool, False),
         "include_usage": bool(stream_options.get("include_usage")),
@@ -170,11 +171,13 @@ def chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
 # --------------------------------------------------------------------- answers
 
 
-def _usage(finished: Finished) -> dict[str, int]:
+def _usage(finished: Finished) -> dict[str, Any]:
+    """OpenAI's usage; ``cached_tokens``: prompt tokens the prefix cache served."""
     return {
         "prompt_tokens": finished.prompt_tokens,
         "completion_tokens": finished.completion_tokens,
         "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": finished.usage.cached_tokens},
     }
 
 

@@ -172,6 +172,7 @@ class TokenRoute:
     index: int
     max_tokens: int
     stop_ids: frozenset[int]
+    cached: int = 0  # the attempt's first token: the context positions its stages reused
 
     def carries(self, token_id: int) -> bool:
         """Whether the compute thread sends ``token_id`` (it does not end the request)."""

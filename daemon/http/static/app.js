@@ -348,6 +348,10 @@ function onActivity(activity) {
   const drafted = num(activity.drafted_tokens ?? 0);
   $("drafts-accepted").textContent = drafted
     ? `${Math.round((100 * num(activity.accepted_tokens ?? 0)) / drafted)}%` : "-";
+  const lookups = num(activity.prefix_lookups ?? 0);
+  $("prefix-hits").textContent = lookups
+    ? `${num(activity.prefix_hits ?? 0)} of ${lookups}` : "-";
+  $("prefix-reused").textContent = String(num(activity.prefix_reused_tokens ?? 0));
   const now = Date.now() / 1000;
   state.rates[0].push(now);
   state.rates[1].push(num(activity.tokens_per_s));

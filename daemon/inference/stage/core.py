@@ -93,6 +93,7 @@ from meshd.inference.stage.admission import (
 from meshd.inference.stage.drafting import DraftIndex, drafts_for
 from meshd.inference.stage.prefix import (
     DEFAULT_MAX_SLOTS,
+    PrefixCacheView,
     PrefixIndex,
     PrefixStats,
     Slot,
@@ -197,6 +198,29 @@ class StageCore:
         """The ids of the prefixes the plan's stage keeps here (what its engine must hold)."""
         plan = self._plans.get(plan_id)
         return plan.prefix.ids() if plan is not None and plan.prefix is not None else []
+
+    def prefix_views(self) -> tuple[PrefixCacheView, ...]:
+        """Every installed plan's stage's prefix cache here, as status shows it."""
+        views = []
+        for plan in self._plans.values():
+            prefix = plan.prefix
+            if prefix is None or plan.index is None:
+                continue
+            stats = prefix.stats
+            views.append(
+                PrefixCacheView(
+                    plan.plan_id,
+                    plan.index,
+                    len(prefix),
+                    prefix.tokens,
+                    plan.kv_tokens or 0,
+                    stats.lookups,
+                    stats.hits,
+                    stats.reused_tokens,
+                    stats.evicted,
+                )
+            )
+        return tuple(views)
 
     def prefix_stats(self, plan_id: str) -> tuple[int, int, PrefixStats] | None:
         """The plan's stage's prefix cache here: slots, tokens they hold, counters."""

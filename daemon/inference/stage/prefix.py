@@ -89,6 +89,22 @@ class PrefixStats:
     misses_followed: int = 0  # a later stage lacked the slot the first stage chose
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixCacheView:
+    """One plan's stage's prefix cache as status and metrics show it (an immutable snapshot
+    the stage runtime publishes, so any thread may read it)."""
+
+    plan_id: str
+    stage_index: int
+    slots: int
+    tokens: int
+    budget_tokens: int  # KV positions the plan reserves here with its running requests (0: any)
+    lookups: int
+    hits: int
+    reused_tokens: int
+    evicted: int
+
+
 class PrefixIndex:
     """The slots of one stage (one model's layer range on this node), in LRU order."""
 

@@ -44,6 +44,7 @@ from meshd.inference.assignment import Assignment
 from meshd.inference.fencing import FenceCheck
 from meshd.inference.stage.core import StageCore
 from meshd.inference.stage.engine import StageEngine, is_decode_step, run_step, run_steps
+from meshd.inference.stage.prefix import PrefixCacheView
 from meshd.inference.stage_events import (
     Action,
     ActivationFrame,
@@ -138,6 +139,9 @@ class StageRuntime:
         self._compute_sends = os.environ.get(LOOP_SENDS_ENV, "").strip() != "1"
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
+        # The prefix caches as status shows them: replaced (never changed) by this loop when a
+        # request ends or a plan comes or goes, read by any thread (the status, the dashboard).
+        self.prefix_view: tuple[PrefixCacheView, ...] = ()
 
     # ------------------------------------------------------------ plans
 
@@ -172,6 +176,7 @@ class StageRuntime:
             kept = self.core.prefix_slots(plan_id)
             done = self._compute.submit(stage.engine.keep_only_slots, kept)
             done.add_done_callback(partial(_log_failure, "freeing stale cached prefixes"))
+        self.prefix_view = self.core.prefix_views()
 
     def plan_failed(self, plan_id: str, reason: str) -> None:
         self._carry_out(self.core.plan_failed(plan_id, reason))
@@ -181,6 +186,7 @@ class StageRuntime:
         """End the plan's requests here (their origins get ``reason``), free their caches and
         unload the stage's weights."""
         self._carry_out(self.core.remove_plan(plan_id, reason))
+        self.prefix_view = self.core.prefix_views()
         stage = self._stages.pop(plan_id, None)
         if stage is not None and stage.engine is not None and not self._compute.closed:
             with contextlib.suppress(RuntimeError):
@@ -263,6 +269,7 @@ class StageRuntime:
     # ------------------------------------------------------------ actions
 
     def _carry_out(self, actions: list[Action]) -> None:
+        ended = False
         for action in actions:
             if isinstance(action, SendActivation):
                 self._send_activation(action)
@@ -272,8 +279,11 @@ class StageRuntime:
                 self._send_failure(action)
             elif isinstance(action, Release):
                 self._release(action)
+                ended = True
             elif isinstance(action, DropSlots):
                 self._drop_slots(action)
+        if ended:
+            self.prefix_view = self.core.prefix_views()
 
     def _send_activation(self, action: SendActivation) -> None:
         stage = self._stages.get(action.plan_id)
@@ -319,6 +329,8 @@ class StageRuntime:
                     self._unreachable(lost.plan_id, lost.request_id, node)
 
     def _send_failure(self, action: SendFailure) -> None:
+        if action.kind is FailureKind.CACHE_MISS:
+            log.info("request %s: %s; its origin runs it again", action.request_id, action.message)
         stage = self._stages.get(action.plan_id)
         failure = dp.Failure(
             kind=failure_to_proto(action.kind), node_id=self.node_id, message=action.message
@@ -578,6 +590,7 @@ def _token_frame(work: Work, result: StepResult) -> tuple[str, dp.Frame] | None:
         route.index,
         result.compute_s,
         logits=result.logits,  # b"": a request that asks for logits is not routed
+        cached=route.cached,
     )
     return route.node, frame
 

@@ -141,8 +141,13 @@ class StageRequest:
         request out at a time."""
         if not head or plan.is_first or item.drafts or item.rollback or self.start.return_logits:
             return None
+        first = self.next_index == len(self.start.generated)
         return TokenRoute(
-            plan.node(0), self.next_index, self.sampling.max_tokens, self.start.eos_ids
+            plan.node(0),
+            self.next_index,
+            self.sampling.max_tokens,
+            self.start.eos_ids,
+            self.start.reuse if first else 0,
         )
 
     def drafts_allowed(self) -> bool:
