@@ -38,6 +38,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    413: "request_too_large",
     429: "rate_limit_error",
     500: "api_error",
     503: "overloaded_error",
@@ -112,7 +113,7 @@ class AnthropicApi:
         events = self.backend.generate(sampling=settings, model=model, messages=messages)
         ident = "msg_" + secrets.token_hex(12)
         if not field(body, "stream", bool, False):
-            _, text, finished = await collect(events)
+            _, text, finished = await collect(events, request)
             return JSONResponse(
                 {
                     "id": ident,

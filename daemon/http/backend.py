@@ -29,7 +29,9 @@ from meshd.inference.sampling import SamplingParams
 from meshd.runtime.bridge import AsyncioThread
 from meshd.wire import pb
 
-ErrorKind = Literal["bad_request", "not_found", "unavailable", "queue_full", "internal"]
+ErrorKind = Literal[
+    "bad_request", "not_found", "too_large", "unavailable", "queue_full", "internal"
+]
 
 # The HTTP status of the request path's error kind -> what went wrong, for HTTP.
 KIND_OF_HTTP_STATUS: dict[int, ErrorKind] = {

@@ -236,7 +236,7 @@ class OllamaApi:
             raise BackendError("bad_request", "tools are served on /v1/chat/completions only")
         model = self.backend.check_model(field(body, "model", str, ""))
         events = self.backend.generate(sampling=_sampling(body), model=model, messages=converted)
-        return await self._answer(body, model, events, chat=True)
+        return await self._answer(request, body, model, events, chat=True)
 
     async def generate(self, request: Request) -> Response:
         body = await read_json(request)
@@ -265,10 +265,16 @@ class OllamaApi:
                 {"role": "user", "content": prompt}
             ]
             events = self.backend.generate(sampling=_sampling(body), model=model, messages=messages)
-        return await self._answer(body, model, events, chat=False)
+        return await self._answer(request, body, model, events, chat=False)
 
     async def _answer(
-        self, body: Mapping[str, Any], model: str, events: AsyncIterator[Event], *, chat: bool
+        self,
+        request: Request,
+        body: Mapping[str, Any],
+        model: str,
+        events: AsyncIterator[Event],
+        *,
+        chat: bool,
     ) -> Response:
         name = body.get("model") or model + ":latest"
 
@@ -283,7 +289,7 @@ class OllamaApi:
             return {"model": name, "created_at": _now(), "response": text, "done": False}
 
         if not field(body, "stream", bool, True):
-            _, text, finished = await collect(events)
+            _, text, finished = await collect(events, request)
             return JSONResponse({**piece(text), **_final_fields(finished)})
         head, rest = await prime(events)
 

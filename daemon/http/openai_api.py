@@ -40,6 +40,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
@@ -225,7 +226,7 @@ class OpenAIApi:
         )
         ident = "chatcmpl-" + secrets.token_hex(12)
         if not options["stream"]:
-            seen, text, finished = await collect(events)
+            seen, text, finished = await collect(events, request)
             content, calls = _split_calls(fmt, text, tools)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
@@ -349,7 +350,7 @@ class OpenAIApi:
             }
 
         if not options["stream"]:
-            _, text, finished = await collect(events)
+            _, text, finished = await collect(events, request)
             answer = payload(text, FINISH.get(finished.finish_reason, "stop"))
             return JSONResponse({**answer, "usage": _usage(finished)})
         head, rest = await prime(events)

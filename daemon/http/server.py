@@ -26,7 +26,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -34,7 +34,7 @@ from meshd.config import ConfigError
 from meshd.http import anthropic_api, ollama_api, openai_api
 from meshd.http.address import OFF, is_loopback, split_host_port, url_for
 from meshd.http.backend import BackendError, MeshBackend
-from meshd.http.common import STATUS_OF_KIND, json_error
+from meshd.http.common import STATUS_OF_KIND, ClientGone, NoAnswer, json_error
 from meshd.http.dashboard import KEY_COOKIE, Dashboard
 from meshd.http.keys import ApiKeyError, ApiKeyStore
 
@@ -67,7 +67,11 @@ def _error(path: str, status: int, kind: str, message: str) -> Response:
 async def _backend_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, BackendError)
     status = STATUS_OF_KIND.get(exc.kind, 500)
-    return _error(request.url.path, status, exc.kind, str(exc))
+    response = _error(request.url.path, status, exc.kind, str(exc))
+    if status == 413:
+        # The rest of the body was not read: this connection cannot carry another request.
+        response.headers["Connection"] = "close"
+    return response
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -75,6 +79,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     kind = "not_found" if exc.status_code == 404 else "bad_request"
     message = f"{request.method} {request.url.path}: {exc.detail}"
     return _error(request.url.path, exc.status_code, kind, message)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client closed the connection (while sending its body, or before the answer was
+    ready); its request has been cancelled, and there is no one to answer."""
+    return NoAnswer()
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -170,6 +180,8 @@ def build_app(
         exception_handlers={
             BackendError: _backend_error,
             HTTPException: _http_error,
+            ClientGone: _client_gone,
+            ClientDisconnect: _client_gone,
             Exception: _unexpected,
         },
     )

@@ -1,0 +1,231 @@
+"""What agent clients expect of the HTTP APIs, checked with the official SDKs (or raw HTTP
+where an SDK cannot say it) against one real daemon serving the embedded SmolLM2.
+
+* A client that gives up on a non-streaming request (its timeout, an SDK's retries) ends the
+  request on every stage at once, in OpenAI's, Anthropic's and Ollama's APIs.
+* A body over the limit is refused with 413 before it is read: a declared Content-Length at
+  once, a chunked body at the limit; the daemon's memory does not grow by the body.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import httpx2
+import ollama
+import openai
+import psutil
+import pytest
+
+from meshd.api.launcher import DaemonProcess
+from meshd.http.common import MAX_BODY_BYTES
+from meshd.models.store import ModelEntry
+
+pytestmark = pytest.mark.integration
+
+LOOPBACK = ["--no-mdns", "--peer-host", "127.0.0.1", "--peer-port", "0"]
+MODEL = "smollm2-135m-instruct"
+STORY = "Write a long story about a lighthouse."
+LONG = 1500  # tokens: two minutes of decoding here, were the request left running
+GIVE_UP_S = 2.0  # the clients' timeout
+GONE_WITHIN_S = 2.0  # how soon after the client left nothing may run any more
+
+
+@pytest.fixture(scope="module")
+def daemon(
+    tmp_path_factory: pytest.TempPathFactory,
+    profile_template: Path,
+    model_store: Path,
+    default_model_entry: ModelEntry,
+) -> Iterator[DaemonProcess]:
+    from meshd.mesh import security
+
+    root = tmp_path_factory.mktemp("http-clients")
+    model = default_model_entry.path
+    state = root / "node"
+    state.mkdir()
+    shutil.copyfile(profile_template, state / profile_template.name)
+    token = security.encode_join_token(security.create_mesh_secret("http-clients"))
+    args = [*LOOPBACK, "--join", token, "--model", str(model), "--context-length", "2048"]
+    env = {"MESHD_MODEL_STORE": str(model_store)}
+    process = DaemonProcess(state, args, env=env).start()
+    try:
+        process.wait_for(lambda s: bool(s.agreement.active_plan_id), 90, "a committed plan")
+        yield process
+    finally:
+        process.kill()
+
+
+@pytest.fixture(scope="module")
+def url(daemon: DaemonProcess) -> str:
+    return daemon.status().http_url
+
+
+def counting_client(sent: list[str], http: Any = httpx) -> Any:
+    """An HTTP client for an SDK (of `http`: httpx, or httpx2 for the anthropic SDK) that
+    notes every request it sends, retries included."""
+    return http.Client(event_hooks={"request": [lambda r: sent.append(f"{r.method} {r.url}")]})
+
+
+# ---------------------------------------------------------------- clients that leave
+
+
+def busy(daemon: DaemonProcess, url: str) -> dict[str, int]:
+    """What runs on the daemon: its clients' requests (MeshStatus) and the stage's."""
+    activity = httpx.get(url + "/meshd/status", timeout=5).json()["activity"]
+    return {
+        "origin": len(daemon.status().requests),
+        "stage": activity["stage_requests"],
+        "queued": activity["queued_requests"],
+    }
+
+
+def seconds_until_idle(daemon: DaemonProcess, url: str, limit_s: float = 30.0) -> float:
+    left = time.monotonic()
+    while any(busy(daemon, url).values()):
+        assert time.monotonic() - left < limit_s, busy(daemon, url)
+        time.sleep(0.05)
+    return time.monotonic() - left
+
+
+def give_up_openai(url: str, sent: list[str]) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=GIVE_UP_S,
+                           max_retries=2, http_client=counting_client(sent))  # fmt: skip
+    story = [{"role": "user", "content": STORY}]
+    with pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(model=MODEL, messages=story, max_tokens=LONG)  # type: ignore[arg-type]
+
+
+def give_up_anthropic(url: str, sent: list[str]) -> None:
+    client = anthropic.Anthropic(base_url=url, api_key="x", timeout=GIVE_UP_S, max_retries=0,
+                                 http_client=counting_client(sent, httpx2))  # fmt: skip
+    story = [{"role": "user", "content": STORY}]
+    with pytest.raises(anthropic.APITimeoutError):
+        client.messages.create(model=MODEL, max_tokens=LONG, messages=story)  # type: ignore[arg-type]
+
+
+def give_up_ollama_chat(url: str, sent: list[str]) -> None:
+    client = ollama.Client(host=url, timeout=GIVE_UP_S)
+    sent.append("POST /api/chat")
+    with pytest.raises(httpx.TimeoutException):
+        client.chat(model=MODEL, messages=[{"role": "user", "content": STORY}],
+                    options={"num_predict": LONG}, stream=False)  # fmt: skip
+
+
+def give_up_ollama_generate(url: str, sent: list[str]) -> None:
+    client = ollama.Client(host=url, timeout=GIVE_UP_S)
+    sent.append("POST /api/generate")
+    with pytest.raises(httpx.TimeoutException):
+        client.generate(model=MODEL, prompt=STORY, options={"num_predict": LONG}, stream=False)
+
+
+@pytest.mark.parametrize(
+    "give_up",
+    [give_up_openai, give_up_anthropic, give_up_ollama_chat, give_up_ollama_generate],
+    ids=["openai", "anthropic", "ollama-chat", "ollama-generate"],
+)
+def test_a_client_that_gives_up_ends_its_request_on_every_stage(
+    daemon: DaemonProcess, url: str, give_up: Callable[[str, list[str]], None]
+) -> None:
+    """A non-streaming request sends nothing until its end, so only the connection tells that
+    its client left: the daemon cancels it there (the openai SDK's two retries included),
+    instead of decoding LONG tokens for nobody."""
+    assert not any(busy(daemon, url).values())
+    sent: list[str] = []
+    cancelled_before = daemon.log_tail(2000).count("cancelled (the client went away)")
+    give_up(url, sent)
+    took = seconds_until_idle(daemon, url)
+    print(f"{give_up.__name__}: nothing runs {took:.2f} s after the client gave up")
+    assert took <= GONE_WITHIN_S, took
+    cancelled = daemon.log_tail(2000).count("cancelled (the client went away)")
+    assert cancelled - cancelled_before == len(sent), (sent, daemon.log_tail(30))
+
+
+# ---------------------------------------------------------------- bodies over the limit
+
+
+def http_exchange(url: str, head: bytes, body_chunks: Iterator[bytes]) -> tuple[bytes, int]:
+    """Send `head`, then body chunks until the server answers (or they run out); the answer
+    and how many body bytes were sent."""
+    host, port = url.removeprefix("http://").split(":")
+    sent = 0
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head)
+        for chunk in body_chunks:
+            if select.select([sock], [], [], 0)[0]:
+                break
+            try:
+                sock.sendall(chunk)
+            except OSError:  # the server answered and closed: read what it said
+                break
+            sent += len(chunk)
+        answer = b""
+        deadline = time.monotonic() + 10
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            assert time.monotonic() < deadline, answer
+            try:
+                data = sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not data:
+                break
+            answer += data
+    return answer, sent
+
+
+def status_and_body(answer: bytes) -> tuple[int, dict]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)
+
+
+def rss_mib(daemon: DaemonProcess) -> float:
+    return psutil.Process(daemon.pid).memory_info().rss / 2**20
+
+
+@pytest.mark.parametrize(
+    ("path", "message_of"),
+    [
+        ("/v1/chat/completions", lambda body: body["error"]["message"]),
+        ("/v1/messages", lambda body: body["error"]["message"]),
+        ("/api/chat", lambda body: body["error"]),
+    ],
+)
+def test_a_body_over_the_limit_is_refused_before_it_is_read(
+    daemon: DaemonProcess, url: str, path: str, message_of: Callable[[dict], str]
+) -> None:
+    """A 300 MB Content-Length is refused at once (413, in the API's error shape), with only
+    its head and 64 KiB sent; a chunked body (no length) at the limit, long before the client
+    has sent all of it; the daemon's memory grows by neither."""
+    before = rss_mib(daemon)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {url.removeprefix('http://')}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 300000000\r\n\r\n"
+    ).encode()
+    started = time.monotonic()
+    answer, _ = http_exchange(url, head, iter([b'{"messages": "' + b"x" * 65536]))
+    status, body = status_and_body(answer)
+    assert status == 413 and "declares 300000000 bytes" in message_of(body), answer[:400]
+    assert time.monotonic() - started < 5
+
+    chunk = b"x" * 256 * 1024
+    chunked = (head.replace(b"Content-Length: 300000000", b"Transfer-Encoding: chunked"),
+               (b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(256)))  # fmt: skip
+    answer, sent = http_exchange(url, *chunked)  # at most 64 MiB
+    status, body = status_and_body(answer)
+    assert status == 413 and f"limit of {MAX_BODY_BYTES} bytes" in message_of(body), answer[:400]
+    assert sent < 4 * MAX_BODY_BYTES, f"the daemon read on: {sent} bytes sent"
+    after = rss_mib(daemon)
+    print(f"{path}: RSS {before:.0f} -> {after:.0f} MiB; a chunked body cut after {sent} bytes")
+    assert after - before < 2 * MAX_BODY_BYTES / 2**20 + 16, (before, after)
+    if path.startswith("/v1/messages"):
+        assert body["error"]["type"] == "request_too_large"
+    assert httpx.get(url + "/api/version").status_code == 200  # it serves on
