@@ -5,6 +5,7 @@ where an SDK cannot say it) against one real daemon serving the embedded SmolLM2
   request on every stage at once, in OpenAI's, Anthropic's and Ollama's APIs.
 * A body over the limit is refused with 413 before it is read: a declared Content-Length at
   once, a chunked body at the limit; the daemon's memory does not grow by the body.
+* The SDKs see out-of-range settings and unknown routes as the client errors they are, once.
 """
 
 from __future__ import annotations
@@ -229,3 +230,30 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(
     if path.startswith("/v1/messages"):
         assert body["error"]["type"] == "request_too_large"
     assert httpx.get(url + "/api/version").status_code == 200  # it serves on
+
+
+# ---------------------------------------------------------------- client errors, once
+
+
+def test_sdks_see_client_errors_at_once_without_retrying(url: str) -> None:
+    sent: list[str] = []
+    client = anthropic.Anthropic(base_url=url, api_key="x",
+                                 http_client=counting_client(sent, httpx2))  # fmt: skip
+    hello = [{"role": "user", "content": "hi"}]
+    with pytest.raises(anthropic.BadRequestError, match="temperature must be between 0 and 1"):
+        client.messages.create(model=MODEL, max_tokens=5, messages=hello,  # type: ignore[arg-type]
+                               extra_body={"temperature": 5})  # fmt: skip
+    assert len(sent) == 1, sent
+
+    sent.clear()
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="x", http_client=counting_client(sent))
+    with pytest.raises(openai.BadRequestError, match="temperature must be between 0 and 2"):
+        oai.chat.completions.create(model=MODEL, messages=hello, temperature=2.5)  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError) as unknown:
+        oai.post("/chat/completion", body={}, cast_to=object)
+    assert unknown.value.code == "unknown_url" and "Unknown request URL" in unknown.value.message
+    with pytest.raises(openai.APIStatusError) as wrong_method:
+        oai.get("/chat/completions", cast_to=object)
+    assert wrong_method.value.status_code == 405
+    assert wrong_method.value.type == "invalid_request_error"  # type: ignore[attr-defined]
+    assert len(sent) == 3, sent  # one each: none of them retried

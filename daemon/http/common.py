@@ -119,6 +119,19 @@ def field(
     return value
 
 
+def ranged(
+    body: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], low: float, high: float
+) -> Any:
+    """`field(body, name, kinds)`, refused unless within the API's documented range
+    [low, high] (each API documents its own, narrower than what the sampler takes)."""
+    value = field(body, name, kinds)
+    if value is not None and not low <= value <= high:
+        raise BackendError(
+            "bad_request", f"{name} must be between {low:g} and {high:g} here, got {value:g}"
+        )
+    return value
+
+
 def _kind_names(kinds: tuple[type, ...]) -> str:
     names = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
     names.update({list: "a list", dict: "an object"})

@@ -24,6 +24,7 @@ from meshd.http.common import (
     field,
     now_s,
     prime,
+    ranged,
     read_json,
     replay,
     sampling,
@@ -40,27 +41,30 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
 }
 ERROR_CODES = {404: "model_not_found", 503: "service_unavailable", 429: "rate_limit_exceeded"}
+# A path no route serves is OpenAI's "Unknown request URL", not a missing model.
+ERROR_CODES_OF_KIND = {"no_route": "unknown_url"}
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
+def error_body(status: int, message: str, kind: str = "") -> dict[str, Any]:
     return {
         "error": {
             "message": message,
             "type": ERROR_TYPES.get(status, "server_error"),
             "param": None,
-            "code": ERROR_CODES.get(status),
+            "code": ERROR_CODES_OF_KIND.get(kind, ERROR_CODES.get(status)),
         }
     }
 
 
 def error_response(status: int, kind: str, message: str) -> Response:
-    return JSONResponse(error_body(status, message), status_code=status)
+    return JSONResponse(error_body(status, message, kind), status_code=status)
 
 
 def _sse(data: Mapping[str, Any] | str) -> bytes:
@@ -91,8 +95,8 @@ def _options(body: Mapping[str, Any]) -> dict[str, Any]:
     stream_options = field(body, "stream_options", dict, {})
     return {
         "sampling": sampling(
-            temperature=field(body, "temperature", float),
-            top_p=field(body, "top_p", float),
+            temperature=ranged(body, "temperature", float, 0.0, 2.0),
+            top_p=ranged(body, "top_p", float, 0.0, 1.0),
             top_k=field(body, "top_k", int),
             min_p=field(body, "min_p", float),
             repetition_penalty=field(body, "repetition_penalty", float),

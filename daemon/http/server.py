@@ -41,6 +41,7 @@ from meshd.http.keys import ApiKeyError, ApiKeyStore
 log = logging.getLogger("meshd.http")
 
 SHUTDOWN_GRACE_S = 1.0
+RETRY_AFTER_S = 1  # seconds a client refused for a full queue is told to wait (see below)
 PUBLIC_PATHS = ("/", "/favicon.ico", "/meshd/session")
 PUBLIC_PREFIXES = ("/static/",)
 
@@ -68,17 +69,36 @@ async def _backend_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, BackendError)
     status = STATUS_OF_KIND.get(exc.kind, 500)
     response = _error(request.url.path, status, exc.kind, str(exc))
-    if status == 413:
+    if status == 429:
+        # The first stage admits the head of its queue the moment a running request ends,
+        # so a short wait is the honest hint; the SDKs wait this long before they retry.
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    elif status == 413:
         # The rest of the body was not read: this connection cannot carry another request.
         response.headers["Connection"] = "close"
     return response
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals: a path no route serves, or a method a route does not take."""
     assert isinstance(exc, HTTPException)
-    kind = "not_found" if exc.status_code == 404 else "bad_request"
-    message = f"{request.method} {request.url.path}: {exc.detail}"
-    return _error(request.url.path, exc.status_code, kind, message)
+    method, path = request.method, request.url.path
+    if exc.status_code == 404:
+        kind = "no_route"
+        message = (
+            f"Unknown request URL: {method} {path}: this server has no such route (OpenAI's "
+            "API is under /v1/, Anthropic's at /v1/messages, Ollama's under /api/)"
+        )
+    elif exc.status_code == 405:
+        kind = "method_not_allowed"
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"{method} {path}: method not allowed" + (f"; use {allowed}" if allowed else "")
+    else:
+        kind = "bad_request"
+        message = f"{method} {path}: {exc.detail}"
+    response = _error(path, exc.status_code, kind, message)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
