@@ -6,6 +6,7 @@ where an SDK cannot say it) against one real daemon serving the embedded SmolLM2
 * A body over the limit is refused with 413 before it is read: a declared Content-Length at
   once, a chunked body at the limit; the daemon's memory does not grow by the body.
 * The SDKs see out-of-range settings and unknown routes as the client errors they are, once.
+* Pages of the origins MESHD_CORS_ORIGINS allows may call the APIs; other sites may not.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ STORY = "Write a long story about a lighthouse."
 LONG = 1500  # tokens: two minutes of decoding here, were the request left running
 GIVE_UP_S = 2.0  # the clients' timeout
 GONE_WITHIN_S = 2.0  # how soon after the client left nothing may run any more
+ORIGINS = "http://localhost:*,app://*"
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,7 @@ def daemon(
     shutil.copyfile(profile_template, state / profile_template.name)
     token = security.encode_join_token(security.create_mesh_secret("http-clients"))
     args = [*LOOPBACK, "--join", token, "--model", str(model), "--context-length", "2048"]
-    env = {"MESHD_MODEL_STORE": str(model_store)}
+    env = {"MESHD_MODEL_STORE": str(model_store), "MESHD_CORS_ORIGINS": ORIGINS}
     process = DaemonProcess(state, args, env=env).start()
     try:
         process.wait_for(lambda s: bool(s.agreement.active_plan_id), 90, "a committed plan")
@@ -257,3 +259,26 @@ def test_sdks_see_client_errors_at_once_without_retrying(url: str) -> None:
     assert wrong_method.value.status_code == 405
     assert wrong_method.value.type == "invalid_request_error"  # type: ignore[attr-defined]
     assert len(sent) == 3, sent  # one each: none of them retried
+
+
+# ---------------------------------------------------------------- browsers' origins
+
+
+def test_pages_of_allowed_origins_may_call_and_others_may_not(url: str) -> None:
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type, authorization"}  # fmt: skip
+    hello = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for origin in ("http://localhost:5173", "app://obsidian.md"):
+        reply = httpx.options(url + "/v1/chat/completions", headers={"Origin": origin,
+                              **preflight})  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["access-control-allow-origin"] == origin
+        reply = httpx.post(url + "/v1/chat/completions", json=hello, headers={"Origin": origin},
+                           timeout=60)  # fmt: skip
+        assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == origin
+    for origin in ("https://evil.example", "http://localhost.evil.example"):
+        reply = httpx.options(url + "/v1/chat/completions", headers={"Origin": origin,
+                              **preflight})  # fmt: skip
+        assert reply.status_code == 403 and "access-control-allow-origin" not in reply.headers
+        reply = httpx.post(url + "/api/chat", json=hello, headers={"Origin": origin})
+        assert reply.status_code == 403 and "other sites" in reply.json()["error"]

@@ -16,6 +16,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from meshd.http.backend import MeshBackend
+from meshd.http.cors import OriginPolicy
 from meshd.http.server import build_app
 from meshd.inference.errors import ErrorKind, InferenceError
 
@@ -41,13 +42,16 @@ class RefusingRouter:
         yield  # an async generator, like the real one
 
 
-def client_for(code: str, *, model: str = "m") -> TestClient:
+def client_for(
+    code: str, *, model: str = "m", origins: OriginPolicy | None = None, keys=None
+) -> TestClient:
     node = SimpleNamespace(
         router=RefusingRouter(code), plans=SimpleNamespace(snapshot=SimpleNamespace(model=model))
     )
-    app = build_app(MeshBackend(node, bridge=None), keys=None, loopback=True,
-                    closing=asyncio.Event())  # fmt: skip
-    return TestClient(app, base_url="http://127.0.0.1:52380")
+    app = build_app(MeshBackend(node, bridge=None), keys=keys, loopback=keys is None,
+                    closing=asyncio.Event(), origins=origins)  # fmt: skip
+    host = "127.0.0.1" if keys is None else "10.0.0.1"
+    return TestClient(app, base_url=f"http://{host}:52380")
 
 
 def message_of(path: str, reply) -> str:  # type: ignore[no-untyped-def]
@@ -184,3 +188,48 @@ def test_no_model_selected_is_not_an_error_to_retry() -> None:
         assert "`meshd load MODEL`" in message_of(path, reply), reply.text
     reply = client.post("/v1/chat/completions", json=chat)
     assert reply.json()["error"]["code"] == "model_not_found"
+
+
+def test_cross_site_requests_are_refused_unless_their_origin_is_allowed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Closed by default: no CORS header, preflight and request refused. With allowed
+    patterns, their pages' preflights are answered (without a key) and their requests carry
+    Access-Control-Allow-Origin; other sites stay refused."""
+    from meshd.http.keys import ApiKeyStore
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os",
+    }
+
+    closed = client_for("UNAVAILABLE")
+    origin = {"Origin": "http://localhost:5173"}
+    reply = closed.options("/v1/chat/completions", headers={**origin, **preflight})
+    assert reply.status_code == 403 and "access-control-allow-origin" not in reply.headers
+    reply = closed.post("/v1/chat/completions", json=chat, headers=origin)
+    assert reply.status_code == 403 and "access-control-allow-origin" not in reply.headers
+    assert "--cors-origin" in reply.json()["error"]["message"]
+
+    allowed = client_for("UNAVAILABLE", origins=OriginPolicy(["http://localhost:*", "app://*"]))
+    for site in ("http://localhost:5173", "app://obsidian.md"):
+        reply = allowed.options("/v1/chat/completions", headers={"Origin": site, **preflight})
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["access-control-allow-origin"] == site
+        assert "x-stainless-os" in reply.headers["access-control-allow-headers"]
+        assert "POST" in reply.headers["access-control-allow-methods"]
+        reply = allowed.post("/v1/chat/completions", json=chat, headers={"Origin": site})
+        assert reply.status_code == 503 and reply.headers["access-control-allow-origin"] == site
+    for site in ("http://localhost.evil.example", "https://localhost:5173", "http://evil.example"):
+        reply = allowed.options("/v1/chat/completions", headers={"Origin": site, **preflight})
+        assert reply.status_code == 403 and "access-control-allow-origin" not in reply.headers
+        reply = allowed.post("/v1/chat/completions", json=chat, headers={"Origin": site})
+        assert reply.status_code == 403, site
+
+    keys = ApiKeyStore(tmp_path)
+    keys.create("web")
+    keyed = client_for("UNAVAILABLE", origins=OriginPolicy(["https://chat.example"]), keys=keys)
+    site = {"Origin": "https://chat.example"}
+    assert keyed.options("/v1/messages", headers={**site, **preflight}).status_code == 200
+    reply = keyed.post("/v1/messages", json=chat, headers=site)
+    assert reply.status_code == 401  # its page can read why: the key is missing
+    assert reply.headers["access-control-allow-origin"] == "https://chat.example"
