@@ -1,11 +1,13 @@
 """What agent clients expect of the HTTP APIs, checked with the official SDKs (or raw HTTP
-where an SDK cannot say it) against one real daemon serving the embedded SmolLM2.
+where an SDK cannot say it) against one real daemon serving the embedded SmolLM2 under a
+chat template with tools (tests/support/tool_model.py).
 
 * A client that gives up on a non-streaming request (its timeout, an SDK's retries) ends the
   request on every stage at once, in OpenAI's, Anthropic's and Ollama's APIs.
 * A body over the limit is refused with 413 before it is read: a declared Content-Length at
   once, a chunked body at the limit; the daemon's memory does not grow by the body.
 * The SDKs see out-of-range settings and unknown routes as the client errors they are, once.
+* Ollama's /api/chat serves tools in Ollama's shapes, streaming and not.
 * Pages of the origins MESHD_CORS_ORIGINS allows may call the APIs; other sites may not.
 """
 
@@ -31,16 +33,29 @@ import pytest
 from meshd.api.launcher import DaemonProcess
 from meshd.http.common import MAX_BODY_BYTES
 from meshd.models.store import ModelEntry
+from tests.support.tool_model import make_tool_model
 
 pytestmark = pytest.mark.integration
 
 LOOPBACK = ["--no-mdns", "--peer-host", "127.0.0.1", "--peer-port", "0"]
-MODEL = "smollm2-135m-instruct"
+MODEL = "smollm2-tools"
 STORY = "Write a long story about a lighthouse."
 LONG = 1500  # tokens: two minutes of decoding here, were the request left running
 GIVE_UP_S = 2.0  # the clients' timeout
 GONE_WITHIN_S = 2.0  # how soon after the client left nothing may run any more
 ORIGINS = "http://localhost:*,app://*"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "the city"}},
+            "required": ["city"],
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +68,7 @@ def daemon(
     from meshd.mesh import security
 
     root = tmp_path_factory.mktemp("http-clients")
-    model = default_model_entry.path
+    model = make_tool_model(default_model_entry.path, root / MODEL)
     state = root / "node"
     state.mkdir()
     shutil.copyfile(profile_template, state / profile_template.name)
@@ -259,6 +274,41 @@ def test_sdks_see_client_errors_at_once_without_retrying(url: str) -> None:
     assert wrong_method.value.status_code == 405
     assert wrong_method.value.type == "invalid_request_error"  # type: ignore[attr-defined]
     assert len(sent) == 3, sent  # one each: none of them retried
+
+
+# ---------------------------------------------------------------- Ollama's tools
+
+
+def test_ollama_chat_serves_tools_in_ollamas_shapes(url: str) -> None:
+    """The official client's tools, an assistant's earlier call and the tool's result reach
+    the chat template (the prompt grows by them); the answer, streamed or not, is a valid
+    ChatResponse, whose tool calls (if the model makes one) carry their arguments as an
+    object. (Which answer a 135M model gives is its own; the parsing itself is checked
+    exactly by tests/test_http_tools.py.)"""
+    client = ollama.Client(host=url)
+    assert "tools" in client.show(MODEL).capabilities  # type: ignore[operator]
+    options = {"temperature": 0, "num_predict": 48}
+    question = {"role": "user", "content": "What is the weather in Paris? Use the tool."}
+    plain = client.chat(model=MODEL, messages=[question], options=options)
+    history = [
+        question,
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "18 C and sunny", "tool_name": "weather"},
+        {"role": "user", "content": "And in Rome?"},
+    ]  # fmt: skip
+    answer = client.chat(model=MODEL, messages=history, tools=[WEATHER], options=options)
+    assert answer.done and answer.prompt_eval_count > plain.prompt_eval_count + 100
+    streamed = list(
+        client.chat(model=MODEL, messages=history, tools=[WEATHER], options=options, stream=True)
+    )
+    assert streamed[-1].done and streamed[-1].eval_count == answer.eval_count
+    assert "".join(p.message.content or "" for p in streamed) == (answer.message.content or "")
+    calls = [c for p in streamed for c in p.message.tool_calls or []]
+    assert calls == list(answer.message.tool_calls or [])
+    for call in calls:
+        assert call.function.name == "weather" and isinstance(call.function.arguments, dict)
+    print(f"the model answered {answer.message.content!r} with {len(calls)} tool call(s)")
 
 
 # ---------------------------------------------------------------- browsers' origins

@@ -32,7 +32,13 @@ from meshd.http.common import (
     stream_response,
     text_of_content,
 )
-from meshd.http.tools import ToolCallSplitter, parse_call
+from meshd.http.tools import (
+    ToolCallSplitter,
+    function_tools,
+    parse_call,
+    split_calls,
+    template_call,
+)
 
 ROLE_ALIASES = {"developer": "system"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
@@ -127,29 +133,13 @@ def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         }
         calls = message.get("tool_calls")
         if calls:
-            entry["tool_calls"] = [_template_call(call, i) for call in calls]
+            entry["tool_calls"] = [template_call(call, i) for call in calls]
         if role == "tool" and message.get("tool_call_id"):
             entry["tool_call_id"] = str(message["tool_call_id"])
         if message.get("name"):
             entry["name"] = str(message["name"])
         out.append(entry)
     return out
-
-
-def _template_call(call: Any, index: int) -> dict[str, Any]:
-    """An assistant's earlier tool call, with arguments as an object (what templates expect)."""
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise BackendError("bad_request", f"messages[{index}] has a malformed tool call")
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments or "{}")
-        except ValueError as exc:
-            raise BackendError(
-                "bad_request", f"messages[{index}] tool call arguments are not JSON"
-            ) from exc
-    return {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
 def chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
@@ -162,14 +152,7 @@ def chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
         raise BackendError(
             "bad_request", "tool_choice must be 'auto' or 'none': this mesh cannot force a call"
         )
-    for i, tool in enumerate(tools):
-        if (
-            not isinstance(tool, dict)
-            or tool.get("type") != "function"
-            or not isinstance(tool.get("function"), dict)
-        ):
-            raise BackendError("bad_request", f"tools[{i}] must be {{'type': 'function', ...}}")
-    return tools
+    return function_tools(tools)
 
 
 # --------------------------------------------------------------------- answers
@@ -381,13 +364,4 @@ def _split_calls(
     fmt: Any, text: str, tools: list[dict[str, Any]] | None
 ) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole answer's text and its parsed tool calls (unparseable calls stay text)."""
-    splitter = ToolCallSplitter(fmt)
-    content, calls = [], []
-    for kind, part in [*splitter.feed(text), *splitter.finish()]:
-        call = parse_call(fmt, part, tools) if kind == "call" else None
-        if call is None:
-            content.append(part)
-        else:
-            calls.append(call)
-    joined = "".join(content)
-    return (joined if joined or not calls else None), calls
+    return split_calls(fmt, text, tools, parse_call)
