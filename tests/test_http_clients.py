@@ -2,8 +2,9 @@
 where an SDK cannot say it) against one real daemon serving the embedded SmolLM2 under a
 chat template with tools (tests/support/tool_model.py).
 
-* A client that gives up on a non-streaming request (its timeout, an SDK's retries) ends the
-  request on every stage at once, in OpenAI's, Anthropic's and Ollama's APIs.
+* A client that gives up on a non-streaming request (its timeout, an SDK's retries), or on a
+  stream still waiting in the queue, ends the request on every stage at once, in OpenAI's,
+  Anthropic's and Ollama's APIs.
 * A body over the limit is refused with 413 before it is read: a declared Content-Length at
   once, a chunked body at the limit; the daemon's memory does not grow by the body.
 * The SDKs see out-of-range settings and unknown routes as the client errors they are, once.
@@ -17,6 +18,7 @@ import json
 import select
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -171,6 +173,40 @@ def test_a_client_that_gives_up_ends_its_request_on_every_stage(
             break
         time.sleep(0.1)
     assert cancelled - cancelled_before == len(sent), (sent, daemon.log_tail(30))
+
+
+def test_a_streaming_client_that_gives_up_in_the_queue_leaves_it(
+    daemon: DaemonProcess, url: str
+) -> None:
+    """A stream sends nothing before its first token, so a request waiting in the first
+    stage's queue (the plan's KV is held by another) must notice its client leave there too:
+    it leaves the queue at once, and the request that runs goes on."""
+    story = [{"role": "user", "content": STORY}]
+    body = {"model": MODEL, "messages": story, "max_tokens": LONG, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as running:
+        chunks = running.iter_raw()  # kept: a dropped iterator closes the stream
+        next(chunks)  # it runs, holding most of the plan's 2048 KV tokens
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=GIVE_UP_S,
+                               max_retries=0)  # fmt: skip
+        waiting = threading.Thread(target=give_up_waiting, args=(client, story), daemon=True)
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while busy(daemon, url)["queued"] != 1:
+            assert time.monotonic() < deadline, busy(daemon, url)
+            time.sleep(0.05)
+        waiting.join(30)
+        left = time.monotonic()
+        while busy(daemon, url) != {"origin": 1, "stage": 1, "queued": 0}:
+            assert time.monotonic() - left < GONE_WITHIN_S, busy(daemon, url)
+            time.sleep(0.05)
+        print(f"the queued request left the queue {time.monotonic() - left:.2f} s after")
+        next(chunks)  # the running one goes on
+    assert seconds_until_idle(daemon, url) <= GONE_WITHIN_S
+
+
+def give_up_waiting(client: openai.OpenAI, story: list[dict[str, str]]) -> None:
+    with pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(model=MODEL, messages=story, max_tokens=LONG, stream=True)  # type: ignore[call-overload]
 
 
 # ---------------------------------------------------------------- bodies over the limit

@@ -131,7 +131,7 @@ class AnthropicApi:
                     },
                 }
             )
-        head, rest = await prime(events)
+        head, rest = await prime(events, request)
         return stream_response(self._stream(ident, model, stops, head, rest), "text/event-stream")
 
     async def _stream(

@@ -7,8 +7,8 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -31,6 +31,7 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 # Deeper nesting than any API's schema needs (tool parameters included): refused with 400.
 MAX_JSON_DEPTH = 64
 NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+T = TypeVar("T")
 
 
 async def read_json(request: Request) -> dict[str, Any]:
@@ -202,9 +203,16 @@ def text_of_content(content: Any, where: str) -> str:
     raise BackendError("bad_request", f"{where} content must be a string or a list of parts")
 
 
-async def prime(events: AsyncIterator[Event]) -> tuple[list[Event], AsyncIterator[Event]]:
+async def prime(
+    events: AsyncIterator[Event], request: Request
+) -> tuple[list[Event], AsyncIterator[Event]]:
     """Read events up to the first text or the end, so that a request refused or failing
-    before its first token is answered with a proper HTTP status, not a broken stream."""
+    before its first token is answered with a proper HTTP status, not a broken stream. A
+    client that leaves meanwhile (its request waits in a queue, say) ends it: ClientGone."""
+    return await while_connected(request, _prime(events))
+
+
+async def _prime(events: AsyncIterator[Event]) -> tuple[list[Event], AsyncIterator[Event]]:
     head: list[Event] = []
     try:
         while True:
@@ -235,27 +243,33 @@ async def replay(head: list[Event], rest: AsyncIterator[Event]) -> AsyncIterator
 async def collect(
     events: AsyncIterator[Event], request: Request
 ) -> tuple[list[Event], str, Finished]:
-    """A whole request: its events, its text and its final event (for non-streaming calls).
+    """A whole request: its events, its text and its final event (for non-streaming calls);
+    ClientGone if the client leaves first."""
+    return await while_connected(request, _collect(events))
 
-    Nothing is sent to the client until the end, so nothing would notice it leave: the ASGI
-    server's `http.disconnect` is awaited meanwhile, and when it comes first the request is
-    cancelled (its events closed, which ends it on every stage, as a stream the client
-    leaves is) and `ClientGone` raised."""
-    work = asyncio.ensure_future(_collect(events))
+
+async def while_connected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result, unless the client closes the connection first: then `work` is
+    cancelled and ClientGone raised.
+
+    Until an answer starts, nothing is sent to the client, so nothing else would notice it
+    leave: the ASGI server's `http.disconnect` is awaited meanwhile. Cancelling a request's
+    event iterator ends it on every stage, as a stream the client leaves already does."""
+    done = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in (gone, work):
+        for task in (gone, done):
             if not task.done():
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
     if gone.done() and not gone.cancelled():
         gone.exception()  # retrieved: a receive that failed leaves no client to answer either
-    if work.cancelled():
+    if done.cancelled():
         raise ClientGone("the client closed the connection before the answer was ready")
-    return work.result()
+    return done.result()
 
 
 async def _collect(events: AsyncIterator[Event]) -> tuple[list[Event], str, Finished]:

@@ -298,7 +298,7 @@ class OllamaApi:
                 return JSONResponse({**piece(text), **_final_fields(finished)})
             content, tool_calls = calls.whole(text)
             return JSONResponse({**piece(content, tool_calls), **_final_fields(finished)})
-        head, rest = await prime(events)
+        head, rest = await prime(events, request)
 
         def lines(text: str, last: bool = False) -> list[bytes]:
             if calls is None:

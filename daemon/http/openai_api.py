@@ -232,7 +232,7 @@ class OpenAIApi:
                     "usage": _usage(finished),
                 }
             )
-        head, rest = await prime(events)
+        head, rest = await prime(events, request)
         body_stream = self._chat_stream(
             ident, model, head, rest, options["include_usage"], fmt, tools
         )
@@ -340,7 +340,7 @@ class OpenAIApi:
             _, text, finished = await collect(events, request)
             answer = payload(text, FINISH.get(finished.finish_reason, "stop"))
             return JSONResponse({**answer, "usage": _usage(finished)})
-        head, rest = await prime(events)
+        head, rest = await prime(events, request)
         include_usage = options["include_usage"]
 
         async def stream() -> AsyncIterator[bytes]:
