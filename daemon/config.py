@@ -87,6 +87,12 @@ def _http_address(value: Any) -> str:
     return parse_http_setting(str(value))
 
 
+def _origin_pattern(value: Any) -> str:
+    from meshd.http.cors import parse_origin_pattern  # the HTTP package owns its origin rules
+
+    return parse_origin_pattern(str(value))
+
+
 def _port(value: Any) -> int:
     port = int(value)
     if not 0 <= port <= 65535:
@@ -256,6 +262,16 @@ class Config:
         "address but loopback needs an API key (`meshd api-key create`); port 0 picks one",
         read=_http_address,
         metavar="HOST:PORT",
+    )
+    cors_origins: list[str] = setting(
+        list,
+        "web origin whose pages may call the HTTP APIs from a browser (CORS), as "
+        "SCHEME://HOST[:PORT] where * matches anything: http://localhost:*, app://*; * alone "
+        "allows every site (repeatable; default: none, pages of other sites are refused)",
+        read=_origin_pattern,
+        flag="--cors-origin",
+        metavar="ORIGIN",
+        many=True,
     )
     interfaces: list[str] = setting(
         list,

@@ -429,7 +429,12 @@ class Node:
             http_server = None
             try:
                 http_server = await self.bridge.run(
-                    start_http_server, self, self.bridge, self.config.http, self.config.state_dir
+                    start_http_server,
+                    self,
+                    self.bridge,
+                    self.config.http,
+                    self.config.state_dir,
+                    self.config.cors_origins,
                 )
                 self.http_url = http_server.url if http_server else ""
                 note_old_model_store(self.config.state_dir, self.store_root, self.events)

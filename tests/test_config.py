@@ -54,6 +54,8 @@ def test_meshd_table_and_explicit_file(tmp_path: Path) -> None:
         ("draft_tokens = 17", "between 0 .off. and 16"),
         ("draft_tokens = -1", "between 0 .off. and 16"),
         ("heartbeat_interval_s = 2", r"heartbeat_interval_s \(2 s\) must be shorter than peer_"),
+        ("cors_origins = ['localhost:3000']", "'localhost:3000' is not a web origin"),
+        ("cors_origins = ['http://x.test/app']", "SCHEME://HOST"),
     ],
 )
 def test_bad_settings_name_the_problem(tmp_path: Path, text: str, message: str) -> None:
@@ -90,6 +92,7 @@ def test_every_setting_is_one_declaration_read_alike_from_each_source(tmp_path: 
         "parallelism": "hybrid",
         "tensor_parallel_trusted_networks": "10.0.7.0/24,fd00::/64",
         "tensor_parallel_port": "40000",
+        "cors_origins": "http://localhost:*,app://*",
     }
     for name, how in settings().items():
         assert flag_name(name, how) in help_text and env_name(name) in help_text, name

@@ -351,6 +351,7 @@ def test_a_full_queue_is_refused_with_429_and_the_queue_moves_on(mesh) -> None:
         assert refused.status_code == 429, refused.text
         error = refused.json()["error"]
         assert error["code"] == "rate_limit_exceeded" and "queue full" in error["message"]
+        assert refused.headers["retry-after"] == "1"  # when to ask again, for the SDKs
         assert "first" not in waiting_result  # still waiting behind the first stream
     waiter.join(60)  # closing the first stream ended its request: the waiting one starts
     assert waiting_result.get("status") == 200 and waiting_result.get("first"), waiting_result

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import shutil
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
+import httpx2
 import ollama
+import openai
 import pytest
 
 from meshd.api.launcher import DaemonProcess
@@ -70,6 +74,38 @@ def serves(name: str):
 def pull_all(client: ollama.Client, name: str, *, stream: bool) -> list:
     result = client.pull(name, stream=stream)
     return list(result) if stream else [result]  # type: ignore[arg-type]
+
+
+def test_without_a_model_the_sdks_are_told_to_load_one_at_once(daemon) -> None:
+    """No model selected is not transient: no API answers with a status its SDKs retry
+    (each would ask three times, seconds apart); each says how to load one. First in this
+    module: the next test loads a model."""
+    url = url_of(daemon)
+    assert daemon.status().agreement.model == ""
+    sent: list[str] = []
+
+    def note(request) -> None:  # type: ignore[no-untyped-def]
+        sent.append(request.url.path)
+
+    hello = [{"role": "user", "content": "hi"}]
+    started = time.monotonic()
+    hooks = {"request": [note]}
+    oai = openai.OpenAI(
+        base_url=url + "/v1", api_key="x", http_client=httpx.Client(event_hooks=hooks)
+    )
+    with pytest.raises(openai.NotFoundError, match="meshd load MODEL") as refused:
+        oai.chat.completions.create(model="", messages=hello)  # type: ignore[arg-type]
+    assert refused.value.code == "model_not_found"
+    claude = anthropic.Anthropic(
+        base_url=url, api_key="x", http_client=httpx2.Client(event_hooks=hooks)
+    )
+    with pytest.raises(anthropic.NotFoundError, match="meshd load MODEL"):
+        claude.messages.create(model="any", max_tokens=4, messages=hello)  # type: ignore[arg-type]
+    with pytest.raises(ollama.ResponseError, match="meshd load MODEL") as missing:
+        ollama.Client(host=url).chat(model="any", messages=hello)
+    assert missing.value.status_code == 404
+    assert sent == ["/v1/chat/completions", "/v1/messages"], sent  # once each: no retries
+    assert time.monotonic() - started < 5
 
 
 def test_ollama_pull_loads_the_model_and_answers_once_it_is_served(daemon, model_name) -> None:

@@ -1,5 +1,6 @@
 """Tool calls in generated text are split out of the stream and parsed with mlx-lm's parser
-of the model's format, wherever the markers fall between pieces."""
+of the model's format, wherever the markers fall between pieces, into OpenAI's shape and
+Ollama's."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import json
 import pytest
 from mlx_lm.tool_parsers import json_tools
 
-from meshd.http.backend import ToolFormat
+from meshd.http.backend import BackendError, ToolFormat
+from meshd.http.ollama_api import _chat_message, _ToolCalls
 from meshd.http.openai_api import _split_calls
-from meshd.http.tools import ToolCallSplitter
+from meshd.http.tools import ToolCallSplitter, function_tools, template_call
 
 pytestmark = pytest.mark.unit
 
@@ -44,3 +46,38 @@ def test_whole_answers_become_openai_tool_calls() -> None:
     content, calls = _split_calls(FORMAT, "<tool_call>not json</tool_call>", None)
     assert calls == [] and content == "not json"  # an unparseable call stays text
     assert _split_calls(None, "plain <tool_call>", None) == ("plain <tool_call>", [])
+
+
+def test_ollama_calls_are_objects_in_their_own_lines_at_any_piece_boundary() -> None:
+    """Ollama's shape: `{"function": {"name", "arguments": {...}}}`, the arguments an object,
+    streamed as a line of their own between the text lines, and the same whole."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    call = {"function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    for size in (1, 2, 5, len(ANSWER)):
+        calls = _ToolCalls(FORMAT, tools)
+        lines = []
+        for start in range(0, len(ANSWER), size):
+            lines += calls.feed(ANSWER[start : start + size])
+        lines += calls.finish()
+        assert [tool_calls for _, tool_calls in lines if tool_calls] == [[call]], (size, lines)
+        text = "".join(content for content, _ in lines)
+        assert text == "Let me check.  Done <tool", (size, lines)
+    assert _ToolCalls(FORMAT, tools).whole(ANSWER) == ("Let me check.  Done <tool", [call])
+    assert _ToolCalls(FORMAT, tools).whole("<tool_call>[1, 2]</tool_call>") == ("[1, 2]", [])
+    assert _ToolCalls(None, tools).whole("plain") == ("plain", [])
+
+
+def test_earlier_calls_and_tool_results_reach_the_template_in_either_shape() -> None:
+    """An assistant's earlier call as OpenAI sends it (arguments a JSON string) or as Ollama
+    does (an object) reaches the chat template with an object; a tool's result keeps its
+    tool's name."""
+    rendered = {"type": "function", "function": {"name": "weather", "arguments": {"c": 1}}}
+    openai_call = {"type": "function", "function": {"name": "weather", "arguments": '{"c": 1}'}}
+    ollama_call = {"function": {"name": "weather", "arguments": {"c": 1}}}
+    assert template_call(openai_call, 0) == template_call(ollama_call, 0) == rendered
+    message = _chat_message({"role": "assistant", "content": "", "tool_calls": [ollama_call]}, 1)
+    assert message == {"role": "assistant", "content": "", "tool_calls": [rendered]}
+    result = _chat_message({"role": "tool", "content": "18 C", "tool_name": "weather"}, 2)
+    assert result == {"role": "tool", "content": "18 C", "name": "weather"}
+    with pytest.raises(BackendError, match="tools\\[1\\] must be"):
+        function_tools([{"type": "function", "function": {"name": "a"}}, {"type": "function"}])

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_every_kind_names_a_grpc_status_and_an_http_status() -> None:
-    assert len(ErrorKind) == 7  # distinct kinds, even where they answer with the same status
+    assert len(ErrorKind) == 8  # distinct kinds, even where they answer with the same status
     assert ErrorKind.LOADING is not ErrorKind.UNAVAILABLE
     for kind in ErrorKind:
         assert kind.grpc_status in grpc.StatusCode.__members__, kind
@@ -20,6 +20,7 @@ def test_every_kind_names_a_grpc_status_and_an_http_status() -> None:
         ErrorKind.BAD_INPUT: ("INVALID_ARGUMENT", 400),
         ErrorKind.UNKNOWN_MODEL: ("NOT_FOUND", 404),
         ErrorKind.NO_PLAN: ("FAILED_PRECONDITION", 503),
+        ErrorKind.NO_MODEL: ("FAILED_PRECONDITION", 404),
         ErrorKind.UNAVAILABLE: ("UNAVAILABLE", 503),
         ErrorKind.LOADING: ("UNAVAILABLE", 503),
         ErrorKind.OVERLOADED: ("RESOURCE_EXHAUSTED", 429),

@@ -189,8 +189,9 @@ def test_with_no_model_selected_after_the_start_a_request_fails_at_once(mesh: Me
         mesh.nodes["n1"].plane, Snapshots(ServingSnapshot()), InstallProgress(), hearing_s=0.0
     )
     (error,) = route(mesh, router)
-    assert isinstance(error, InferenceError) and error.kind is ErrorKind.NO_PLAN
-    assert "no model is selected; load one with `meshd load MODEL`" in str(error)
+    assert isinstance(error, InferenceError) and error.kind is ErrorKind.NO_MODEL
+    assert not error.kind.retryable  # HTTP clients must not ask again: someone must load one
+    assert "no model is selected in this mesh; load one with `meshd load MODEL`" in str(error)
 
 
 def test_a_refusal_is_answered_at_once(mesh: Mesh) -> None:

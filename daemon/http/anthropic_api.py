@@ -24,6 +24,7 @@ from meshd.http.common import (
     collect,
     field,
     prime,
+    ranged,
     read_json,
     replay,
     sampling,
@@ -38,6 +39,8 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
     429: "rate_limit_error",
     500: "api_error",
     503: "overloaded_error",
@@ -101,9 +104,9 @@ class AnthropicApi:
             raise BackendError("bad_request", "tools are served on /v1/chat/completions only")
         stops = stop_strings(body.get("stop_sequences"), "stop_sequences")
         settings = sampling(
-            temperature=field(body, "temperature", float),
-            top_p=field(body, "top_p", float),
-            top_k=field(body, "top_k", int),
+            temperature=ranged(body, "temperature", float, 0.0, 1.0),
+            top_p=ranged(body, "top_p", float, 0.0, 1.0),
+            top_k=field(body, "top_k", int),  # >= 0, as the sampler checks
             max_tokens=max_tokens,
             stop=stops,
             cache_prompt=field(body, "cache_prompt", bool, True),
@@ -113,7 +116,7 @@ class AnthropicApi:
         events = self.backend.generate(sampling=settings, model=model, messages=messages)
         ident = "msg_" + secrets.token_hex(12)
         if not field(body, "stream", bool, False):
-            _, text, finished = await collect(events)
+            _, text, finished = await collect(events, request)
             return JSONResponse(
                 {
                     "id": ident,
@@ -126,7 +129,7 @@ class AnthropicApi:
                     "usage": _usage(finished),
                 }
             )
-        head, rest = await prime(events)
+        head, rest = await prime(events, request)
         return stream_response(self._stream(ident, model, stops, head, rest), "text/event-stream")
 
     async def _stream(

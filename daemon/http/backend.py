@@ -24,12 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from meshd.inference.errors import NO_MODEL_MESSAGE
 from meshd.inference.generation_events import Finished, Piece, Routed
 from meshd.inference.sampling import SamplingParams
 from meshd.runtime.bridge import AsyncioThread
 from meshd.wire import pb
 
-ErrorKind = Literal["bad_request", "not_found", "unavailable", "queue_full", "internal"]
+ErrorKind = Literal[
+    "bad_request", "not_found", "too_large", "unavailable", "queue_full", "internal"
+]
 
 # The HTTP status of the request path's error kind -> what went wrong, for HTTP.
 KIND_OF_HTTP_STATUS: dict[int, ErrorKind] = {
@@ -170,10 +173,8 @@ class MeshBackend:
         """The served model's name if `model` names it (or is empty); else not_found."""
         served = self.served_model()
         wanted = canonical_model(model)
-        if not served:
-            raise BackendError(
-                "unavailable", "no model is selected in this mesh; load one with `meshd load`"
-            )
+        if not served:  # not transient (no status a client retries): someone must load one
+            raise BackendError("not_found", NO_MODEL_MESSAGE)
         if wanted and wanted != served:
             raise BackendError(
                 "not_found",

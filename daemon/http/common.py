@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from meshd.http.backend import BackendError, Event, Finished, Piece
 from meshd.inference.sampling import SamplingParams
@@ -20,6 +22,7 @@ STATUS_OF_KIND = {
     "unauthorized": 401,
     "forbidden": 403,
     "not_found": 404,
+    "too_large": 413,
     "queue_full": 429,
     "internal": 500,
     "unavailable": 503,
@@ -28,13 +31,12 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 # Deeper nesting than any API's schema needs (tool parameters included): refused with 400.
 MAX_JSON_DEPTH = 64
 NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+T = TypeVar("T")
 
 
 async def read_json(request: Request) -> dict[str, Any]:
     """The request's JSON object; bad_request (naming what is wrong) otherwise."""
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise BackendError("bad_request", f"the request body is over {MAX_BODY_BYTES} bytes")
+    body = await read_body(request)
     try:
         data = json.loads(body or b"null")
     except (ValueError, UnicodeDecodeError) as exc:
@@ -52,6 +54,31 @@ async def read_json(request: Request) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise BackendError("bad_request", "the request body must be a JSON object")
     return data
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request's body, refused (too_large: HTTP 413) as soon as it is known to exceed
+    `limit` bytes: a declared Content-Length before anything is read, a chunked body at the
+    chunk that passes the limit. So a client cannot make the daemon hold more than `limit`
+    bytes of one body (what the server does not read stays in the kernel's buffers and is
+    dropped with the connection)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BackendError("too_large", _too_large(f"declares {int(declared)} bytes", limit))
+    body = bytearray()
+    async with contextlib.aclosing(request.stream()) as chunks:
+        async for chunk in chunks:
+            body += chunk
+            if len(body) > limit:
+                raise BackendError("too_large", _too_large(f"passed {len(body)} bytes", limit))
+    return bytes(body)
+
+
+def _too_large(what: str, limit: int) -> str:
+    return (
+        f"the request body {what}, over this server's limit of {limit} bytes "
+        f"({limit // 2**20} MiB); send a shorter prompt or history"
+    )
 
 
 def json_depth(value: Any) -> int:
@@ -90,6 +117,19 @@ def field(
         )
     if isinstance(value, float) and not math.isfinite(value):
         raise BackendError("bad_request", f"{name!r} must be a finite number")
+    return value
+
+
+def ranged(
+    body: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], low: float, high: float
+) -> Any:
+    """`field(body, name, kinds)`, refused unless within the API's documented range
+    [low, high] (each API documents its own, narrower than what the sampler takes)."""
+    value = field(body, name, kinds)
+    if value is not None and not low <= value <= high:
+        raise BackendError(
+            "bad_request", f"{name} must be between {low:g} and {high:g} here, got {value:g}"
+        )
     return value
 
 
@@ -170,9 +210,16 @@ def text_of_content(content: Any, where: str) -> str:
     raise BackendError("bad_request", f"{where} content must be a string or a list of parts")
 
 
-async def prime(events: AsyncIterator[Event]) -> tuple[list[Event], AsyncIterator[Event]]:
+async def prime(
+    events: AsyncIterator[Event], request: Request
+) -> tuple[list[Event], AsyncIterator[Event]]:
     """Read events up to the first text or the end, so that a request refused or failing
-    before its first token is answered with a proper HTTP status, not a broken stream."""
+    before its first token is answered with a proper HTTP status, not a broken stream. A
+    client that leaves meanwhile (its request waits in a queue, say) ends it: ClientGone."""
+    return await while_connected(request, _prime(events))
+
+
+async def _prime(events: AsyncIterator[Event]) -> tuple[list[Event], AsyncIterator[Event]]:
     head: list[Event] = []
     try:
         while True:
@@ -200,8 +247,39 @@ async def replay(head: list[Event], rest: AsyncIterator[Event]) -> AsyncIterator
             yield event
 
 
-async def collect(events: AsyncIterator[Event]) -> tuple[list[Event], str, Finished]:
-    """A whole request: its events, its text and its final event (for non-streaming calls)."""
+async def collect(
+    events: AsyncIterator[Event], request: Request
+) -> tuple[list[Event], str, Finished]:
+    """A whole request: its events, its text and its final event (for non-streaming calls);
+    ClientGone if the client leaves first."""
+    return await while_connected(request, _collect(events))
+
+
+async def while_connected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result, unless the client closes the connection first: then `work` is
+    cancelled and ClientGone raised.
+
+    Until an answer starts, nothing is sent to the client, so nothing else would notice it
+    leave: the ASGI server's `http.disconnect` is awaited meanwhile. Cancelling a request's
+    event iterator ends it on every stage, as a stream the client leaves already does."""
+    done = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (gone, done):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+    if gone.done() and not gone.cancelled():
+        gone.exception()  # retrieved: a receive that failed leaves no client to answer either
+    if done.cancelled():
+        raise ClientGone("the client closed the connection before the answer was ready")
+    return done.result()
+
+
+async def _collect(events: AsyncIterator[Event]) -> tuple[list[Event], str, Finished]:
     seen: list[Event] = []
     finished = None
     async with contextlib.aclosing(events):  # type: ignore[type-var]
@@ -213,6 +291,26 @@ async def collect(events: AsyncIterator[Event]) -> tuple[list[Event], str, Finis
         raise BackendError("unavailable", "the request ended without a final event")
     text = "".join(e.text for e in seen if isinstance(e, Piece))
     return seen, text, finished
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (the body is read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class ClientGone(Exception):
+    """The client left before its answer was ready: there is nobody to answer."""
+
+
+class NoAnswer(Response):
+    """What a request whose client left is answered with: nothing (the connection is gone)."""
+
+    def __init__(self) -> None:
+        super().__init__(status_code=499)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        return
 
 
 def stream_response(

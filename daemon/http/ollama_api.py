@@ -4,7 +4,11 @@
 Ollama clients (the `ollama` package, Open WebUI, editor plugins) work unchanged with
 `host="http://HOST:PORT"`. Streaming is Ollama's: one JSON object per line, the last with
 `"done": true`, timings in nanoseconds and token counts. Model names may carry a tag
-(`smollm2-135m-instruct:latest`).
+(`smollm2-135m-instruct:latest`). A chat may offer `tools` (where the model's chat template
+has them, as /api/show's capabilities say): the template renders them as for OpenAI's API,
+and the calls the model writes come back as `message.tool_calls`, each
+`{"function": {"name", "arguments": {...}}}`, in their own line when streaming; `role: "tool"`
+messages carry the results back.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from meshd.http.backend import (
     MeshBackend,
     ModelCard,
     Piece,
+    ToolFormat,
     canonical_model,
 )
 from meshd.http.common import (
@@ -41,6 +46,14 @@ from meshd.http.common import (
     stop_strings,
     stream_response,
     text_of_content,
+)
+from meshd.http.tools import (
+    Part,
+    ToolCallSplitter,
+    function_tools,
+    parse_ollama_call,
+    split_calls,
+    template_call,
 )
 
 # The Ollama API version whose request and answer shapes these endpoints follow.
@@ -221,23 +234,15 @@ class OllamaApi:
         messages = field(body, "messages", list)
         if not messages:
             raise BackendError("bad_request", "messages: at least one message is required")
-        converted = []
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise BackendError("bad_request", f"messages[{i}] must be an object")
-            if message.get("images"):
-                raise BackendError("bad_request", "images are not supported by this mesh")
-            converted.append(
-                {
-                    "role": message.get("role"),
-                    "content": text_of_content(message.get("content"), f"messages[{i}]"),
-                }
-            )
-        if body.get("tools"):
-            raise BackendError("bad_request", "tools are served on /v1/chat/completions only")
+        converted = [_chat_message(message, i) for i, message in enumerate(messages)]
+        tools = field(body, "tools", list)
+        tools = function_tools(tools) if tools else None
         model = self.backend.check_model(field(body, "model", str, ""))
-        events = self.backend.generate(sampling=_sampling(body), model=model, messages=converted)
-        return await self._answer(body, model, events, chat=True)
+        calls = _ToolCalls(self.backend.tool_format(), tools) if tools else None
+        events = self.backend.generate(
+            sampling=_sampling(body), model=model, messages=converted, tools=tools
+        )
+        return await self._answer(request, body, model, events, chat=True, calls=calls)
 
     async def generate(self, request: Request) -> Response:
         body = await read_json(request)
@@ -266,36 +271,106 @@ class OllamaApi:
                 {"role": "user", "content": prompt}
             ]
             events = self.backend.generate(sampling=_sampling(body), model=model, messages=messages)
-        return await self._answer(body, model, events, chat=False)
+        return await self._answer(request, body, model, events, chat=False)
 
     async def _answer(
-        self, body: Mapping[str, Any], model: str, events: AsyncIterator[Event], *, chat: bool
+        self,
+        request: Request,
+        body: Mapping[str, Any],
+        model: str,
+        events: AsyncIterator[Event],
+        *,
+        chat: bool,
+        calls: _ToolCalls | None = None,
     ) -> Response:
         name = body.get("model") or model + ":latest"
 
-        def piece(text: str) -> dict[str, Any]:
+        def piece(text: str, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
             if chat:
-                return {
-                    "model": name,
-                    "created_at": _now(),
-                    "message": {"role": "assistant", "content": text},
-                    "done": False,
-                }
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if tool_calls:
+                    message["tool_calls"] = tool_calls
+                return {"model": name, "created_at": _now(), "message": message, "done": False}
             return {"model": name, "created_at": _now(), "response": text, "done": False}
 
         if not field(body, "stream", bool, True):
-            _, text, finished = await collect(events)
-            return JSONResponse({**piece(text), **_final_fields(finished)})
-        head, rest = await prime(events)
+            _, text, finished = await collect(events, request)
+            if calls is None:
+                return JSONResponse({**piece(text), **_final_fields(finished)})
+            content, tool_calls = calls.whole(text)
+            return JSONResponse({**piece(content, tool_calls), **_final_fields(finished)})
+        head, rest = await prime(events, request)
+
+        def lines(text: str, last: bool = False) -> list[bytes]:
+            if calls is None:
+                return [_line(piece(text))] if text else []
+            parts = calls.feed(text) + (calls.finish() if last else [])
+            return [_line(piece(content, tool_calls)) for content, tool_calls in parts]
 
         async def stream() -> AsyncIterator[bytes]:
             try:
                 async for event in replay(head, rest):
                     if isinstance(event, Piece) and event.text:
-                        yield _line(piece(event.text))
+                        for line in lines(event.text):
+                            yield line
                     elif isinstance(event, Finished):
+                        for line in lines("", last=True):
+                            yield line
                         yield _line({**piece(""), **_final_fields(event)})
             except BackendError as exc:
                 yield _line({"error": str(exc), "status": STATUS_OF_KIND.get(exc.kind, 500)})
 
         return stream_response(stream(), "application/x-ndjson")
+
+
+def _chat_message(message: Any, index: int) -> dict[str, Any]:
+    """An Ollama chat message as the chat template takes it: text, an assistant's earlier
+    tool calls (arguments as an object), a tool's result (`role: "tool"`, `tool_name`)."""
+    if not isinstance(message, dict):
+        raise BackendError("bad_request", f"messages[{index}] must be an object")
+    if message.get("images"):
+        raise BackendError("bad_request", "images are not supported by this mesh")
+    role = message.get("role")
+    entry: dict[str, Any] = {
+        "role": role,
+        "content": text_of_content(message.get("content"), f"messages[{index}]"),
+    }
+    calls = message.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list):
+            raise BackendError("bad_request", f"messages[{index}].tool_calls must be a list")
+        entry["tool_calls"] = [template_call(call, index) for call in calls]
+    tool_name = message.get("tool_name") or message.get("name")
+    if role == "tool" and isinstance(tool_name, str) and tool_name:
+        entry["name"] = tool_name
+    return entry
+
+
+class _ToolCalls:
+    """The tool calls in one chat's answer, in Ollama's shape: split out of the text as it
+    arrives (a streamed answer) or whole, by the model's own markers and parser."""
+
+    def __init__(self, fmt: ToolFormat | None, tools: list[dict[str, Any]]) -> None:
+        self._fmt = fmt
+        self._tools = tools
+        self._splitter = ToolCallSplitter(fmt)
+
+    def whole(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        content, calls = split_calls(self._fmt, text, self._tools, parse_ollama_call)
+        return content or "", calls
+
+    def feed(self, text: str) -> list[tuple[str, list[dict[str, Any]]]]:
+        """What `text` completes: (content, no calls) and ("", [a call]) lines, in order."""
+        return self._lines(self._splitter.feed(text))
+
+    def finish(self) -> list[tuple[str, list[dict[str, Any]]]]:
+        return self._lines(self._splitter.finish())
+
+    def _lines(self, parts: list[Part]) -> list[tuple[str, list[dict[str, Any]]]]:
+        out: list[tuple[str, list[dict[str, Any]]]] = []
+        for kind, text in parts:
+            call = None
+            if kind == "call" and self._fmt is not None:
+                call = parse_ollama_call(self._fmt, text, self._tools)
+            out.append(("", [call]) if call is not None else (text, []))
+        return out

@@ -24,6 +24,7 @@ from meshd.http.common import (
     field,
     now_s,
     prime,
+    ranged,
     read_json,
     replay,
     sampling,
@@ -31,7 +32,13 @@ from meshd.http.common import (
     stream_response,
     text_of_content,
 )
-from meshd.http.tools import ToolCallSplitter, parse_call
+from meshd.http.tools import (
+    ToolCallSplitter,
+    function_tools,
+    parse_call,
+    split_calls,
+    template_call,
+)
 
 ROLE_ALIASES = {"developer": "system"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
@@ -40,26 +47,30 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
 }
 ERROR_CODES = {404: "model_not_found", 503: "service_unavailable", 429: "rate_limit_exceeded"}
+# A path no route serves is OpenAI's "Unknown request URL", not a missing model.
+ERROR_CODES_OF_KIND = {"no_route": "unknown_url"}
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
+def error_body(status: int, message: str, kind: str = "") -> dict[str, Any]:
     return {
         "error": {
             "message": message,
             "type": ERROR_TYPES.get(status, "server_error"),
             "param": None,
-            "code": ERROR_CODES.get(status),
+            "code": ERROR_CODES_OF_KIND.get(kind, ERROR_CODES.get(status)),
         }
     }
 
 
 def error_response(status: int, kind: str, message: str) -> Response:
-    return JSONResponse(error_body(status, message), status_code=status)
+    return JSONResponse(error_body(status, message, kind), status_code=status)
 
 
 def _sse(data: Mapping[str, Any] | str) -> bytes:
@@ -90,8 +101,8 @@ def _options(body: Mapping[str, Any]) -> dict[str, Any]:
     stream_options = field(body, "stream_options", dict, {})
     return {
         "sampling": sampling(
-            temperature=field(body, "temperature", float),
-            top_p=field(body, "top_p", float),
+            temperature=ranged(body, "temperature", float, 0.0, 2.0),
+            top_p=ranged(body, "top_p", float, 0.0, 1.0),
             top_k=field(body, "top_k", int),
             min_p=field(body, "min_p", float),
             repetition_penalty=field(body, "repetition_penalty", float),
@@ -123,29 +134,13 @@ def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         }
         calls = message.get("tool_calls")
         if calls:
-            entry["tool_calls"] = [_template_call(call, i) for call in calls]
+            entry["tool_calls"] = [template_call(call, i) for call in calls]
         if role == "tool" and message.get("tool_call_id"):
             entry["tool_call_id"] = str(message["tool_call_id"])
         if message.get("name"):
             entry["name"] = str(message["name"])
         out.append(entry)
     return out
-
-
-def _template_call(call: Any, index: int) -> dict[str, Any]:
-    """An assistant's earlier tool call, with arguments as an object (what templates expect)."""
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise BackendError("bad_request", f"messages[{index}] has a malformed tool call")
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments or "{}")
-        except ValueError as exc:
-            raise BackendError(
-                "bad_request", f"messages[{index}] tool call arguments are not JSON"
-            ) from exc
-    return {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
 def chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
@@ -158,14 +153,7 @@ def chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
         raise BackendError(
             "bad_request", "tool_choice must be 'auto' or 'none': this mesh cannot force a call"
         )
-    for i, tool in enumerate(tools):
-        if (
-            not isinstance(tool, dict)
-            or tool.get("type") != "function"
-            or not isinstance(tool.get("function"), dict)
-        ):
-            raise BackendError("bad_request", f"tools[{i}] must be {{'type': 'function', ...}}")
-    return tools
+    return function_tools(tools)
 
 
 # --------------------------------------------------------------------- answers
@@ -228,7 +216,7 @@ class OpenAIApi:
         )
         ident = "chatcmpl-" + secrets.token_hex(12)
         if not options["stream"]:
-            seen, text, finished = await collect(events)
+            seen, text, finished = await collect(events, request)
             content, calls = _split_calls(fmt, text, tools)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
@@ -247,7 +235,7 @@ class OpenAIApi:
                     "usage": _usage(finished),
                 }
             )
-        head, rest = await prime(events)
+        head, rest = await prime(events, request)
         body_stream = self._chat_stream(
             ident, model, head, rest, options["include_usage"], fmt, tools
         )
@@ -352,10 +340,10 @@ class OpenAIApi:
             }
 
         if not options["stream"]:
-            _, text, finished = await collect(events)
+            _, text, finished = await collect(events, request)
             answer = payload(text, FINISH.get(finished.finish_reason, "stop"))
             return JSONResponse({**answer, "usage": _usage(finished)})
-        head, rest = await prime(events)
+        head, rest = await prime(events, request)
         include_usage = options["include_usage"]
 
         async def stream() -> AsyncIterator[bytes]:
@@ -379,13 +367,4 @@ def _split_calls(
     fmt: Any, text: str, tools: list[dict[str, Any]] | None
 ) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole answer's text and its parsed tool calls (unparseable calls stay text)."""
-    splitter = ToolCallSplitter(fmt)
-    content, calls = [], []
-    for kind, part in [*splitter.feed(text), *splitter.finish()]:
-        call = parse_call(fmt, part, tools) if kind == "call" else None
-        if call is None:
-            content.append(part)
-        else:
-            calls.append(call)
-    joined = "".join(content)
-    return (joined if joined or not calls else None), calls
+    return split_calls(fmt, text, tools, parse_call)

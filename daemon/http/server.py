@@ -8,7 +8,8 @@ Who may call: on a loopback address (the default) anyone on this machine, as wit
 the Host header must then name a loopback host (a web page cannot reach the daemon through a
 rebound DNS name). On any other address every API request needs a key (`meshd api-key
 create`), and the daemon refuses to start without one. Requests a browser sends from another
-site (an `Origin` header that is not this server) are refused on every address.
+site (an `Origin` header that is not this server) are refused on every address, unless the
+`cors_origins` setting allows that site (`meshd.http.cors`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http.cookies import SimpleCookie
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -34,13 +35,15 @@ from meshd.config import ConfigError
 from meshd.http import anthropic_api, ollama_api, openai_api
 from meshd.http.address import OFF, is_loopback, split_host_port, url_for
 from meshd.http.backend import BackendError, MeshBackend
-from meshd.http.common import STATUS_OF_KIND, json_error
+from meshd.http.common import STATUS_OF_KIND, ClientGone, NoAnswer, json_error
+from meshd.http.cors import OriginPolicy
 from meshd.http.dashboard import KEY_COOKIE, Dashboard
 from meshd.http.keys import ApiKeyError, ApiKeyStore
 
 log = logging.getLogger("meshd.http")
 
 SHUTDOWN_GRACE_S = 1.0
+RETRY_AFTER_S = 1  # seconds a client refused for a full queue is told to wait (see below)
 PUBLIC_PATHS = ("/", "/favicon.ico", "/meshd/session")
 PUBLIC_PREFIXES = ("/static/",)
 
@@ -67,14 +70,43 @@ def _error(path: str, status: int, kind: str, message: str) -> Response:
 async def _backend_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, BackendError)
     status = STATUS_OF_KIND.get(exc.kind, 500)
-    return _error(request.url.path, status, exc.kind, str(exc))
+    response = _error(request.url.path, status, exc.kind, str(exc))
+    if status == 429:
+        # The first stage admits the head of its queue the moment a running request ends,
+        # so a short wait is the honest hint; the SDKs wait this long before they retry.
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    elif status == 413:
+        # The rest of the body was not read: this connection cannot carry another request.
+        response.headers["Connection"] = "close"
+    return response
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals: a path no route serves, or a method a route does not take."""
     assert isinstance(exc, HTTPException)
-    kind = "not_found" if exc.status_code == 404 else "bad_request"
-    message = f"{request.method} {request.url.path}: {exc.detail}"
-    return _error(request.url.path, exc.status_code, kind, message)
+    method, path = request.method, request.url.path
+    if exc.status_code == 404:
+        kind = "no_route"
+        message = (
+            f"Unknown request URL: {method} {path}: this server has no such route (OpenAI's "
+            "API is under /v1/, Anthropic's at /v1/messages, Ollama's under /api/)"
+        )
+    elif exc.status_code == 405:
+        kind = "method_not_allowed"
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"{method} {path}: method not allowed" + (f"; use {allowed}" if allowed else "")
+    else:
+        kind = "bad_request"
+        message = f"{method} {path}: {exc.detail}"
+    response = _error(path, exc.status_code, kind, message)
+    response.headers.update(exc.headers or {})
+    return response
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client closed the connection (while sending its body, or before the answer was
+    ready); its request has been cancelled, and there is no one to answer."""
+    return NoAnswer()
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -85,10 +117,18 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 class Guard:
     """ASGI middleware: loopback Host check, cross-site refusal, API keys (see module doc)."""
 
-    def __init__(self, app: ASGIApp, *, keys: ApiKeyStore | None, loopback: bool) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        keys: ApiKeyStore | None,
+        loopback: bool,
+        origins: OriginPolicy | None = None,
+    ) -> None:
         self.app = app
         self.keys = keys
         self.loopback = loopback
+        self.origins = origins or OriginPolicy()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -102,6 +142,7 @@ class Guard:
         response = _error(scope["path"], status, kind, message)
         if status == 401:
             response.headers["WWW-Authenticate"] = 'Bearer realm="meshd"'
+        self.origins.let_read(response, Headers(scope=scope).get("origin", ""))
         await response(scope, receive, send)
 
     def _refusal(self, scope: Scope) -> tuple[int, str, str] | None:
@@ -110,11 +151,19 @@ class Guard:
         if self.loopback and not is_loopback(_host_name(host)):
             return 403, "forbidden", f"host {host!r} is not this machine's loopback address"
         origin = headers.get("origin")
-        if origin and origin not in (f"http://{host}", f"https://{host}"):
-            return 403, "forbidden", f"requests from other sites ({origin}) are refused"
+        same_site = origin in (f"http://{host}", f"https://{host}")
+        if origin and not same_site and not self.origins.allows(origin):
+            return (
+                403,
+                "forbidden",
+                f"requests from other sites ({origin}) are refused; a site the operator "
+                "trusts is allowed with --cors-origin ORIGIN (MESHD_CORS_ORIGINS)",
+            )
         path = scope["path"]
         if self.keys is None or path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
             return None
+        if self.origins.is_preflight(scope["method"], headers):
+            return None  # browsers send no key with a preflight; it reveals nothing
         presented = _presented_key(headers)
         if not presented:
             return (
@@ -155,9 +204,16 @@ def _presented_key(headers: Headers) -> str:
 
 
 def build_app(
-    backend: MeshBackend, *, keys: ApiKeyStore | None, loopback: bool, closing: asyncio.Event
+    backend: MeshBackend,
+    *,
+    keys: ApiKeyStore | None,
+    loopback: bool,
+    closing: asyncio.Event,
+    origins: OriginPolicy | None = None,
 ) -> ASGIApp:
-    """The ASGI app: every API's routes and the dashboard, behind the Guard."""
+    """The ASGI app: every API's routes and the dashboard, with CORS for the allowed
+    origins, behind the Guard."""
+    origins = origins or OriginPolicy()
     dashboard = Dashboard(backend, keys, closing)
     routes = [
         *openai_api.OpenAIApi(backend).routes(),
@@ -170,10 +226,12 @@ def build_app(
         exception_handlers={
             BackendError: _backend_error,
             HTTPException: _http_error,
+            ClientGone: _client_gone,
+            ClientDisconnect: _client_gone,
             Exception: _unexpected,
         },
     )
-    return Guard(app, keys=keys, loopback=loopback)
+    return Guard(origins.wrap(app), keys=keys, loopback=loopback, origins=origins)
 
 
 @dataclass
@@ -216,9 +274,10 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 async def start_http_server(
-    node: Any, bridge: Any, address: str, state_dir: Path
+    node: Any, bridge: Any, address: str, state_dir: Path, cors_origins: Sequence[str] = ()
 ) -> HttpServer | None:
-    """Listen on `address` and serve (call on the asyncio thread via bridge.run); None if off."""
+    """Listen on `address` and serve (call on the asyncio thread via bridge.run); None if off.
+    Browser pages of `cors_origins` (patterns, see `meshd.http.cors`) may call it too."""
     from hypercorn.asyncio import serve
     from hypercorn.config import Config as HypercornConfig
 
@@ -250,7 +309,13 @@ async def start_http_server(
     config.include_server_header = False
     closing = asyncio.Event()
     shutdown = asyncio.Event()
-    app = build_app(MeshBackend(node, bridge), keys=keys, loopback=loopback, closing=closing)
+    app = build_app(
+        MeshBackend(node, bridge),
+        keys=keys,
+        loopback=loopback,
+        closing=closing,
+        origins=OriginPolicy(cors_origins),
+    )
     task = asyncio.get_running_loop().create_task(
         serve(app, config, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
     )

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from meshd.http.backend import ToolFormat
+from meshd.http.backend import BackendError, ToolFormat
 
 log = logging.getLogger("meshd.http")
 
@@ -74,21 +74,99 @@ def _partial_marker(text: str, marker: str) -> int:
     return 0
 
 
-def parse_call(
-    fmt: ToolFormat, raw: str, tools: Sequence[Mapping[str, Any]] | None
-) -> dict[str, Any] | None:
-    """An OpenAI tool call for the model's call text, or None when it does not parse."""
+Tools = Sequence[Mapping[str, Any]] | None
+CallParser = Callable[[ToolFormat, str, Tools], "dict[str, Any] | None"]
+
+
+def function_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    """The request's tools, each `{"type": "function", "function": {"name": ...}}` (the shape
+    OpenAI and Ollama share and chat templates render); bad_request names the first other."""
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(function, dict)
+            or tool.get("type") != "function"
+            or not isinstance(function.get("name"), str)
+        ):
+            raise BackendError(
+                "bad_request",
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+            )
+    return tools
+
+
+def template_call(call: Any, index: int) -> dict[str, Any]:
+    """An assistant's earlier tool call (OpenAI's arguments as a JSON string, or Ollama's as
+    an object), with arguments as an object: what chat templates expect."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise BackendError("bad_request", f"messages[{index}] has a malformed tool call")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError as exc:
+            raise BackendError(
+                "bad_request", f"messages[{index}] tool call arguments are not JSON"
+            ) from exc
+    return {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+
+def _parsed(fmt: ToolFormat, raw: str, tools: Tools) -> tuple[str, Any] | None:
+    """The called function's name and arguments, by the model's parser; None if it fails."""
     try:
         parsed = fmt.parse(raw, list(tools or []))
-        name = parsed["name"]
-        arguments = parsed.get("arguments", {})
+        return str(parsed["name"]), parsed.get("arguments", {})
     except Exception as exc:
         log.info("a tool call did not parse (%s: %s); it is returned as text", type(exc), exc)
         return None
+
+
+def parse_call(fmt: ToolFormat, raw: str, tools: Tools) -> dict[str, Any] | None:
+    """An OpenAI tool call for the model's call text, or None when it does not parse."""
+    parsed = _parsed(fmt, raw, tools)
+    if parsed is None:
+        return None
+    name, arguments = parsed
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
     return {
         "id": "call_" + secrets.token_hex(12),
         "type": "function",
-        "function": {"name": str(name), "arguments": arguments},
+        "function": {"name": name, "arguments": arguments},
     }
+
+
+def parse_ollama_call(fmt: ToolFormat, raw: str, tools: Tools) -> dict[str, Any] | None:
+    """An Ollama tool call (`{"function": {"name", "arguments": {...}}}`, the arguments an
+    object), or None when the call text does not parse into one."""
+    parsed = _parsed(fmt, raw, tools)
+    if parsed is None:
+        return None
+    name, arguments = parsed
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError:
+            arguments = None
+    if not isinstance(arguments, dict):
+        log.info("a tool call's arguments are not an object; it is returned as text")
+        return None
+    return {"function": {"name": name, "arguments": arguments}}
+
+
+def split_calls(
+    fmt: ToolFormat | None, text: str, tools: Tools, parse: CallParser = parse_call
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """A whole answer's text and its tool calls, each made by `parse` (the API's shape);
+    calls that do not parse stay text. The text is None when there are calls and no text."""
+    splitter = ToolCallSplitter(fmt)
+    content, calls = [], []
+    for kind, part in [*splitter.feed(text), *splitter.finish()]:
+        call = parse(fmt, part, tools) if kind == "call" and fmt is not None else None
+        if call is None:
+            content.append(part)
+        else:
+            calls.append(call)
+    joined = "".join(content)
+    return (joined if joined or not calls else None), calls

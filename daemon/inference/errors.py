@@ -20,6 +20,7 @@ class ErrorKind(enum.Enum):
     BAD_INPUT = "bad_input"  # the client's request is malformed or out of range
     UNKNOWN_MODEL = "unknown_model"  # the request names a model the mesh does not run
     NO_PLAN = "no_plan"  # no committed plan (here, or the one the request names)
+    NO_MODEL = "no_model"  # the mesh runs no model: someone must load one (not transient)
     UNAVAILABLE = "unavailable"  # a stage was lost, moved to another plan or timed out
     LOADING = "loading"  # a stage is still loading its layers: retry shortly
     OVERLOADED = "overloaded"  # a stage holds as many requests as it may
@@ -44,11 +45,21 @@ _STATUS: dict[ErrorKind, tuple[str, int]] = {
     ErrorKind.BAD_INPUT: ("INVALID_ARGUMENT", 400),
     ErrorKind.UNKNOWN_MODEL: ("NOT_FOUND", 404),
     ErrorKind.NO_PLAN: ("FAILED_PRECONDITION", 503),
+    # 404 as a model the mesh does not run: asking again without a load cannot succeed, so
+    # no status an HTTP client retries.
+    ErrorKind.NO_MODEL: ("FAILED_PRECONDITION", 404),
     ErrorKind.UNAVAILABLE: ("UNAVAILABLE", 503),
     ErrorKind.LOADING: ("UNAVAILABLE", 503),
     ErrorKind.OVERLOADED: ("RESOURCE_EXHAUSTED", 429),
     ErrorKind.INTERNAL: ("INTERNAL", 500),
 }
+
+
+# What a request is told when the mesh runs no model (every API says the same).
+NO_MODEL_MESSAGE = (
+    "no model is selected in this mesh; load one with `meshd load MODEL` (or an Ollama "
+    "client's pull, or the dashboard's model picker); `meshd models` lists this node's models"
+)
 
 
 class InferenceError(Exception):

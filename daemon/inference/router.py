@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from meshd.inference.errors import ErrorKind, InferenceError
+from meshd.inference.errors import NO_MODEL_MESSAGE, ErrorKind, InferenceError
 from meshd.inference.generation_events import (
     ClientEvent,
     FinalEvent,
@@ -301,10 +301,7 @@ class RequestRouter:
                 raise _PlanPending("the mesh has not agreed on a plan yet")
             if time.monotonic() < self._hearing_until:
                 raise _PlanPending("this node has not yet heard which model the mesh runs")
-            raise InferenceError(
-                ErrorKind.NO_PLAN,
-                "no committed plan: no model is selected; load one with `meshd load MODEL`",
-            )
+            raise InferenceError(ErrorKind.NO_MODEL, NO_MODEL_MESSAGE)
         if chosen not in snapshot.serving:
             raise InferenceError(
                 ErrorKind.NO_PLAN,
