@@ -150,6 +150,13 @@ def _count(value: Any) -> int:
     return count
 
 
+def _count_or_zero(value: Any) -> int:
+    count = int(value)
+    if count < 0:
+        raise ValueError("must be 0 or more")
+    return count
+
+
 def _draft_count(value: Any) -> int:
     count = int(value)
     if not 0 <= count <= MAX_DRAFT_TOKENS:
@@ -377,6 +384,14 @@ class Config:
         "begins as an earlier one did (an agent's conversation so far) computes only the rest; "
         "it lives in the KV memory the plan reserves (--no-prefix-cache: off)",
         read=_flag,
+    )
+    prefix_cache_sequences: int = setting(
+        0,
+        "sequences of KV cache a plan this node selects reserves beyond --concurrency for the "
+        "prefix cache: the conversations kept warm at once besides the running ones (the "
+        "memory plan counts them)",
+        read=_count_or_zero,
+        metavar="N",
     )
     leave_grace_s: float = setting(
         10.0,

@@ -318,6 +318,7 @@ class Node:
             strategy=strategy or self.config.strategy,
             context_length=context_length or self.config.context_length,
             concurrency=concurrency or self.config.concurrency,
+            cache_sequences=self.config.prefix_cache_sequences if self.config.prefix_cache else 0,
             parallelism=parallelism or self.config.parallelism,
         )
         selection = model_selection(

@@ -192,6 +192,7 @@ class CostModel:
         self.num_layers = model.num_layers
         self.context_length = options.context_length or model.context_length
         self.concurrency = options.concurrency
+        self.cache_sequences = options.cache_sequences
         self.prompt_len = options.prompt_len
         self.num_experts = model.num_experts
         self._expert_fraction = (
@@ -202,7 +203,8 @@ class CostModel:
         layers = range(model.num_layers)
         shared = [model.layer_bytes[i] - model.layer_expert_bytes[i] for i in layers]
         active_experts = [max(0, model.layer_active_bytes[i] - shared[i]) for i in layers]
-        cache = [model.layer_cache_bytes(i, self.context_length) * self.concurrency for i in layers]
+        reserved = self.concurrency + self.cache_sequences  # running, and kept prefixes
+        cache = [model.layer_cache_bytes(i, self.context_length) * reserved for i in layers]
         whole = [model.layer_kv_kinds[i] == "mla" for i in layers]
         self._prefix_bytes = _prefix(model.layer_bytes)
         self._prefix_expert = _prefix(model.layer_expert_bytes)

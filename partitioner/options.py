@@ -24,6 +24,9 @@ class PlanOptions:
     exclude: node ids that must not hold layers nor relay traffic.
     context_length: tokens of KV cache to reserve per sequence; None = the model's default.
     concurrency: sequences decoded at the same time (KV cache is reserved for each).
+    cache_sequences: sequences of KV cache reserved beyond `concurrency` for the stages'
+        prefix caches (the prompts of recent requests kept, so that a conversation's next turn
+        computes only its new tokens); they also use what running sequences leave free.
     prompt_len: prompt length used for the predicted time to first token.
     parallelism: the kind of layout. "auto" (default) compares one node alone, a pipeline,
         one tensor-parallel group and hybrids (pipeline stages that are tensor-parallel groups)
@@ -40,6 +43,7 @@ class PlanOptions:
     exclude: frozenset[str] = field(default_factory=frozenset)
     context_length: int | None = None
     concurrency: int = 1
+    cache_sequences: int = 0
     prompt_len: int = 512
     parallelism: str = "auto"
     prefill_chunk: int = 2048
@@ -61,6 +65,7 @@ class PlanOptions:
             )
         _require_int("reserve_bytes", self.reserve_bytes, minimum=0)
         _require_int("concurrency", self.concurrency, minimum=1)
+        _require_int("cache_sequences", self.cache_sequences, minimum=0)
         _require_int("prompt_len", self.prompt_len, minimum=1)
         _require_int("prefill_chunk", self.prefill_chunk, minimum=1)
         if self.context_length is not None:
@@ -74,6 +79,7 @@ class PlanOptions:
             "exclude": sorted(self.exclude),
             "context_length": self.context_length,
             "concurrency": self.concurrency,
+            "cache_sequences": self.cache_sequences,
             "prompt_len": self.prompt_len,
             "parallelism": self.parallelism,
             "prefill_chunk": self.prefill_chunk,

@@ -137,6 +137,7 @@ class Plan:
     prediction: Prediction
     left_out: tuple[LeftOut, ...]
     layout: str = ""
+    cache_sequences: int = 0  # KV sequences reserved beyond `concurrency` for prefix caches
 
     @property
     def short_id(self) -> str:
@@ -182,6 +183,7 @@ class Plan:
             num_layers=data["num_layers"],
             context_length=data["context_length"],
             concurrency=data["concurrency"],
+            cache_sequences=data.get("cache_sequences", 0),
             stages=tuple(_stage_from_dict(item) for item in data["stages"]),
             memory=tuple(NodeMemory(**item) for item in data["memory"]),
             hops=tuple(Hop(**{**item, "path": tuple(item["path"])}) for item in data["hops"]),

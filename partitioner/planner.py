@@ -164,6 +164,8 @@ def layout_plan_id(model: ModelSpec, options: PlanOptions, stages: Sequence[Stag
             "context_length": options.context_length or model.context_length,
             "concurrency": options.concurrency,
             "prefill_chunk": options.prefill_chunk,
+            # Only when set: the ids of plans without it stay what they were.
+            **({"cache_sequences": options.cache_sequences} if options.cache_sequences else {}),
         },
         "stages": json.loads(layout_key(stages)),
     }
@@ -385,6 +387,7 @@ def _build_plan(
         num_layers=cost.num_layers,
         context_length=cost.context_length,
         concurrency=cost.concurrency,
+        cache_sequences=cost.cache_sequences,
         stages=tuple(stages),
         memory=_node_memory(layout, evaluator, options),
         hops=hops,

@@ -160,6 +160,24 @@ def test_memory_estimate_counts_kv_cache_activations_and_overhead() -> None:
     assert entry.total_bytes == base + entry.overhead_bytes
 
 
+def test_prefix_cache_sequences_are_reserved_beside_the_running_ones() -> None:
+    """--prefix-cache-sequences 2: the plan's KV holds 3 + 2 sequences, and names them; a
+    plan without it keeps the id it always had."""
+    model = tiny_model([100 * MiB] * 2, context_length=1000)
+    mesh = make_mesh({"a": (4 * GiB, *FAST)})
+    plain = plan_model(mesh, model, PlanOptions(concurrency=3, prefill_chunk=128))
+    cached = plan_model(
+        mesh, model, PlanOptions(concurrency=3, cache_sequences=2, prefill_chunk=128)
+    )
+    entry = cached.memory_of("a")
+    assert entry is not None and entry.kv_cache_bytes == 1024 * 2 * 1000 * 5
+    assert cached.cache_sequences == 2 and plain.cache_sequences == 0
+    assert cached.plan_id != plain.plan_id
+    assert Plan.from_dict(json.loads(json.dumps(cached.to_dict()))) == cached
+    with pytest.raises(PlanOptionsError, match="cache_sequences"):
+        PlanOptions(cache_sequences=-1)
+
+
 def test_kv_cache_for_a_long_context_turns_a_fit_into_a_refusal() -> None:
     model = tiny_model([100 * MiB] * 4, kv_bytes_per_token_per_layer=64 * 1024)
     mesh = make_mesh({"a": (GiB, *FAST)})

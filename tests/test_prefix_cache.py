@@ -52,12 +52,13 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    """n1-n3 hold the stages; n4 keeps no prefixes (the operator turned the cache off)."""
+    """n1-n3 hold the stages, and their origins follow the committed plans (a request moves
+    to the next one, as a daemon's does); n4 keeps no prefixes (the cache turned off)."""
     loop = LoopThread()
     built = Mesh(loop, tmp_path_factory.mktemp("mesh"))
     try:
         for node_id in ("n1", "n2", "n3"):
-            built.add_node(node_id)
+            built.add_node(node_id, follow=True, resume_timeout_s=20.0)
         built.add_node("n4", prefix_cache=False)
         yield built
     finally:
@@ -316,3 +317,68 @@ def engine_slots(mesh: Mesh, plan: Assignment) -> dict[str, set[int]]:
         return out
 
     return mesh.loop.run(read())
+
+
+def test_a_request_through_another_node_hits_what_the_stages_kept(mesh: Mesh, llama_dir: Path):
+    """The kept prefixes live on the stages, keyed by the tokens: a conversation's next turn
+    that a client sends to another node of the mesh reuses them all the same."""
+    plan = three_stages(mesh, llama_dir, 6)
+    mesh.install(plan)
+    try:
+        prompt = [*SYSTEM, 4, 5]
+        answer, _ = checked_turn(mesh, plan, prompt)
+        follow_up = [*prompt, *answer, 6]
+        tokens, final = mesh.generate(
+            "n3", plan.plan_id, follow_up, GREEDY, return_logits=True, prefill_chunk=CHUNK
+        )
+        assert isinstance(final, FinalEvent), final
+        assert final.usage.cached_tokens == len(prompt) + len(answer) - 1
+        cold, _ = run(mesh, plan, follow_up, COLD)
+        assert_same(tokens, cold)
+    finally:
+        mesh.uninstall(plan.plan_id)
+
+
+def test_a_request_that_loses_its_plan_mid_stream_resumes_exactly_with_the_cache(
+    mesh: Mesh, llama_dir: Path
+):
+    """A request that started from a kept prefix loses its plan after a few tokens (a stage
+    lost, a re-plan): the origin replays it on the next plan, whose stages kept nothing of it,
+    and the tokens are those the request gives with the cache off."""
+    before = three_stages(mesh, llama_dir, 6)
+    after = mesh.assignment_for(llama_dir, [("n3", (0, 3)), ("n2", (3, 6))])
+    mesh.install(before)
+    prompt = [*SYSTEM, 8, 9]
+    try:
+        answer, _ = checked_turn(mesh, before, prompt)
+        follow_up = [*prompt, *answer, 10]
+        long = replace(GREEDY, max_tokens=12)
+
+        async def move_after_three() -> tuple[list[TokenEvent], object]:
+            plane = mesh.nodes["n1"].plane
+            stream = plane.generate(
+                before.plan_id,
+                follow_up,
+                long,
+                request_id="moved-with-cache",
+                return_logits=True,
+                prefill_chunk=CHUNK,
+            )
+            tokens: list[TokenEvent] = []
+            async for event in stream:
+                if isinstance(event, FinalEvent):
+                    return tokens, event
+                tokens.append(event)
+                if len(tokens) == 3:
+                    await mesh.install_async(after)
+                    await mesh.uninstall_async(before.plan_id, "a stage was lost")
+            raise AssertionError("no final event")
+
+        tokens, final = mesh.loop.run(move_after_three())
+        assert isinstance(final, FinalEvent), final
+        assert final.usage.resumes == 1 and final.usage.cached_tokens > len(prompt)
+        cold, _ = run(mesh, after, follow_up, replace(long, prefix_cache=False))
+        assert_same(tokens, cold)
+    finally:
+        mesh.uninstall(before.plan_id)
+        mesh.uninstall(after.plan_id)

@@ -222,6 +222,7 @@ class Assignment:
             stages=tuple(stages),
             context_length=int(getattr(plan, "context_length", 0) or 0),
             concurrency=int(getattr(plan, "concurrency", 0) or 0),
+            cache_sequences=int(getattr(plan, "cache_sequences", 0) or 0),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -238,6 +239,7 @@ class Assignment:
             ],
             "context_length": self.context_length,
             "concurrency": self.concurrency,
+            "cache_sequences": self.cache_sequences,
         }
 
     @classmethod
@@ -248,4 +250,5 @@ class Assignment:
             stages=tuple(StageSpec(**stage) for stage in data["stages"]),
             context_length=int(data.get("context_length", 0)),
             concurrency=int(data.get("concurrency", 0)),
+            cache_sequences=int(data.get("cache_sequences", 0)),
         )
