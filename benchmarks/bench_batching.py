@@ -166,12 +166,18 @@ class PinnedDaemon(DaemonProcess):
 
 
 def start_mesh(
-    root: Path, model: Path, cpus: list[str], max_n: int, strategy: str = "memory"
+    root: Path,
+    model: Path,
+    cpus: list[str],
+    max_n: int,
+    strategy: str = "memory",
+    extra_args: list[str] | None = None,
 ) -> list[DaemonProcess]:
     """Pinned loopback daemons splitting ``model`` into len(cpus) stages. ``strategy``:
     "memory" (layers in proportion to memory: equal halves here, the last stage also holding
     the head) or "speed" (forced to a pipeline: stages of equal predicted time, counting the
-    head's compute, for ``max_n`` concurrent requests)."""
+    head's compute, for ``max_n`` concurrent requests). ``extra_args``: more daemon flags
+    (a later flag wins over the defaults here, e.g. ``--context-length``)."""
     placement = ["--strategy", "memory"]
     if strategy == "speed":
         placement = ["--strategy", "speed", "--parallelism", "pipeline"]
@@ -186,7 +192,7 @@ def start_mesh(
         shutil.copyfile(profile / "profile.json", state / "profile.json")
         args = [*LOOPBACK, "--join", token, "--name", f"b{i}", "--model", str(model),
                 *placement, "--context-length", "512", "--concurrency", str(max_n),
-                "--log-level", "WARNING"]  # fmt: skip
+                "--log-level", "WARNING", *(extra_args or [])]  # fmt: skip
         daemon = PinnedDaemon(state, args, cpu) if cpu else DaemonProcess(state, args)
         daemons.append(daemon.start())
     for daemon in daemons:
