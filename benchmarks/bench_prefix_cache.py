@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
+import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -75,15 +78,29 @@ TOOLS = [
 
 
 def text_of(tokens: int, seed: int) -> str:
-    """About ``tokens`` tokens of deterministic prose (SmolLM2: ~1.3 tokens per word)."""
-    words = [WORDS[(seed * 7 + k * (seed + 3)) % len(WORDS)] for k in range(int(tokens / 1.3))]
+    """About ``tokens`` tokens of prose drawn with ``seed`` (SmolLM2: ~1.3 tokens per word):
+    two seeds give texts that part at their first words, as two users' messages do."""
+    pick = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "pe", "dra", "gon", "fel"]
+    words = [
+        WORDS[pick.randrange(len(WORDS))]
+        if pick.random() < 0.5
+        else "".join(pick.choice(syllables) for _ in range(pick.randint(2, 3)))
+        for _ in range(int(tokens / 1.85))
+    ]
     return " ".join(words) + "."
 
 
-def system_prompt(tokens: int) -> str:
-    tools = json.dumps(TOOLS, indent=1)
-    rules = text_of(max(0, tokens - len(tools) // 3), seed=1)
-    return f"You are a coding agent. Use the tools below.\nTools:\n{tools}\nRules: {rules}"
+def system_prompt(tokens: int, count: Callable[[str], int]) -> str:
+    """A coding agent's system prompt of about ``tokens`` tokens (by the model's tokenizer,
+    ``count``): tool definitions as JSON schemas, then rules."""
+    head = f"You are a coding agent. Use the tools below.\nTools:\n{json.dumps(TOOLS, indent=1)}\n"
+    rules = max(0, tokens - count(head))
+    while True:
+        prompt = head + "Rules: " + text_of(rules, seed=1)
+        if count(prompt) >= tokens or rules > 4 * tokens:
+            return prompt
+        rules += max(8, tokens - count(prompt))
 
 
 def openai_turn(client, messages, max_tokens: int, cache: bool = True) -> tuple[float, str, int]:
@@ -130,13 +147,16 @@ def anthropic_turn(client, system: str, messages, max_tokens: int) -> tuple[floa
     return (first or time.perf_counter()) - sent, "".join(parts), cached
 
 
-def conversation_rows(url: str, args: argparse.Namespace) -> list[dict]:
+def conversation_rows(url: str, args: argparse.Namespace, model: Path) -> list[dict]:
     import anthropic
     import openai
 
     chat = openai.OpenAI(base_url=url + "/v1", api_key="loopback", max_retries=0, timeout=900)
     claude = anthropic.Anthropic(base_url=url, api_key="loopback", max_retries=0, timeout=900)
-    system = system_prompt(args.system_tokens)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    system = system_prompt(args.system_tokens, lambda text: len(tokenizer.encode(text).ids))
     names = ["openai", "anthropic"] if args.interleaved else ["openai"]
     history: dict[str, list[dict]] = {name: [] for name in names}
     rows = []
@@ -203,13 +223,14 @@ def main() -> None:
     parser.add_argument("--larger", action="store_true", help="a random 360M-shaped llama")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the daemons on a kill too
     with bench_root("meshd-bench-prefix-") as (root, smollm2):
         model = larger_model(root, smollm2) if args.larger else smollm2
         extra = ["--context-length", "8192", "--prefix-cache-sequences", "2"]
         daemons = start_mesh(root, model, ["0", "1"], 1, extra_args=extra)
         try:
             url = daemons[0].status().http_url
-            rows = conversation_rows(url, args)
+            rows = conversation_rows(url, args, model)
         finally:
             for daemon in daemons:
                 daemon.kill()
