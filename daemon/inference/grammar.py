@@ -128,11 +128,43 @@ def check_constraint(constraint: Constraint) -> None:
 
 
 def _laid_out(schema: Mapping[str, Any]) -> dict[str, Any]:
-    """``schema`` with :data:`JSON_LAYOUT` as llguidance's options (the client's own
-    ``x-guidance`` options, if any, come first and the layout overrides them)."""
+    """``schema`` closed (:func:`_closed`), with :data:`JSON_LAYOUT` as llguidance's options
+    (the client's own ``x-guidance`` options, if any, come first and the layout wins)."""
     options = schema.get("x-guidance")
     merged = {**options, **JSON_LAYOUT} if isinstance(options, Mapping) else dict(JSON_LAYOUT)
-    return {**schema, "x-guidance": merged}
+    return {**_closed(schema), "x-guidance": merged}
+
+
+def _closed(schema: Any, *, in_all_of: bool = False) -> Any:
+    """``schema`` where every object that names its properties and says nothing of others
+    (no ``additionalProperties``, ``patternProperties`` or ``unevaluatedProperties``) gets
+    ``additionalProperties: false``: the answer has only the properties the schema names.
+
+    Why: JSON Schema allows any other property by default, and a small model fills that
+    freedom with invented keys until max_tokens (what Pydantic's schemas, and so LangChain's
+    and the openai SDK's ``parse``, leave open). The answer still validates against the
+    schema as the client wrote it; OpenAI's strict mode requires the same. A schema that
+    wants more says ``additionalProperties: true``. The branches of an ``allOf`` of several
+    schemas are left open: each must admit the properties the others name."""
+    if isinstance(schema, list):
+        return [_closed(item, in_all_of=in_all_of) for item in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    closed: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in ("const", "enum", "default", "examples", "x-guidance"):
+            closed[key] = value  # values, not schemas
+        elif key in ("properties", "$defs", "definitions") and isinstance(value, Mapping):
+            closed[key] = {name: _closed(item) for name, item in value.items()}
+        elif key == "allOf" and isinstance(value, list):
+            closed[key] = [_closed(item, in_all_of=len(value) > 1) for item in value]
+        else:
+            closed[key] = _closed(value)
+    others = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    names_properties = isinstance(schema.get("properties"), Mapping) and not in_all_of
+    if names_properties and not any(key in schema for key in others):
+        closed["additionalProperties"] = False
+    return closed
 
 
 # --- Serving (the last stage) --------------------------------------------------------------
