@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from meshd.http.backend import BackendError, Event, Finished, Piece
+from meshd.inference.grammar import Constraint, check_constraint, json_constraint
 from meshd.inference.sampling import SamplingParams
 
 STATUS_OF_KIND = {
@@ -120,10 +121,11 @@ def sampling(
     seed: int | None = None,
     max_tokens: int | None = None,
     stop: Sequence[str] = (),
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
     """The request's sampling settings, checked (one implementation for every API); unset
     values take the daemon's defaults, and an unset max_tokens is lowered to what fits the
-    plan's context."""
+    plan's context. ``constraint``: structured output, see :func:`json_output`."""
     values = {
         "temperature": temperature,
         "top_p": top_p,
@@ -135,9 +137,33 @@ def sampling(
     }
     given = {name: value for name, value in values.items() if value is not None}
     try:
-        return SamplingParams(**given, stop=tuple(stop), max_tokens_given=max_tokens is not None)
+        return SamplingParams(
+            **given,
+            stop=tuple(stop),
+            constraint=constraint,
+            max_tokens_given=max_tokens is not None,
+        )
     except (TypeError, ValueError) as exc:
         raise BackendError("bad_request", str(exc)) from exc
+
+
+def json_output(schema: Any, where: str) -> Constraint:
+    """The constraint that holds an answer to JSON valid against ``schema`` (None: any JSON
+    object), compiled once here: a schema the grammar engine cannot enforce is a 400 that
+    names ``where`` it came from and why, never a request that ignores it."""
+    if schema is not None and not isinstance(schema, dict):
+        raise BackendError("bad_request", f"{where} must be a JSON schema object")
+    return checked(lambda: json_constraint(schema), where)
+
+
+def checked(build: Callable[[], Constraint], where: str) -> Constraint:
+    """The constraint ``build`` makes, compiled once; bad_request naming ``where`` if not."""
+    try:
+        constraint = build()
+        check_constraint(constraint)
+    except ValueError as exc:
+        raise BackendError("bad_request", f"{where}: {exc}") from exc
+    return constraint
 
 
 def text_of_content(content: Any, where: str) -> str:
