@@ -82,9 +82,9 @@ def _sse(data: Mapping[str, Any] | str) -> bytes:
 # --------------------------------------------------------------------- request parsing
 
 
-def _options(body: Mapping[str, Any], constraint: Constraint | None = None) -> dict[str, Any]:
-    """Sampling and stream settings shared by chat and text completions (``constraint``: a
-    forced tool call's grammar, else the response_format's)."""
+def _options(body: Mapping[str, Any], constraint: Constraint | None) -> dict[str, Any]:
+    """Sampling and stream settings shared by chat and text completions (``constraint``: the
+    grammar of the response_format or of a forced tool call)."""
     n = field(body, "n", int, 1)
     if n != 1:
         raise BackendError("bad_request", f"n={n} is not supported: this mesh returns one choice")
@@ -111,7 +111,7 @@ def _options(body: Mapping[str, Any], constraint: Constraint | None = None) -> d
             seed=field(body, "seed", int),
             max_tokens=max_tokens,
             stop=stop_strings(body.get("stop"), "stop"),
-            constraint=constraint or response_format(body),
+            constraint=constraint,
         ),
         "stream": field(body, "stream", bool, False),
         "include_usage": bool(stream_options.get("include_usage")),
@@ -279,7 +279,8 @@ class OpenAIApi:
         messages = chat_messages(body)
         tools = chat_tools(body)
         forced = forced_tools(body, tools) if tools else []
-        if forced and response_format(body) is not None:
+        json_content = response_format(body)
+        if forced and json_content is not None:
             raise BackendError(
                 "bad_request",
                 "tool_choice forces a tool call and response_format asks for JSON content: "
@@ -288,7 +289,7 @@ class OpenAIApi:
         model = self.backend.check_model(field(body, "model", str, ""))
         fmt = self.backend.tool_format() if tools else None
         call = forced_call(fmt, forced, "tool_choice") if forced else None
-        options = _options(body, call.constraint if call else None)
+        options = _options(body, call.constraint if call else json_content)
         if call is not None:
             fmt = call.fmt
             if not call.in_template:  # the prompt describes the tools, the template cannot
@@ -397,7 +398,7 @@ class OpenAIApi:
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request)
-        options = _options(body)
+        options = _options(body, response_format(body))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
