@@ -124,7 +124,7 @@ def check_constraint(constraint: Constraint) -> None:
     error = LLMatcher.validate_grammar(constraint.grammar)
     if error:
         what = "tool parameters" if constraint.kind == "tool_call" else "JSON schema"
-        raise ValueError(f"this {what} cannot be enforced: {error.strip()}")
+        raise ValueError(f"this {what} cannot be enforced: {error.strip()[:1000]}")
 
 
 def _laid_out(schema: Mapping[str, Any]) -> dict[str, Any]:
