@@ -193,7 +193,8 @@ def test_both_sampling_messages_carry_exactly_the_dataclass_fields() -> None:
     api_fields = set(pb.Sampling.DESCRIPTOR.fields_by_name)
     plane_fields = set(dataplane_pb2.Sampling.DESCRIPTOR.fields_by_name)
     assert api_fields == {*SAMPLING_FIELDS, "stop"}
-    assert plane_fields == set(SAMPLING_FIELDS)  # stop strings stay with the origin
+    # Stop strings stay with the origin; a constraint (structured outputs) goes to the stages.
+    assert plane_fields == {*SAMPLING_FIELDS, "constraint"}
 
 
 def test_settings_survive_both_wire_forms() -> None:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from meshd.inference.grammar import Constraint
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.stage.core import StageCore
 from meshd.inference.stage.drafting import DraftIndex
@@ -129,8 +130,9 @@ def test_no_more_drafts_than_the_request_may_still_generate() -> None:
         {"sampling": SamplingParams(max_tokens=16, temperature=0.7)},
         {"sampling": SamplingParams(max_tokens=16, repetition_penalty=1.2)},
         {"catch_up": True},
+        {"sampling": SamplingParams(max_tokens=16, constraint=Constraint("json_object", "{}"))},
     ],
-    ids=["sampled", "repetition-penalty", "catching-up"],
+    ids=["sampled", "repetition-penalty", "catching-up", "grammar"],
 )
 def test_only_plain_greedy_requests_get_drafts(start: dict) -> None:
     core = StageCore("a")

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from meshd.http.backend import BackendError, Event, Finished, Piece
+from meshd.inference.grammar import Constraint, check_constraint, json_constraint
 from meshd.inference.sampling import SamplingParams
 
 STATUS_OF_KIND = {
@@ -160,12 +161,14 @@ def sampling(
     seed: int | None = None,
     max_tokens: int | None = None,
     stop: Sequence[str] = (),
+    constraint: Constraint | None = None,
     cache_prompt: bool = True,
 ) -> SamplingParams:
     """The request's sampling settings, checked (one implementation for every API); unset
     values take the daemon's defaults, and an unset max_tokens is lowered to what fits the
-    plan's context. ``cache_prompt`` False: the request neither starts from a prompt prefix
-    the stages keep nor leaves one (llama.cpp's server names the setting so)."""
+    plan's context. ``constraint``: structured output, see :func:`json_output`.
+    ``cache_prompt`` False: the request neither starts from a prompt prefix the stages keep
+    nor leaves one (llama.cpp's server names the setting so)."""
     values = {
         "temperature": temperature,
         "top_p": top_p,
@@ -180,11 +183,31 @@ def sampling(
         return SamplingParams(
             **given,
             stop=tuple(stop),
+            constraint=constraint,
             max_tokens_given=max_tokens is not None,
             prefix_cache=cache_prompt,
         )
     except (TypeError, ValueError) as exc:
         raise BackendError("bad_request", str(exc)) from exc
+
+
+def json_output(schema: Any, where: str) -> Constraint:
+    """The constraint that holds an answer to JSON valid against ``schema`` (None: any JSON
+    object), compiled once here: a schema the grammar engine cannot enforce is a 400 that
+    names ``where`` it came from and why, never a request that ignores it."""
+    if schema is not None and not isinstance(schema, dict):
+        raise BackendError("bad_request", f"{where} must be a JSON schema object")
+    return checked(lambda: json_constraint(schema), where)
+
+
+def checked(build: Callable[[], Constraint], where: str) -> Constraint:
+    """The constraint ``build`` makes, compiled once; bad_request naming ``where`` if not."""
+    try:
+        constraint = build()
+        check_constraint(constraint)
+    except ValueError as exc:
+        raise BackendError("bad_request", f"{where}: {exc}") from exc
+    return constraint
 
 
 def text_of_content(content: Any, where: str) -> str:

@@ -8,7 +8,8 @@ Ollama clients (the `ollama` package, Open WebUI, editor plugins) work unchanged
 has them, as /api/show's capabilities say): the template renders them as for OpenAI's API,
 and the calls the model writes come back as `message.tool_calls`, each
 `{"function": {"name", "arguments": {...}}}`, in their own line when streaming; `role: "tool"`
-messages carry the results back.
+messages carry the results back. `format` ("json" or a JSON schema) holds the answer to JSON
+by a grammar at the sampler (meshd.inference.grammar).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from meshd.http.common import (
     STATUS_OF_KIND,
     collect,
     field,
+    json_output,
     prime,
     read_json,
     replay,
@@ -75,6 +77,20 @@ def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
+def _format(body: Mapping[str, Any]) -> Any:
+    """The grammar ``format`` asks for: "json" any JSON object, an object a JSON schema."""
+    fmt = body.get("format")
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return json_output(None, "format")
+    if isinstance(fmt, dict):
+        return json_output(fmt, "format")
+    raise BackendError(
+        "bad_request", f'format must be "json" or a JSON schema object, got {json.dumps(fmt)}'
+    )
+
+
 def _sampling(body: Mapping[str, Any]) -> Any:
     options = field(body, "options", dict, {})
     num_predict = field(options, "num_predict", int)
@@ -87,6 +103,7 @@ def _sampling(body: Mapping[str, Any]) -> Any:
         seed=field(options, "seed", int),
         max_tokens=num_predict if num_predict is not None and num_predict > 0 else None,
         stop=stop_strings(options.get("stop"), "options.stop"),
+        constraint=_format(body),
         cache_prompt=field(body, "cache_prompt", bool, True),
     )
 

@@ -3,6 +3,11 @@
 Requests are translated into the mesh's request path (see `meshd.http.backend`); answers
 and errors take OpenAI's shapes, so the `openai` SDK and the tools built on it work
 unchanged with `base_url="http://HOST:PORT/v1"`.
+
+Structured outputs: `response_format` {"type": "json_object"} or {"type": "json_schema",
+"json_schema": {"schema": ...}} holds the answer's content to JSON (valid against the
+schema), and `tool_choice` "required" or {"type": "function", "function": {"name": ...}}
+to a call of the tools (of that one): a grammar at the sampler, see meshd.inference.grammar.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from meshd.http.common import (
     STATUS_OF_KIND,
     collect,
     field,
+    json_output,
     now_s,
     prime,
     ranged,
@@ -34,11 +40,14 @@ from meshd.http.common import (
 )
 from meshd.http.tools import (
     ToolCallSplitter,
+    forced_call,
     function_tools,
     parse_call,
     split_calls,
     template_call,
+    with_tool_instructions,
 )
+from meshd.inference.grammar import Constraint
 
 ROLE_ALIASES = {"developer": "system"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
@@ -81,8 +90,9 @@ def _sse(data: Mapping[str, Any] | str) -> bytes:
 # --------------------------------------------------------------------- request parsing
 
 
-def _options(body: Mapping[str, Any]) -> dict[str, Any]:
-    """Sampling and stream settings shared by chat and text completions."""
+def _options(body: Mapping[str, Any], constraint: Constraint | None) -> dict[str, Any]:
+    """Sampling and stream settings shared by chat and text completions (``constraint``: the
+    grammar of the response_format or of a forced tool call)."""
     n = field(body, "n", int, 1)
     if n != 1:
         raise BackendError("bad_request", f"n={n} is not supported: this mesh returns one choice")
@@ -109,12 +119,36 @@ def _options(body: Mapping[str, Any]) -> dict[str, Any]:
             seed=field(body, "seed", int),
             max_tokens=max_tokens,
             stop=stop_strings(body.get("stop"), "stop"),
+            constraint=constraint,
             cache_prompt=field(body, "cache_prompt", bool, True),
         ),
         "stream": field(body, "stream", bool, False),
         "include_usage": bool(stream_options.get("include_usage")),
         "model": field(body, "model", str, ""),
     }
+
+
+def response_format(body: Mapping[str, Any]) -> Constraint | None:
+    """The grammar ``response_format`` asks for: None for "text" (or none given)."""
+    fmt = field(body, "response_format", dict)
+    kind = None if fmt is None else fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return json_output(None, "response_format")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise BackendError(
+                "bad_request",
+                "response_format.json_schema must be an object with a 'schema' object",
+            )
+        return json_output(spec["schema"], "response_format.json_schema.schema")
+    raise BackendError(
+        "bad_request",
+        f"response_format type {kind!r} is not supported; use 'text', 'json_object' or "
+        "'json_schema'",
+    )
 
 
 def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -147,13 +181,33 @@ def chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     """The tools the model may call, or None (no tools, or tool_choice "none")."""
     tools = field(body, "tools", list)
     choice = body.get("tool_choice", "auto")
+    if choice == "required" and not tools:
+        raise BackendError("bad_request", "tool_choice 'required' needs 'tools'")
     if not tools or choice == "none":
         return None
-    if choice not in ("auto", None):
-        raise BackendError(
-            "bad_request", "tool_choice must be 'auto' or 'none': this mesh cannot force a call"
-        )
     return function_tools(tools)
+
+
+def forced_tools(body: Mapping[str, Any], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tools ``tool_choice`` forces a call among: all for "required", the named one for
+    {"type": "function", "function": {"name": ...}}, none for "auto"."""
+    choice = body.get("tool_choice", "auto")
+    if choice in ("auto", None):
+        return []
+    if choice == "required":
+        return tools
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or choice.get("type") != "function":
+        raise BackendError(
+            "bad_request",
+            "tool_choice must be 'auto', 'none', 'required' or "
+            "{'type': 'function', 'function': {'name': ...}}",
+        )
+    named = [tool for tool in tools if tool["function"]["name"] == name]
+    if not named:
+        raise BackendError("bad_request", f"tool_choice names {name!r}, which is not in 'tools'")
+    return named[:1]
 
 
 # --------------------------------------------------------------------- answers
@@ -206,11 +260,24 @@ class OpenAIApi:
 
     async def chat_completions(self, request: Request) -> Response:
         body = await read_json(request)
-        options = _options(body)
         messages = chat_messages(body)
         tools = chat_tools(body)
-        model = self.backend.check_model(options["model"])
+        forced = forced_tools(body, tools) if tools else []
+        json_content = response_format(body)
+        if forced and json_content is not None:
+            raise BackendError(
+                "bad_request",
+                "tool_choice forces a tool call and response_format asks for JSON content: "
+                "ask for one of them",
+            )
+        model = self.backend.check_model(field(body, "model", str, ""))
         fmt = self.backend.tool_format() if tools else None
+        call = forced_call(fmt, forced, "tool_choice") if forced else None
+        options = _options(body, call.constraint if call else json_content)
+        if call is not None:
+            fmt = call.fmt
+            if not call.in_template:  # the prompt describes the tools, the template cannot
+                messages, tools = with_tool_instructions(messages, call, forced), None
         events = self.backend.generate(
             sampling=options["sampling"], model=model, messages=messages, tools=tools
         )
@@ -315,7 +382,7 @@ class OpenAIApi:
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request)
-        options = _options(body)
+        options = _options(body, response_format(body))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]

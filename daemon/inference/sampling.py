@@ -26,8 +26,12 @@ import secrets
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from meshd.inference.grammar import Constraint
+
 if TYPE_CHECKING:
     import mlx.core as mx
+
+    from meshd.inference.grammar import GrammarMask
 
 MAX_TOKENS_LIMIT = 32768
 MAX_STOP_STRINGS = 16
@@ -43,6 +47,8 @@ class SamplingParams:
 
     ``top_p == 1``, ``top_k == 0``, ``min_p == 0`` and ``repetition_penalty == 1`` disable those
     filters. ``seed=None`` draws a fresh seed per request (see :attr:`TokenSampler.seed`).
+    ``constraint``: a grammar the answer follows (structured outputs, see
+    :mod:`meshd.inference.grammar`); None for free text.
     """
 
     temperature: float = 0.0
@@ -53,6 +59,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = field(default=())
+    constraint: Constraint | None = None
     # False: the client named no max_tokens, so the router may lower the default to what fits
     # the plan's context; one it named is kept (and refused when it does not fit). Known only
     # where the request enters (the APIs); not a setting of the sampler, not on the wire.
@@ -82,6 +89,8 @@ class SamplingParams:
                 f"max_tokens must be an integer in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}."
             )
         _check_stop_strings(self.stop)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint, got {self.constraint!r}.")
 
     @property
     def greedy(self) -> bool:
@@ -108,12 +117,13 @@ def _check_stop_strings(stop: tuple[str, ...]) -> None:
 
 # --- Wire forms -------------------------------------------------------------------------------
 
-# The settings a Sampling message carries, in the dataclass's order; ``stop`` (a list) only
-# the local API's message has: stop strings are applied where the request was asked.
+# The scalar settings a Sampling message carries, in the dataclass's order; ``stop`` (a list)
+# only the local API's message has: stop strings are applied where the request was asked.
+# ``constraint`` (a message of its own) only the data plane's has: the APIs build it.
 SAMPLING_FIELDS: tuple[str, ...] = tuple(
     f.name
     for f in fields(SamplingParams)
-    if f.name not in ("stop", "max_tokens_given", "prefix_cache")
+    if f.name not in ("stop", "max_tokens_given", "prefix_cache", "constraint")
 )
 
 M = TypeVar("M")
@@ -133,7 +143,12 @@ def sampling_from_message(message: Any) -> SamplingParams:
             continue
         present[name] = getattr(message, name)
     stop = tuple(message.stop) if "stop" in by_name else ()
-    return SamplingParams(**present, stop=stop, max_tokens_given="max_tokens" in present)
+    constraint = None
+    if "constraint" in by_name and message.HasField("constraint"):
+        constraint = Constraint(message.constraint.kind, message.constraint.grammar)
+    return SamplingParams(
+        **present, stop=stop, constraint=constraint, max_tokens_given="max_tokens" in present
+    )
 
 
 def sampling_to_message(params: SamplingParams, message: M) -> M:
@@ -146,6 +161,11 @@ def sampling_to_message(params: SamplingParams, message: M) -> M:
             setattr(message, name, value)
     if "stop" in by_name:
         message.stop.extend(params.stop)  # type: ignore[attr-defined]
+    if params.constraint is not None:
+        if "constraint" not in by_name:
+            raise ValueError(f"{type(message).__name__} cannot carry a constraint")
+        message.constraint.kind = params.constraint.kind  # type: ignore[attr-defined]
+        message.constraint.grammar = params.constraint.grammar  # type: ignore[attr-defined]
     return message
 
 
@@ -157,9 +177,11 @@ class TokenSampler:
 
     The random key is the request's own: ``key_{n+1}, draw_n = split(key_n)``, so the same seed
     and the same logits give the same tokens no matter what else runs in the process.
+    ``grammar``: the request's structured-output mask (its constraint on this model's
+    tokenizer), applied after the logits processors and advanced with each sampled token.
     """
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, grammar: GrammarMask | None = None) -> None:
         # Imported here: mlx_lm pulls in transformers (~0.6 s), which a daemon should not pay
         # for at start-up, and the parameters above must stay importable without MLX.
         import mlx.core as mx
@@ -167,6 +189,7 @@ class TokenSampler:
 
         self._mx = mx
         self.params = params
+        self.grammar = grammar
         self.seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
         self._key = mx.random.key(self.seed)
         self.logits_processors = make_logits_processors(
@@ -192,8 +215,13 @@ class TokenSampler:
             tokens = mx.array(context)
             for processor in self.logits_processors:
                 logits = processor(tokens, logits)
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return int(self(logprobs).item())
+        token = int(self(logprobs).item())
+        if self.grammar is not None:
+            self.grammar.accept(token)
+        return token
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         """An mlx-lm ``Sampler``: a token from log probabilities ``(1, vocab)``, drawn with

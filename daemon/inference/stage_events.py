@@ -121,6 +121,14 @@ class SamplerSetup:
     # so far to look the drafts up in, and counts the tokens against max_tokens.
     draft: bool = False
     generated: int = 0  # tokens the request generated before (a resumed request)
+    # The request's end-of-sequence tokens: what a grammar allows once complete (structured
+    # outputs), so that the request ends there.
+    eos_ids: frozenset[int] = frozenset()
+
+    @property
+    def generated_tokens(self) -> tuple[int, ...]:
+        """The tokens the request generated before (the end of the context)."""
+        return self.context[len(self.context) - self.generated :]
 
 
 @dataclass(frozen=True, slots=True)

@@ -256,6 +256,8 @@ class DataPlane:
             plan.tokenizer, plan.config = await self.loaded_stages.tokenizer_for(
                 assignment.model_dir
             )
+            if plan.engine is not None:  # a last stage holds structured outputs to it
+                plan.engine.tokenizer = plan.tokenizer
             if tensor_parallel is not None:
                 await self._start_runner(tensor_parallel, plan.engine)
             elif plan.engine is not None:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from meshd.inference.grammar import GrammarMask, grammar_tokenizer
 from meshd.inference.sampling import TokenSampler
 from meshd.inference.stage.drafting import DraftIndex
 from meshd.inference.stage_events import (
@@ -153,6 +154,9 @@ class StageEngine:
     batched_steps: int = 0  # forward passes those rows ran in (rows / steps: the mean batch)
     drafted_tokens: int = 0  # last stage: draft tokens it verified (read in stats)
     accepted_tokens: int = 0  # ...and accepted
+    # The model's mlx-lm tokenizer (set by the data plane when the plan's tokenizer is
+    # loaded, before any request): a last stage builds structured outputs' masks from it.
+    tokenizer: Any = None
 
     def load(
         self, shared: StageModel | None = None, donors: list[StageModel] | None = None
@@ -175,8 +179,10 @@ class StageEngine:
         self.weight_bytes = self.stage.nbytes
 
     def open_sampler(self, request_id: str, setup: SamplerSetup) -> None:
-        """Set up the seeded sampler of a request (last stage, before its first logits)."""
-        sampler = TokenSampler(setup.sampling)
+        """Set up the seeded sampler of a request (last stage, before its first logits),
+        held to the request's grammar if it has one (structured outputs), which first follows
+        the tokens a resumed request generated before."""
+        sampler = TokenSampler(setup.sampling, self._grammar_mask(setup))
         sampler.advance(setup.draws)
         keep_context = setup.sampling.repetition_penalty != 1.0
         self._samplers[request_id] = _SamplerState(
@@ -185,6 +191,19 @@ class StageEngine:
             return_logits=setup.return_logits,
             history=DraftIndex(setup.context) if setup.draft else None,
             generated=setup.generated,
+        )
+
+    def _grammar_mask(self, setup: SamplerSetup) -> GrammarMask | None:
+        constraint = setup.sampling.constraint
+        if constraint is None:
+            return None
+        if self.tokenizer is None:
+            raise RuntimeError("this stage has no tokenizer to hold a request to its grammar")
+        return GrammarMask(
+            constraint,
+            grammar_tokenizer(self.tokenizer),
+            stop_ids=setup.eos_ids,
+            generated=setup.generated_tokens,
         )
 
     def run(

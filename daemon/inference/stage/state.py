@@ -98,6 +98,7 @@ class StageRequest:
                 return_logits=start.return_logits,
                 draft=drafting,
                 generated=len(start.generated),
+                eos_ids=start.eos_ids,
             )
         slot_use, self.slot_use = self.slot_use, None
         return Work(
@@ -153,10 +154,12 @@ class StageRequest:
     def drafts_allowed(self) -> bool:
         """Whether the first stage may draft for this request: greedy sampling without a
         repetition penalty (a draft is accepted when it is the token greedy decoding gives), no
-        logits asked for, and not a request catching up with an older attempt of itself."""
+        logits asked for, not a request catching up with an older attempt of itself, and
+        not one held to a grammar (a draft would have to be checked against its mask)."""
         sampling, start = self.sampling, self.start
         return (
             sampling.greedy
+            and sampling.constraint is None
             and sampling.repetition_penalty == 1.0
             and not start.return_logits
             and not start.catch_up
