@@ -26,6 +26,7 @@ from meshd.inference.stage_events import (
     DropSlots,
     EndFrame,
     FailureKind,
+    Finish,
     Hidden,
     Release,
     RequestStart,
@@ -284,3 +285,24 @@ def test_a_plan_within_its_kv_budget_evicts_to_admit():
         assert core.prefix_stats("p")[1] <= 128
     assert dropped and core.prefix_stats("p")[2].evicted == len(dropped)
     assert core.prefix_stats("p")[0] == 2  # two of 52 fit in 128
+
+
+def test_the_first_stage_keeps_only_what_every_stage_computed_of_a_request_cut_short():
+    """The origin ends a request mid-answer (a stop string, a client gone): the first stage
+    may have handed out steps the others never ran, so it keeps only the positions a token
+    from the last stage proved (every later stage holds at least those, and can follow)."""
+    pipeline = Pipeline()
+    prompt = (*SYSTEM, 1, 2)
+    a = pipeline.a
+    actions = a.on_start(StartFrame("o", "p", "r1", start_of(prompt)), None, T0)
+    while works := a.next_batch(T0):  # the prompt, through stage a only
+        for work in works:
+            actions += a.on_computed(work, Hidden("h", 0.0), T0)
+    first = TokenFrame("b", "p", "r1", 5, 0, Finish.NONE)
+    actions += a.on_token(first, None, T0)  # token 0 came back: the prompt ran everywhere
+    (step,) = a.next_batch(T0)  # its step: handed out, never reaching stage b
+    assert step.positions == (5,)
+    ended = a.on_end(EndFrame("o", "p", "r1"))
+    (release,) = [x for x in ended if isinstance(x, Release)]
+    assert (release.positions, release.keep) == (len(prompt) + 1, len(prompt))
+    assert a.prefix_stats("p")[1] == len(prompt)

@@ -255,7 +255,9 @@ def test_a_last_stage_names_the_first_stage_its_tokens_go_to() -> None:
         assert not work.token_to.carries(99)  # an eos token ends the request
         (token,) = last.on_computed(work, Sampled(7, b"", 0.2), T0)[:1]
         assert isinstance(token, SendToken) and token.index == index
-        assert token.to == (("o",) if final else ("o", "a"))  # a final one: the origin only
+        # A final one goes from the loop (not the compute thread), to the first stage too:
+        # it proves every stage computed the step before (what the first stage keeps).
+        assert token.to == ("o", "a")
         assert (token.finish is Finish.NONE) is not final
 
 

@@ -203,7 +203,7 @@ class AnthropicApi:
         )
         ident = "msg_" + secrets.token_hex(12)
         if forced is not None and field(body, "stream", bool, False):
-            head, rest = await prime(events)
+            head, rest = await prime(events, request)
             return stream_response(
                 self._tool_stream(ident, model, head, rest, forced), "text/event-stream"
             )

@@ -35,7 +35,7 @@ STEPS = 6
 
 
 def probe(model_dir: Path, state_dir: Path) -> dict[str, object]:
-    params = SamplingParams(max_tokens=STEPS)
+    params = SamplingParams(max_tokens=STEPS, prefix_cache=False)  # cold, as mlx-lm runs it
     loop = LoopThread()
     mesh = Mesh(loop, state_dir)
     tokens_equal, diffs, outcomes = True, [], []

@@ -473,11 +473,17 @@ class StageCore:
         if plan is None or not plan.is_first or plan.is_last:
             return []
         request = plan.requests.get(frame.request_id)
-        if request is None or request.ended or frame.finish is not Finish.NONE:
+        if request is None or request.ended:
             return []
+        from_last = frame.sender == plan.node(len(plan.assignment.stages) - 1)
+        if from_last:  # the step before this token ran on every stage
+            proven = request.start.prompt_length + frame.index
+            request.confirmed = max(request.confirmed, proven)
+        if frame.finish is not Finish.NONE:
+            return []  # the request's last token: its origin ends it here
         catch_up = request.start.catch_up
         from_origin = catch_up and frame.sender == request.origin
-        if frame.sender != plan.node(len(plan.assignment.stages) - 1) and not from_origin:
+        if not from_last and not from_origin:
             return []
         if refused := self._admission(request.origin, frame, plan, fence):
             return refused
@@ -721,8 +727,8 @@ class StageCore:
             request.cached.append(result.token_id)  # the following step's position (1 stage)
         first = plan.node(0)
         targets = [request.origin]
-        if finish is Finish.NONE and first not in (request.origin, self.node_id):
-            targets.append(first)
+        if first not in (request.origin, self.node_id):
+            targets.append(first)  # the last token too: what the first stage keeps of it
         actions: list[Action] = [
             SendToken(
                 tuple(targets),
@@ -786,10 +792,22 @@ class StageCore:
             prefix.unpin(used.slot)  # its first step never went out
         kept: int | None = None
         dropped: list[int] = []
-        if keep and prefix is not None and request.cached and request.start.prefix_cache:
-            kept, dropped = prefix.insert(request.cached)
+        held = len(request.cached or ())
+        keep_positions = held
+        if plan.is_first and not plan.is_last:
+            keep_positions = min(held, max(request.confirmed, request.start.reuse))
+        cuttable = prefix is not None and (prefix.trimmable or keep_positions == held)
+        if keep and cuttable and request.start.prefix_cache and keep_positions:
+            assert prefix is not None and request.cached is not None
+            kept, dropped = prefix.insert(request.cached[:keep_positions])
         actions: list[Action] = [
-            Release(plan.plan_id, request.request_id, kept, len(request.cached or ()))
+            Release(
+                plan.plan_id,
+                request.request_id,
+                kept,
+                held,
+                keep_positions if keep_positions != held else 0,
+            )
         ]
         if kind is not None:
             actions.append(

@@ -337,15 +337,22 @@ class StageEngine:
             raise RuntimeError(f"request {request_id} has sampled no token on this stage")
         return state.last_token
 
-    def release(self, request_id: str, keep_as: int | None = None, positions: int = 0) -> None:
+    def release(
+        self, request_id: str, keep_as: int | None = None, positions: int = 0, keep: int = 0
+    ) -> None:
         """Drop the request's KV caches and sampler (no error if it has none); with
-        ``keep_as``, keep the caches as that prefix slot when they hold ``positions``
-        positions (a step that failed after the core decided may have left them otherwise:
-        then they are freed, and a request that asks for the slot is told it is missing)."""
+        ``keep_as``, keep the caches as that prefix slot, cut to their first ``keep``
+        positions (0: all), when they hold ``positions`` positions (a step that failed after
+        the core decided may have left them otherwise: then they are freed, and a request
+        that asks for the slot is told it is missing)."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
         if self._caches is not None:
             if keep_as is not None and self.stage is not None:
                 cache = self._caches.take(request_id)
                 if cache is not None and _positions_held(cache) in (None, positions):
+                    if keep and keep < positions:
+                        trim_prompt_cache(cache, positions - keep)
                     self.stage.slots[keep_as] = cache
             else:
                 self._caches.release(request_id)

@@ -350,7 +350,7 @@ class StageRuntime:
             return
         engine = stage.engine
         done = self._compute.submit(
-            engine.release, action.request_id, action.keep_as, action.positions
+            engine.release, action.request_id, action.keep_as, action.positions, action.keep
         )
         done.add_done_callback(partial(self._released, stage, action.request_id))
 

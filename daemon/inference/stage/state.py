@@ -66,6 +66,10 @@ class StageRequest:
     # ends), and the kept prefix its first step starts from.
     cached: list[int] | None = None
     slot_use: SlotUse | None = None
+    # The first stage of several: positions every stage has computed (a token from the last
+    # stage proves the step before it ran everywhere). It keeps no more of a request that
+    # ends early, so that every later stage holds at least what it keeps.
+    confirmed: int = 0
 
     def can_run(self) -> bool:
         """A request's next step may start: its input is here, and its step before has

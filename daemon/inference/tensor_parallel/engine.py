@@ -88,7 +88,9 @@ class TensorParallelEngine(StageEngine):
         output = self._wait(step, member.spec.step_timeout_s + RUN_DEADLINE_MARGIN_S)
         return to_mx(output.dtype, output.shape, output.data)
 
-    def release(self, request_id: str, keep_as: int | None = None, positions: int = 0) -> None:
+    def release(
+        self, request_id: str, keep_as: int | None = None, positions: int = 0, keep: int = 0
+    ) -> None:
         """Compute thread: drop the request's sampler here and its caches on every rank (a
         group keeps no prefixes: its stage core never asks it to, ``keep_as`` is None)."""
         self._samplers.pop(request_id, None)
