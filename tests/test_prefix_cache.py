@@ -283,10 +283,9 @@ def prefix_stats(mesh: Mesh, plan: Assignment) -> dict[str, tuple[int, int, int]
     async def read() -> dict[str, tuple[int, int, int]]:
         out = {}
         for spec in plan.stages:
-            held = mesh.nodes[spec.node_id].plane.stage.core.prefix_stats(plan.plan_id)
-            assert held is not None, spec.node_id
-            slots, tokens, stats = held
-            out[spec.node_id] = (slots, tokens, stats.hits)
+            view = mesh.nodes[spec.node_id].plane.stage.core.prefix_view(plan.plan_id)
+            assert view is not None, spec.node_id
+            out[spec.node_id] = (view.slots, view.tokens, view.hits)
         return out
 
     return mesh.loop.run(read())

@@ -10,13 +10,11 @@ without the cache.
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshd.inference.assignment import Assignment, StageSpec
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.stage.core import StageCore
 from meshd.inference.stage.prefix import PrefixIndex, common_prefix, prefix_digest, token_bytes
@@ -38,6 +36,7 @@ from meshd.inference.stage_events import (
     TokenFrame,
     request_steps,
 )
+from tests.test_stage_core import plan_of  # the same hand-made plans
 
 pytestmark = pytest.mark.unit
 
@@ -153,15 +152,6 @@ def test_steps_after_a_kept_prefix_cover_only_the_rest():
 # --- The core, over a pipeline of two stages ----------------------------------------------------
 
 
-def plan_of(plan_id: str, *nodes: str) -> Assignment:
-    last = len(nodes) - 1
-    stages = tuple(
-        StageSpec(node, f"10.0.0.{i + 1}:7000", i, i + 1, i == 0, i == last)
-        for i, node in enumerate(nodes)
-    )
-    return Assignment(plan_id, Path("/models/m"), stages)
-
-
 def start_of(prompt: tuple[int, ...], **fields) -> RequestStart:
     return RequestStart(
         origin="o",
@@ -242,8 +232,8 @@ def test_the_second_stage_follows_the_first_and_both_keep_the_same_sequence():
     assert tokens[0].cached == len(prompt) + 2 and all(t.cached == 0 for t in tokens[1:])
     assert not [a for a in second if isinstance(a, SendFailure)]
     for core in (pipeline.a, pipeline.b):
-        slots, _held, stats = core.prefix_stats("p")
-        assert (slots, stats.hits) == (1, 1)
+        view = core.prefix_view("p")
+        assert view is not None and (view.slots, view.hits) == (1, 1)
 
 
 def test_a_stage_without_the_prefix_refuses_as_a_cache_miss():
@@ -261,7 +251,7 @@ def test_a_request_that_opts_out_neither_reuses_nor_leaves_a_prefix():
     actions = pipeline.run("r2", (*SYSTEM, 3), prefix_cache=False)
     assert pipeline.forwarded.reuse == 0
     assert all(a.keep_as is None for a in actions if isinstance(a, Release))
-    assert pipeline.a.prefix_stats("p")[0] == 1
+    assert pipeline.a.prefix_view("p").slots == 1
 
 
 def test_a_plan_within_its_kv_budget_evicts_to_admit():
@@ -282,9 +272,9 @@ def test_a_plan_within_its_kv_budget_evicts_to_admit():
         dropped += [s for a in actions if isinstance(a, DropSlots) for s in a.slot_ids]
         kept = [a for a in actions if isinstance(a, Release) and a.keep_as is not None]
         assert len(kept) == 1 and kept[0].positions == 52  # the prompt and 2 of 3 tokens
-        assert core.prefix_stats("p")[1] <= 128
-    assert dropped and core.prefix_stats("p")[2].evicted == len(dropped)
-    assert core.prefix_stats("p")[0] == 2  # two of 52 fit in 128
+        assert core.prefix_view("p").tokens <= 128
+    assert dropped and core.prefix_view("p").evicted == len(dropped)
+    assert core.prefix_view("p").slots == 2  # two of 52 fit in 128
 
 
 def test_the_first_stage_keeps_only_what_every_stage_computed_of_a_request_cut_short():
@@ -305,4 +295,4 @@ def test_the_first_stage_keeps_only_what_every_stage_computed_of_a_request_cut_s
     ended = a.on_end(EndFrame("o", "p", "r1"))
     (release,) = [x for x in ended if isinstance(x, Release)]
     assert (release.positions, release.keep) == (len(prompt) + 1, len(prompt))
-    assert a.prefix_stats("p")[1] == len(prompt)
+    assert a.prefix_view("p").tokens == len(prompt)

@@ -276,7 +276,7 @@ class Release:
     request_id: str
     keep_as: int | None = None  # keep the caches as this prefix slot instead of freeing them
     positions: int = 0  # ...which then hold this many positions (else they are not kept)
-    keep: int = 0  # ...cut to their first ``keep`` positions (0: all of them)
+    keep: int = 0  # ...cut to their first ``keep`` positions (fewer than ``positions``)
 
 
 @dataclass(frozen=True, slots=True)

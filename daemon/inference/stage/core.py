@@ -95,7 +95,6 @@ from meshd.inference.stage.prefix import (
     DEFAULT_MAX_SLOTS,
     PrefixCacheView,
     PrefixIndex,
-    PrefixStats,
     Slot,
     prefix_digest,
     token_bytes,
@@ -201,33 +200,26 @@ class StageCore:
 
     def prefix_views(self) -> tuple[PrefixCacheView, ...]:
         """Every installed plan's stage's prefix cache here, as status shows it."""
-        views = []
-        for plan in self._plans.values():
-            prefix = plan.prefix
-            if prefix is None or plan.index is None:
-                continue
-            stats = prefix.stats
-            views.append(
-                PrefixCacheView(
-                    plan.plan_id,
-                    plan.index,
-                    len(prefix),
-                    prefix.tokens,
-                    plan.kv_tokens or 0,
-                    stats.lookups,
-                    stats.hits,
-                    stats.reused_tokens,
-                    stats.evicted,
-                )
-            )
-        return tuple(views)
+        views = (self.prefix_view(plan_id) for plan_id in self._plans)
+        return tuple(view for view in views if view is not None)
 
-    def prefix_stats(self, plan_id: str) -> tuple[int, int, PrefixStats] | None:
-        """The plan's stage's prefix cache here: slots, tokens they hold, counters."""
+    def prefix_view(self, plan_id: str) -> PrefixCacheView | None:
+        """The plan's stage's prefix cache here (None: it keeps none)."""
         plan = self._plans.get(plan_id)
-        if plan is None or plan.prefix is None:
+        if plan is None or plan.prefix is None or plan.index is None:
             return None
-        return len(plan.prefix), plan.prefix.tokens, plan.prefix.stats
+        prefix, stats = plan.prefix, plan.prefix.stats
+        return PrefixCacheView(
+            plan.plan_id,
+            plan.index,
+            len(prefix),
+            prefix.tokens,
+            plan.kv_tokens or 0,
+            stats.lookups,
+            stats.hits,
+            stats.reused_tokens,
+            stats.evicted,
+        )
 
     def plan_failed(self, plan_id: str, reason: str) -> list[Action]:
         """This node cannot serve ``plan_id`` (its part could not be fetched or loaded):
@@ -801,13 +793,7 @@ class StageCore:
             assert prefix is not None and request.cached is not None
             kept, dropped = prefix.insert(request.cached[:keep_positions])
         actions: list[Action] = [
-            Release(
-                plan.plan_id,
-                request.request_id,
-                kept,
-                held,
-                keep_positions if keep_positions != held else 0,
-            )
+            Release(plan.plan_id, request.request_id, kept, held, keep_positions)
         ]
         if kind is not None:
             actions.append(

@@ -342,7 +342,7 @@ class StageEngine:
     ) -> None:
         """Drop the request's KV caches and sampler (no error if it has none); with
         ``keep_as``, keep the caches as that prefix slot, cut to their first ``keep``
-        positions (0: all), when they hold ``positions`` positions (a step that failed after
+        positions, when they hold ``positions`` positions (a step that failed after
         the core decided may have left them otherwise: then they are freed, and a request
         that asks for the slot is told it is missing)."""
         from mlx_lm.models.cache import trim_prompt_cache
@@ -351,7 +351,7 @@ class StageEngine:
             if keep_as is not None and self.stage is not None:
                 cache = self._caches.take(request_id)
                 if cache is not None and _positions_held(cache) in (None, positions):
-                    if keep and keep < positions:
+                    if keep < positions:
                         trim_prompt_cache(cache, positions - keep)
                     self.stage.slots[keep_as] = cache
             else:
@@ -388,13 +388,6 @@ class StageEngine:
             wanted = set(slot_ids)
             for slot_id in [s for s in self.stage.slots if s not in wanted]:
                 del self.stage.slots[slot_id]
-
-    @property
-    def slot_bytes(self) -> int:
-        """Bytes the kept prefixes of these layers take."""
-        if self.stage is None:
-            return 0
-        return sum(layer.nbytes for cache in self.stage.slots.values() for layer in cache)
 
     def unload(self) -> None:
         """Forget the weights and caches (they are freed once no other plan shares them)."""
