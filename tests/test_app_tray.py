@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -271,9 +272,13 @@ def test_xorg_backend_sets_a_non_latin1_title_without_errors(tmp_path: Path, art
             app.find_icon()  # docked in the tray (xorg scales it its own way: no pixel match)
             # Logged once a redraw has set the icon, the title and the menu.
             shown = "the tray shows: unreachable"
-            x.wait_for(
-                lambda: shown in log_path.read_text(errors="replace"), "a whole redraw", 30.0
-            )
+            try:
+                x.wait_for(
+                    lambda: shown in log_path.read_text(errors="replace"), "a whole redraw", 30.0
+                )
+            except BaseException:
+                _dump_stacks(proc)
+                raise
             assert proc.poll() is None
         finally:
             proc.terminate()
@@ -282,3 +287,10 @@ def test_xorg_backend_sets_a_non_latin1_title_without_errors(tmp_path: Path, art
             (artefacts / "app-xorg.log").write_text(log)
         assert "tray backend: xorg (PYSTRAY_BACKEND is set)" in log, log
         assert "Traceback" not in log and "UnicodeEncodeError" not in log, log
+
+
+def _dump_stacks(proc) -> None:
+    """Have a hung app write every thread's stack into its log (meshd app handles SIGUSR1)."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)

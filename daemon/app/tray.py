@@ -10,10 +10,13 @@ redraw. This module only translates: what the menu holds is decided in menu_mode
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import logging
 import os
+import signal
 import threading
+import time
 from typing import Any
 
 from meshd.app.controller import AppController
@@ -27,6 +30,7 @@ log = logging.getLogger("meshd.app")
 
 PROGRAM_NAME = "meshd"  # the X window class of the icon (how a tray, or a test, finds it)
 ICON_SIZE = 64
+LOOP_START_TIMEOUT_S = 10.0
 
 
 class AppError(RuntimeError):
@@ -90,6 +94,7 @@ class Tray:
         """Show the icon until Quit; returns the exit status."""
 
         def setup(icon: Any) -> None:
+            _wait_for_the_loop_thread(icon)
             icon.visible = True
             self.controller.start()
             self.redraw()
@@ -165,5 +170,25 @@ def _fixed(value: bool, _item: Any) -> bool:
     return value
 
 
+def _wait_for_the_loop_thread(icon: Any) -> None:
+    """pystray's xorg backend marks itself ready before it records its loop thread, and every
+    setter called from another thread reads that record: a setup thread scheduled in between
+    (a busy machine) fails. Wait, bounded, until the record is there (other backends have none
+    and do not wait)."""
+    if os.environ.get("PYSTRAY_BACKEND") != "xorg":
+        return
+    deadline = time.monotonic() + LOOP_START_TIMEOUT_S
+    while getattr(icon, "_thread", None) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` writes every thread's stack to stderr: how a hung tray is diagnosed
+    (the app runs unattended, often with no terminal to interrupt it in)."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def run_tray(api_address: str, *, theme: str, service: Manager | None) -> int:
+    _dump_stacks_on_sigusr1()
     return Tray(load_pystray(), api_address, theme=theme, service=service).run()
