@@ -677,3 +677,67 @@ def _measure_convergence(sim: Simulation, seed: int, stable_at: float) -> RunRes
         bound_s=sim.liveness_bound_s(),
         counts=tuple(sorted(kinds.items())),
     )
+
+
+def scaled_run(
+    seed: int,
+    nodes: int,
+    config: AgreementConfig,
+    faults: NetworkFaults,
+    *,
+    churn_events: int = 8,
+    chaos_s: float = 4.0,
+) -> RunResult:
+    """A mesh of `nodes` machines starting together, then churn, then a stable world.
+
+    The churn is what a large mesh sees: crashes, restarts, flapping links, graceful leaves,
+    re-measured profiles and late joiners (a tenth more machines than start), spread over
+    `chaos_s`. The model needs about a third of the starting machines' memory, so plans span
+    many nodes and every churn event touches a holder with some probability.
+    """
+    rng = random.Random(seed)
+    spare = max(1, nodes // 10)
+    names = [f"n{i}" for i in range(1, nodes + spare + 1)]
+    memory = {name: float(rng.choice([4, 8, 16])) for name in names}
+    total = sum(memory[name] for name in names[:nodes])
+    sizes = {SMALL_MODEL: round(total * 0.33), LARGE_MODEL: round(total * 0.9)}
+    sim = Simulation(seed, config, faults, model_sizes=sizes)
+    for name in names:
+        sim.add_node(name, memory[name])
+    for name in names[:nodes]:
+        sim.at(rng.uniform(0, 0.3), _action(sim.start, name))
+    kinds = ("crash", "restart", "flap", "leave", "noise", "profile", "join")
+    for _ in range(churn_events):
+        sim.at(rng.uniform(0.5, chaos_s), _churn(sim, rng, names, nodes, rng.choice(kinds)))
+    stable_at = chaos_s + FLAP_MAX_DOWN_S
+    sim.at(stable_at, _stabilize(sim, rng, names))
+    sim.run_until(stable_at)
+    return _measure_convergence(sim, seed, stable_at)
+
+
+def _churn(
+    sim: Simulation, rng: random.Random, names: list[str], starting: int, kind: str
+) -> Callable[[], None]:
+    """One churn event of `kind` on a machine picked when it fires."""
+
+    def event() -> None:
+        if kind == "join":
+            sim.start(rng.choice(names[starting:]))
+            return
+        name = rng.choice(names[:starting])
+        if kind == "crash":
+            sim.crash(name)
+        elif kind == "restart":
+            sim.start(name)
+        elif kind == "flap":
+            sim.crash(name)
+            sim.at(sim.now + rng.uniform(0.05, FLAP_MAX_DOWN_S), _action(sim.start, name))
+        elif kind == "leave":
+            sim.leave(name)
+            sim.at(sim.now + rng.uniform(0.1, 0.45), _action(sim.crash, name))
+        elif kind == "noise":
+            sim.change_profile(name, sim.nodes[name].memory_gb)
+        else:
+            sim.change_profile(name, float(rng.choice([4, 8, 16])))
+
+    return event

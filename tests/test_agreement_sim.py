@@ -32,6 +32,7 @@ from tests.agreement_sim import (
     Simulation,
     make_compute_plan,
     random_run,
+    scaled_run,
 )
 
 pytestmark = pytest.mark.unit
@@ -586,6 +587,18 @@ def test_random_runs_are_safe_and_converge_within_the_bound() -> None:
     assert totals["recommitted"] > 2 * RANDOM_SEEDS
     assert totals["withdrawn"] > RANDOM_SEEDS and totals["refused"] > RANDOM_SEEDS
     assert slowest > CONFIG.join_stability_s, "some runs must have had to re-plan after the end"
+
+
+def test_a_mesh_of_32_nodes_with_churn_commits_one_plan_in_bounded_time() -> None:
+    """Scale: 32 machines starting together, then crashes, flaps, leaves, re-measured
+    profiles and late joiners; safety at every event, one committed plan per side within the
+    same bound as a small mesh (benchmarks/bench_agreement_scale.py runs 64 and 128)."""
+    result = scaled_run(3, 32, CONFIG, HOSTILE, churn_events=6)
+    assert result.problems == (), result.problems
+    assert result.converged_after_s is not None and result.converged_after_s <= result.bound_s
+    assert result.commits_after_convergence == 0
+    counts = dict(result.counts)
+    assert counts["committed"] >= 32, "every node must have committed at least once"
 
 
 def test_the_simulation_replays_a_seed_exactly() -> None:

@@ -78,10 +78,33 @@ ComputePlan = Callable[[PlanInputs], PlanOutcome]
 
 @dataclass(frozen=True)
 class Proposal:
-    """A node's current proposal: what it computed and from what. Compared as a whole."""
+    """A node's current proposal: what it computed and from what. Compared as a whole.
+
+    Every node compares its proposal with every peer's on every message, and a proposal holds
+    the whole member list: its hash is computed once, so that unequal proposals differ at
+    once and equal ones pay one full comparison.
+    """
 
     inputs: PlanInputs
     outcome: PlanOutcome
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.inputs, self.outcome)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Proposal):
+            return NotImplemented
+        return (
+            self._hash == other._hash
+            and self.inputs == other.inputs
+            and self.outcome == other.outcome
+        )
 
     @property
     def members(self) -> tuple[NodeId, ...]:

@@ -281,7 +281,7 @@ class AgreementNode:
         previous = self._latest.get(message.sender)
         if previous is not None and message.stamp <= previous.stamp:
             return []
-        self._latest[message.sender] = message
+        self._latest[message.sender] = self._interned(message)
         outputs = self._try_commit(now)
         if not outputs:  # its report may move the incumbent (after a commit: at the next tick)
             outputs = self._update_proposal(now)
@@ -355,8 +355,11 @@ class AgreementNode:
                 reports.append(message.active)
         if not reports:
             return None
-        counts = Counter(reports)
-        return max(counts, key=lambda plan: (counts[plan], plan.plan_id))
+        # Counted by plan id (a hash of the layout, so one id is one plan): hashing whole
+        # plans would cost their member lists on every message of a large mesh.
+        counts = Counter(plan.plan_id for plan in reports)
+        chosen = max(counts, key=lambda plan_id: (counts[plan_id], plan_id))
+        return next(plan for plan in reports if plan.plan_id == chosen)
 
     def _outcome_for(self, inputs: PlanInputs) -> PlanOutcome:
         """`compute_plan(inputs)`, remembered for the last inputs (it may be expensive)."""
@@ -426,7 +429,23 @@ class AgreementNode:
 
     def _holds(self, member: NodeId, proposal: Proposal) -> bool:
         message = self._latest.get(member)
-        return message is not None and message.proposal == proposal
+        if message is None:
+            return False
+        return message.proposal is proposal or message.proposal == proposal
+
+    def _interned(self, message: ProposalMessage) -> ProposalMessage:
+        """`message`, holding this node's own proposal object where it carries an equal one.
+
+        A proposal compares its whole member list: checking every member's confirmation on
+        every message costs O(members) per member. Equal proposals shared as one object
+        compare by identity, which keeps a large mesh's commit checks linear.
+        """
+        own = self._proposal
+        if own is None or message.proposal is None or message.proposal is own:
+            return message
+        if message.proposal != own:
+            return message
+        return dataclasses.replace(message, proposal=own)
 
     def _start_draining_active(self, now: float) -> None:
         if self._active is None:
