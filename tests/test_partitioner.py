@@ -420,7 +420,7 @@ def test_no_tensor_parallel_group_when_heads_do_not_divide() -> None:
     plan = plan_model(mesh, model)
     assert not any(stage.tensor_parallel for stage in plan.stages)
     with pytest.raises(ParallelismUnavailable, match="divides both the attention heads"):
-        plan_model(mesh, model, PlanOptions(parallelism="tensor"))
+        plan_model(mesh, model, PlanOptions(parallelism="tensor"), fallback=False)
 
 
 # ---- determinism, quantization, ids ---------------------------------------------------------
