@@ -336,8 +336,8 @@ def _unavailable_reason(
     if not model.supports_tensor_parallel:
         return (
             f"{what} is not available for architecture {model.architecture or 'of this model'}"
-            ": meshd splits layers over a group only for the architectures whose mlx-lm "
-            "shard(group) it has verified on pipeline stages (docs/architectures.md lists them)",
+            ", whose mlx-lm shard(group) meshd has not verified on pipeline stages "
+            "(docs/architectures.md lists the architectures it has)",
             "use --parallelism pipeline or auto",
         )
     degrees = tensor_parallel_degrees(model)

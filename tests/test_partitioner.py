@@ -248,7 +248,9 @@ def test_speed_leaves_out_a_weak_node_that_the_memory_split_uses() -> None:
     speed = plan_model(mesh, model)
     assert layer_counts(memory) == [8, 8]
     assert stage_nodes(speed) == [("fast",)]
-    assert speed.left_out[0].node == "weak" and "faster without it" in speed.left_out[0].reason
+    assert speed.left_out[0].node == "weak" and speed.left_out[0].reason.startswith(
+        "not needed: no layout using it"
+    )
     ratio = memory.prediction.decode_s_per_token / speed.prediction.decode_s_per_token
     assert ratio > 4
 

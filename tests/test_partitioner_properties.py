@@ -351,8 +351,10 @@ def test_larger_meshes_give_valid_deterministic_plans(
 def test_forced_layouts_are_of_their_kind_or_refused(
     case: tuple[nx.DiGraph, ModelSpec, PlanOptions],
 ) -> None:
-    """Every forced kind gives a valid plan of that kind, or a refusal that says why; `auto`
-    is never predicted slower than the one-node plan it could have made."""
+    """Every forced kind gives a valid plan of that kind, or a refusal that says why, and
+    without `fallback=False` the auto plan with a note that says the same; `auto` is never
+    predicted slower than the one-node plan it could have made (by more than the margin, when
+    it uses more nodes)."""
     graph, model, opts = case
     for u, v in graph.edges:
         graph.edges[u, v]["trusted"] = True
@@ -360,15 +362,24 @@ def test_forced_layouts_are_of_their_kind_or_refused(
     for kind in PARALLELISMS:
         forced = PlanOptions.from_dict({**opts.to_dict(), "parallelism": kind})
         try:
-            plan = plan_model(graph, model, forced)
+            plan = plan_model(graph, model, forced, fallback=False)
         except InsufficientMemory:
             assert not brute_force_fits(graph, model, forced)
             continue
         except ParallelismUnavailable as refusal:
-            assert kind != "auto" and refusal.reason
+            assert kind != "auto" and refusal.missing and refusal.remedy
+            try:
+                served = plan_model(graph, model, forced)
+            except InsufficientMemory:  # nothing serves: the same refusal as `auto`
+                with pytest.raises(InsufficientMemory):
+                    plan_model(graph, model, opts)
+                continue
+            assert served.note.startswith(f"{refusal.missing}: serving ")
+            assert served.plan_id == plan_model(graph, model, opts).plan_id
             continue
         assert_valid(plan, graph, model, forced)
         assert kind == "auto" or plan.layout == kind
+        assert plan.note == ""
         assert Plan.from_dict(json.loads(json.dumps(plan.to_dict(), allow_nan=False))) == plan
         outcomes[kind] = plan
     solo = plan_alternatives(graph, model, opts)["solo"]

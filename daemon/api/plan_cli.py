@@ -31,6 +31,8 @@ Mesh file format (human units accepted everywhere a size, rate or time is expect
   (all read by partitioner.humanize, as flags and the config file are);
 - collective_overhead (optional, per node): what the node adds to each collective of a
   tensor-parallel group ("60us"; partitioner.cost has the default);
+- layer_overhead (optional, per node): fixed time per layer and decode step that does not
+  shrink with the bytes read (kernel launches, synchronisation; "80us" on a GPU; default 0);
 - trusted (optional, per link, default false): the link is point-to-point or trusted, so
   tensor-parallel traffic (unencrypted) may cross it;
 - a link is used in both directions unless it says "both_ways": false (then add the reverse
@@ -81,7 +83,15 @@ LIVE_TIMEOUT_S = 5.0
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
 
 T = TypeVar("T")
-_NODE_KEYS = {"id", "name", "memory_budget", "flops", "mem_bandwidth", "collective_overhead"}
+_NODE_KEYS = {
+    "id",
+    "name",
+    "memory_budget",
+    "flops",
+    "mem_bandwidth",
+    "collective_overhead",
+    "layer_overhead",
+}
 _LINK_KEYS = {
     "src",
     "dst",
@@ -166,6 +176,10 @@ def _node_entry(entry: Any, where: str) -> tuple[str, dict[str, Any]]:
     if "collective_overhead" in entry:
         attributes["collective_overhead_s"] = _quantity(
             parse_duration, entry["collective_overhead"], f"{where}: collective_overhead"
+        )
+    if "layer_overhead" in entry:
+        attributes["layer_overhead_s"] = _quantity(
+            parse_duration, entry["layer_overhead"], f"{where}: layer_overhead"
         )
     return str(entry["id"]), attributes
 
