@@ -145,7 +145,7 @@ class SpeedSearch:
         extra_layouts = [x for x in extra_layouts if self.accept(frozenset(x.units))]
         best: Ranked | None = None
         for unit_set in filter(self.accept, self._seed_sets(extra_layouts)):
-            if best is None or self.lower_bound(unit_set) < self._cutoff(best):
+            if best is None or self.lower_bound(unit_set) < self._cutoff(best, unit_set):
                 best = _better(best, self.evaluate(unit_set))
         for layout in extra_layouts:
             best = _better(best, self._record(self._as_is(layout)))
@@ -158,9 +158,14 @@ class SpeedSearch:
         """Of the layouts found: the fewest nodes within `min_gain` of the fastest."""
         return choose_within_margin(list(self.by_size.values()), self.min_gain)
 
-    def _cutoff(self, best: Ranked) -> float:
-        """Sets whose lower bound reaches this cannot be chosen (step 7)."""
-        return best[0] * (1.0 + self.min_gain)
+    def _cutoff(self, best: Ranked, unit_set: frozenset[Unit]) -> float:
+        """Sets whose lower bound reaches this cannot be chosen (step 7): a set with fewer
+        nodes than the choice so far may win within the margin, any other only by being the
+        fastest."""
+        nodes = sum(unit.degree for unit in unit_set)
+        if self.by_size and nodes < node_count(self.chosen()[1]):
+            return best[0] * (1.0 + self.min_gain)
+        return best[0]
 
     def _record(self, ranked: Ranked | None) -> Ranked | None:
         if ranked is not None:
@@ -378,7 +383,7 @@ class SpeedSearch:
             before = (best, self.chosen())
             for current in dict.fromkeys(frozenset(r[1].units) for r in before):
                 for neighbour in filter(self.accept, self._neighbours(current)):
-                    if self.lower_bound(neighbour) < self._cutoff(best):
+                    if self.lower_bound(neighbour) < self._cutoff(best, neighbour):
                         best = _better(best, self.evaluate(neighbour)) or best
             if (best, self.chosen()) == before:
                 break
