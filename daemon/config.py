@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from partitioner.humanize import parse_size
+from partitioner.humanize import parse_fraction, parse_size
+from partitioner.options import DEFAULT_MIN_GAIN
 
 DEFAULT_PEER_PORT = 52300
 DEFAULT_MESH_NAME = "home"
@@ -410,10 +411,18 @@ class Config:
     parallelism: str = setting(
         "auto",
         "kind of layout: auto takes the fastest predicted of one node, a pipeline, a "
-        "tensor-parallel group or a hybrid; the others force that kind (refused, with the "
-        "reason, where it cannot run)",
+        "tensor-parallel group or a hybrid; the others force that kind (where it cannot run, "
+        "the best plan of another kind serves, and the plan's note says what is missing)",
         choices=("auto", "pipeline", "tensor", "hybrid"),
         metavar="KIND",
+    )
+    min_gain: float = setting(
+        DEFAULT_MIN_GAIN,
+        "what a node must add to join the plan: the fewest nodes whose predicted speed is "
+        "within this fraction of the fastest layout are used (0.1 is 10%%; 0: the fastest); "
+        "a node the model needs for memory is always used",
+        read=parse_fraction,
+        metavar="FRACTION",
     )
     tensor_parallel_trusted_networks: list[str] = setting(
         list,

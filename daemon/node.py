@@ -320,6 +320,7 @@ class Node:
             concurrency=concurrency or self.config.concurrency,
             cache_sequences=self.config.prefix_cache_sequences if self.config.prefix_cache else 0,
             parallelism=parallelism or self.config.parallelism,
+            min_gain=self.config.min_gain,
         )
         selection = model_selection(
             spec,

@@ -15,7 +15,13 @@ from partitioner.errors import (
     describe_refusal,
 )
 from partitioner.model import ModelSpec, ModelSpecError
-from partitioner.options import PARALLELISMS, STRATEGIES, PlanOptions, PlanOptionsError
+from partitioner.options import (
+    DEFAULT_MIN_GAIN,
+    PARALLELISMS,
+    STRATEGIES,
+    PlanOptions,
+    PlanOptionsError,
+)
 from partitioner.plan import (
     ExpertShard,
     Hop,
@@ -41,6 +47,7 @@ from partitioner.quantize import bucket_index, bucket_value, quantize, sticky_bu
 
 __all__ = [
     "ALGORITHM_VERSION",
+    "DEFAULT_MIN_GAIN",
     "LAYOUTS",
     "PARALLELISMS",
     "STRATEGIES",

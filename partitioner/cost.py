@@ -29,7 +29,11 @@ memory (partitioner.experts). KV cache is split by heads, except MLA's latent, w
 member keeps whole. Embedding, head and activations are held whole by every member.
 
 Decode time of a stage per token (one sequence): max(bytes read / memory bandwidth,
-FLOPs / compute). Bytes read are what a token touches: shared weights plus the active experts
+FLOPs / compute), + layers x the node's `layer_overhead_s` (fixed time per layer and step that
+does not shrink with the bytes: kernel launches and synchronisation; 0 unless the node reports
+it: on Apple silicon it is absorbed in the calibrated bandwidth, on a GPU it is what bounds a
+small-active-parameter MoE, whose roofline alone would predict over 1,000 tokens/s).
+Bytes read are what a token touches: shared weights plus the active experts
 (`layer_active_bytes`: num_experts_per_tok of num_experts routed experts, plus shared experts),
 + the head matrix on the last stage; FLOPs = 2 x the active logical weights (+ 2 x vocab x
 hidden for the head). The KV cache read is not counted: it grows with the position in the
@@ -116,6 +120,7 @@ class Unit:
     expert_counts: routed experts each member holds (they sum to the model's num_experts;
         empty for one node, which holds them all).
     collective_overhead_s: the slowest member's cost of one collective (groups only).
+    layer_overhead_s: fixed seconds per layer and step (the slowest member's for a group).
     """
 
     nodes: tuple[str, ...]
@@ -129,6 +134,7 @@ class Unit:
     member_bandwidth: tuple[float, ...] = ()
     expert_counts: tuple[int, ...] = ()
     collective_overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0
     degree: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -167,6 +173,7 @@ class Unit:
             self.member_bandwidth,
             tuple(counts),
             self.collective_overhead_s,
+            self.layer_overhead_s,
         )
 
 
@@ -455,12 +462,14 @@ class CostModel:
                 flops += self.head_flops
             memory_s = read / unit.mem_bandwidth
             compute_s = tokens * flops / unit.flops
-            return memory_s if memory_s > compute_s else compute_s
+            fixed_s = (end - start) * unit.layer_overhead_s
+            return fixed_s + (memory_s if memory_s > compute_s else compute_s)
         seconds = max(
             self._member_s(unit, m, start, end, read, flops, last=last, tokens=tokens, touch=touch)
             for m in range(degree)
         )
-        return seconds + self._collectives_s(unit, end - start, tokens)
+        fixed_s = (end - start) * unit.layer_overhead_s
+        return fixed_s + seconds + self._collectives_s(unit, end - start, tokens)
 
     def _member_s(
         self,

@@ -86,16 +86,21 @@ def describe_refusal(error: InsufficientMemory) -> str:
 class ParallelismUnavailable(ValueError):
     """A forced kind of layout (PlanOptions.parallelism) cannot run on this mesh and model.
 
-    kind: the layout asked for ("pipeline", "tensor" or "hybrid"); reason: one sentence on why
-    (no trusted links, an architecture that cannot shard, heads that no group size divides, no
-    group or pipeline that fits in memory, ...).
+    kind: the layout asked for ("solo", "pipeline", "tensor" or "hybrid"); missing: what the
+    mesh or model lacks for it, naming the numbers (nodes left, group sizes, heads, memory);
+    remedy: what to do about it; reason: both in one sentence.
     """
 
-    def __init__(self, kind: str, model_name: str, reason: str) -> None:
+    def __init__(self, kind: str, model_name: str, missing: str, remedy: str = "") -> None:
         self.kind = kind
         self.model_name = model_name
-        self.reason = reason
+        self.missing = missing
+        self.remedy = remedy
         super().__init__(self.message)
+
+    @property
+    def reason(self) -> str:
+        return f"{self.missing}; {self.remedy}" if self.remedy else self.missing
 
     @property
     def message(self) -> str:
@@ -106,6 +111,8 @@ class ParallelismUnavailable(ValueError):
             "error": "parallelism_unavailable",
             "parallelism": self.kind,
             "model": self.model_name,
+            "missing": self.missing,
+            "remedy": self.remedy,
             "reason": self.reason,
             "message": self.message,
         }

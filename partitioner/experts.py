@@ -10,12 +10,31 @@ capped placement cannot hold the experts, the memory-proportional split the sear
 
 The same placement applies to every MoE layer of the stage: member i holds experts
 [start_i, end_i) of each of those layers, contiguous ranges in member order.
+
+Stable under measurement noise: the weights are not the measured bandwidths but each member's
+bandwidth relative to the group's fastest, rounded to a power of two (`bandwidth_weight`), so
+members within about 1.41x of each other count as equal and ±10 % noise on any member moves
+no expert (a 2x faster member stays 2x while the measured ratio is within 1.41x..2.83x).
+Expert counts change only when a member's speed changes by a factor, not by a few percent,
+so a re-plan on noise does not reload experts.
 """
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 from partitioner.cost import CostModel, Unit
 from partitioner.split import capped_proportional
+
+
+def bandwidth_weight(bandwidth: float, fastest: float) -> Fraction:
+    """A member's share weight: its bandwidth relative to the fastest, rounded to a power of
+    two (1, 1/2, 1/4, ...; exact, so every machine rounds alike). See the module docstring."""
+    if bandwidth <= 0 or fastest <= 0:
+        return Fraction(1)
+    steps = round(math.log2(fastest / bandwidth))
+    return Fraction(1, 2 ** max(0, steps))
 
 
 def place_experts(
@@ -29,7 +48,10 @@ def place_experts(
         _most_experts(cost, unit, member, start, end, first=first, last=last)
         for member in range(unit.degree)
     ]
-    counts = capped_proportional(experts, list(unit.member_bandwidth), caps)
+    weights = [
+        bandwidth_weight(value, max(unit.member_bandwidth)) for value in unit.member_bandwidth
+    ]
+    counts = capped_proportional(experts, weights, caps)
     if counts is None:
         return unit
     placed = unit.with_experts(counts)

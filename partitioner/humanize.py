@@ -17,6 +17,7 @@ Conventions (the Kubernetes/IEC ones, stated once here so every input agrees):
   for B versus b, as it does on every network spec sheet. A bare number is bytes/s.
 * FLOP/s: ``25TFLOPS``, ``25 TFLOP/s``, ``900GFLOPS`` (decimal prefixes) or a number.
 * Durations are seconds: ``300us`` (or ``µs``), ``0.3ms``, ``2s``, ``5ns`` or a number.
+* Fractions: ``10%`` or ``0.1``, from 0 to 1.
 * Formatting writes sizes in binary units (memory is sized in powers of two) and rates and
   FLOP/s in decimal units (bandwidth and compute are specified in powers of ten).
 """
@@ -100,6 +101,21 @@ def parse_duration(text: str | float) -> float:
     if match is None:
         raise ValueError(f"cannot read {text!r} as a duration: use {_DURATION_EXAMPLES}")
     return float(Fraction(match["number"]) * _DURATION_UNITS[match["unit"]])
+
+
+def parse_fraction(text: str | float) -> float:
+    """A fraction from '10%', '0.1' or a number (10 % is 0.1); from 0 to 1."""
+    raw = text.strip() if isinstance(text, str) else text
+    try:
+        if isinstance(raw, str) and raw.endswith("%"):
+            value = float(Fraction(raw[:-1].strip()) / 100)
+        else:
+            value = _finite_number(float(raw) if isinstance(raw, str) else raw, "a fraction", "")
+    except (ValueError, ZeroDivisionError) as error:
+        raise ValueError(f"cannot read {text!r} as a fraction: use '10%' or 0.1") from error
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{text!r} is not a fraction from 0 to 1: use e.g. '10%' or 0.1")
+    return value
 
 
 def format_bytes(size: int | float) -> str:

@@ -4,7 +4,9 @@ Input contract (networkx.DiGraph):
 - node key: node id (str); attributes `memory_budget` (int bytes the daemon may use for a
   model), `flops` (FLOP/s at the dtype in use), `mem_bandwidth` (bytes/s), optional `name`,
   optional `collective_overhead_s` (seconds the node adds to each collective of a
-  tensor-parallel group: device synchronisation; partitioner.cost has the default).
+  tensor-parallel group: device synchronisation; partitioner.cost has the default),
+  optional `layer_overhead_s` (fixed seconds per layer and decode step: kernel launches and
+  synchronisation that do not shrink with the bytes read; 0 when not given).
 - edge u->v: `latency_s` (one-way seconds) and `bandwidth` (bytes/s); links may be asymmetric.
   Optional `trusted` (bool, default False): the link is point-to-point (a Thunderbolt bridge,
   a direct cable) or the user marked it trusted. Tensor-parallel collectives travel in clear
@@ -48,6 +50,14 @@ class NodeProfile:
     flops_bucket: int
     mem_bandwidth_bucket: int
     collective_overhead_bucket: int | None = None
+    layer_overhead_bucket: int | None = None
+
+    @property
+    def layer_overhead_s(self) -> float:
+        """Fixed seconds per layer and step (0 when the node does not report one)."""
+        if self.layer_overhead_bucket is None:
+            return 0.0
+        return bucket_value(self.layer_overhead_bucket)
 
     @property
     def flops(self) -> float:
@@ -146,6 +156,8 @@ class MeshView:
                     n.flops_bucket,
                     n.mem_bandwidth_bucket,
                     n.collective_overhead_bucket,
+                    # only when given: the hashes of meshes without it stay what they were
+                    *([n.layer_overhead_bucket] if n.layer_overhead_bucket is not None else []),
                 ]
                 for n in self.nodes.values()
             ],
@@ -258,16 +270,20 @@ def _node_profile(node_id: str, data: dict[str, Any]) -> NodeProfile:
             node_id, "mem_bandwidth", data.get("mem_bandwidth"), "bytes/s"
         ),
         collective_overhead_bucket=_overhead_bucket(node_id, data.get("collective_overhead_s")),
+        layer_overhead_bucket=_overhead_bucket(
+            node_id, data.get("layer_overhead_s"), "layer_overhead_s"
+        ),
     )
 
 
-def _overhead_bucket(node_id: str, value: Any) -> int | None:
+def _overhead_bucket(
+    node_id: str, value: Any, attribute: str = "collective_overhead_s"
+) -> int | None:
     if value is None:
         return None
     if not _is_finite_number(value) or value < 0:
         raise MeshError(
-            f"node {node_id!r}: collective_overhead_s must be a number of seconds >= 0, "
-            f"got {value!r}"
+            f"node {node_id!r}: {attribute} must be a number of seconds >= 0, got {value!r}"
         )
     return latency_bucket_index(float(value))
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 STRATEGIES = ("speed", "memory")
+# A node joins a layout only where it makes it at least this much faster (PlanOptions.min_gain).
+DEFAULT_MIN_GAIN = 0.10
 PARALLELISMS = ("auto", "pipeline", "tensor", "hybrid")
 
 
@@ -36,6 +38,11 @@ class PlanOptions:
         (partitioner.errors.ParallelismUnavailable). Tensor-parallel groups form only over
         links marked trusted (partitioner.mesh) and for architectures that can shard.
     prefill_chunk: tokens processed per prefill step (bounds activation memory; mlx-lm: 2048).
+    min_gain: what a node must add to join a layout (strategy speed): the planner takes the
+        layout with the fewest nodes whose predicted time per token (at `concurrency`) is
+        within this fraction of the fastest layout's, so a node joins only where it makes the
+        layout at least this much faster or holds memory the model needs (fewer machines, fewer
+        to fail). 0 takes the fastest layout (ties to fewer nodes). Default DEFAULT_MIN_GAIN.
     """
 
     strategy: str = "speed"
@@ -47,6 +54,7 @@ class PlanOptions:
     prompt_len: int = 512
     parallelism: str = "auto"
     prefill_chunk: int = 2048
+    min_gain: float = DEFAULT_MIN_GAIN
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "exclude", _as_id_set(self.exclude))
@@ -70,6 +78,7 @@ class PlanOptions:
         _require_int("prefill_chunk", self.prefill_chunk, minimum=1)
         if self.context_length is not None:
             _require_int("context_length", self.context_length, minimum=1)
+        _require_fraction("min_gain", self.min_gain)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict (exclude as a sorted list)."""
@@ -83,6 +92,7 @@ class PlanOptions:
             "prompt_len": self.prompt_len,
             "parallelism": self.parallelism,
             "prefill_chunk": self.prefill_chunk,
+            "min_gain": self.min_gain,
         }
 
     @classmethod
@@ -105,3 +115,13 @@ def _as_id_set(value: Iterable[str]) -> frozenset[str]:
 def _require_int(name: str, value: object, *, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise PlanOptionsError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _require_fraction(name: str, value: object) -> None:
+    """A number from 0 to 1 (10 % is 0.1)."""
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not 0.0 <= float(value) <= 1.0
+    ):
+        raise PlanOptionsError(f"{name} must be a fraction from 0 to 1 (0.1 is 10%), got {value!r}")

@@ -138,6 +138,9 @@ class Plan:
     left_out: tuple[LeftOut, ...]
     layout: str = ""
     cache_sequences: int = 0  # KV sequences reserved beyond `concurrency` for prefix caches
+    # Why this plan is not the kind of layout asked for ("" when it is): a forced kind that
+    # cannot run falls back to the best plan of another kind (partitioner.planner).
+    note: str = ""
 
     @property
     def short_id(self) -> str:
@@ -184,6 +187,7 @@ class Plan:
             context_length=data["context_length"],
             concurrency=data["concurrency"],
             cache_sequences=data.get("cache_sequences", 0),
+            note=data.get("note", ""),
             stages=tuple(_stage_from_dict(item) for item in data["stages"]),
             memory=tuple(NodeMemory(**item) for item in data["memory"]),
             hops=tuple(Hop(**{**item, "path": tuple(item["path"])}) for item in data["hops"]),

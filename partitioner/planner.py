@@ -10,11 +10,21 @@ as canonical JSON. Inputs that only chose the layout (measured links, speeds, bu
 strategy) do not enter it: two plans that run the same stages on the same nodes are one plan,
 with one fencing token, however the measurements that produced them moved.
 
+Nodes earn their place (PlanOptions.min_gain, default 10 %): of the layouts the search finds,
+the one with the fewest nodes whose predicted time per token (at the plan's concurrency) is
+within (1 + min_gain) of the fastest is taken; a node that the model needs for memory is always
+used (partitioner.strategies, step 7).
+
 Sticky layouts (`incumbent`): the layout the mesh runs now is kept while it still fits and its
 nodes are in the mesh, unless a different layout is predicted more than SWITCH_GAIN faster
 (speed strategy; the memory strategy reads no measurement, so it never moves on noise). Going
 back needs the same margin the other way, so predictions that move within noise cannot make
 the mesh flap between two layouts, and a re-plan that gains little does not reload weights.
+The two rules agree: an incumbent that uses more nodes than the fresh layout must still earn
+them, so it is dropped once it is no longer at least min_gain / 2 faster (it joined with
+min_gain; the half is a band against noise), and a fresh layout with more nodes replaces a
+smaller incumbent only when it is both min_gain faster than the fewest nodes (else it would not
+be the fresh choice) and SWITCH_GAIN faster than the incumbent.
 
 Choosing the kind of layout (PlanOptions.parallelism): the search runs over single nodes and,
 where the model can shard and trusted links join nodes, tensor-parallel groups
@@ -23,7 +33,7 @@ where the model can shard and trusted links join nodes, tensor-parallel groups
 - tensor: one stage that is a group; hybrid: two or more stages, at least one a group.
 "auto" allows every set, so it takes the fastest predicted layout of any kind; one node alone
 is always among the candidates, so a split is chosen only when it is predicted faster than the
-fastest node that holds the model (ties go to fewer nodes). `plan_alternatives` plans each kind
+fastest node that holds the model by more than min_gain. `plan_alternatives` plans each kind
 separately for side-by-side comparisons.
 """
 
@@ -32,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import networkx as nx
@@ -57,13 +68,20 @@ from partitioner.plan import (
 )
 from partitioner.split import largest_remainder
 from partitioner.stage_units import (
+    TP_MAX_DEGREE,
     single_units,
     tensor_parallel_degrees,
     tensor_parallel_units,
     trusted_link_graph,
     usable_bytes,
 )
-from partitioner.strategies import Accept, SpeedSearch, memory_layout
+from partitioner.strategies import (
+    Accept,
+    SpeedSearch,
+    choose_within_margin,
+    memory_layout,
+    node_count,
+)
 
 ALGORITHM_VERSION = "meshd-partitioner/4"
 # A different layout replaces the incumbent only when predicted more than this much faster.
@@ -88,21 +106,48 @@ _ACCEPTS: dict[str, Accept] = {
 }
 
 
+# How a plan's note names the kind of layout served instead of the one asked for.
+_SERVED_INSTEAD = {
+    "solo": "one node alone",
+    "pipeline": "a pipeline",
+    "tensor": "one tensor-parallel group",
+    "hybrid": "a hybrid (pipeline stages of tensor-parallel groups)",
+}
+
+
 def plan_model(
     mesh: nx.DiGraph,
     model: ModelSpec,
     options: PlanOptions | None = None,
     incumbent: Sequence[Stage] | None = None,
+    *,
+    fallback: bool = True,
 ) -> Plan:
     """Plan which node holds which layers of `model`.
 
     `incumbent`: the stages the mesh runs now, kept unless no longer possible or a different
     layout is predicted more than SWITCH_GAIN faster (see the module docstring).
-    Raises InsufficientMemory when no layout fits the mesh's memory, ParallelismUnavailable
-    when a forced kind of layout cannot run (the message says why).
+    A forced kind of layout (PlanOptions.parallelism) that cannot run falls back to the best
+    plan of any kind, whose `note` says what is missing and what serves instead (a mesh that
+    lost a tensor-parallel member goes on serving); with `fallback=False` it raises
+    ParallelismUnavailable instead. Raises InsufficientMemory when no layout fits the mesh's
+    memory (the message says where memory is missing).
     """
     options = options or PlanOptions()
-    return _plan(mesh, model, options, options.parallelism, incumbent)
+    try:
+        return _plan(mesh, model, options, options.parallelism, incumbent)
+    except ParallelismUnavailable as refusal:
+        if not fallback:
+            raise
+        plan = _plan(mesh, model, options, "auto", incumbent)
+        return replace(plan, note=fallback_note(refusal, plan.layout))
+
+
+def fallback_note(refusal: ParallelismUnavailable, served: str) -> str:
+    """What a plan that falls back from a forced kind says: what is missing, what serves
+    instead, and what would let the asked-for kind run."""
+    text = f"{refusal.missing}: serving {_SERVED_INSTEAD.get(served, served)} instead"
+    return f"{text}; {refusal.remedy}" if refusal.remedy else text
 
 
 def plan_alternatives(
@@ -135,19 +180,20 @@ def _plan(
     if kind in ("auto", "tensor", "hybrid") and options.strategy == "speed":
         groups = tensor_parallel_units(view, model, cost, singles)
     evaluator = Evaluator(cost, view)
-    layout = _choose_layout(options.strategy, kind, evaluator, singles, singles + groups)
+    layout = _choose_layout(
+        options.strategy, kind, evaluator, singles, singles + groups, options.min_gain
+    )
     if layout is None:
         refusal = _refusal(cost, view, singles)
         if kind == "auto" or (
             kind in ("solo", "pipeline") and find_fitting_layout(cost, singles) is None
         ):
             raise refusal
-        raise ParallelismUnavailable(
-            kind, model.name, _unavailable_reason(kind, cost, view, singles, groups)
-        )
+        missing, remedy = _unavailable_reason(kind, cost, view, singles, groups)
+        raise ParallelismUnavailable(kind, model.name, missing, remedy)
     if incumbent and options.strategy == "speed":
         kept = _incumbent_layout(incumbent, evaluator, singles + groups, _ACCEPTS[kind])
-        if kept is not None and _keeps(kept, layout, evaluator):
+        if kept is not None and _keeps(kept, layout, evaluator, options.min_gain):
             layout = kept
     excluded = sorted(str(node) for node in mesh.nodes if str(node) in options.exclude)
     return _build_plan(layout, evaluator, options, excluded)
@@ -195,48 +241,55 @@ def _incumbent_layout(
     return layout
 
 
-def _keeps(incumbent: Layout, fresh: Layout, evaluator: Evaluator) -> bool:
-    """Keep the incumbent unless `fresh` is predicted more than SWITCH_GAIN faster."""
+def _keeps(incumbent: Layout, fresh: Layout, evaluator: Evaluator, min_gain: float) -> bool:
+    """Keep the incumbent unless `fresh` is predicted more than SWITCH_GAIN faster, or the
+    incumbent uses more nodes than `fresh` and no longer earns them: it must stay at least
+    half of `min_gain` faster (half: a band, so that a prediction near the margin does not
+    move the mesh back and forth; see the module docstring)."""
     if incumbent == fresh:
         return True
     kept_s = evaluator.score(incumbent).time_per_token_s
     fresh_s = evaluator.score(fresh).time_per_token_s
+    if node_count(incumbent) > node_count(fresh) and kept_s * (1.0 + min_gain / 2) > fresh_s:
+        return False
     return kept_s <= (1.0 + SWITCH_GAIN) * fresh_s
 
 
 def _choose_layout(
-    strategy: str, kind: str, evaluator: Evaluator, singles: list[Unit], units: list[Unit]
+    strategy: str,
+    kind: str,
+    evaluator: Evaluator,
+    singles: list[Unit],
+    units: list[Unit],
+    min_gain: float,
 ) -> Layout | None:
     """The strategy's layout within one strongly connected part of the mesh.
 
     A pipeline is a ring, so all its nodes must reach each other. In the usual, connected mesh
     there is one part. Otherwise `memory` takes the first part that fits, largest usable memory
-    first, and `speed` the part with the fastest plan.
+    first, and `speed` the part with the fastest plan (fewer nodes within `min_gain`).
     """
-    best: Layout | None = None
-    best_key: tuple[float, Any] | None = None
+    found: list[tuple[float, Layout]] = []
     for part in evaluator.view.components():
         members = set(part)
         part_singles = [u for u in singles if u.leader in members]
         part_units = [u for u in units if members.issuperset(u.nodes)]
-        layout = _layout_in_part(strategy, kind, evaluator, part_singles, part_units)
+        layout = _layout_in_part(strategy, kind, evaluator, part_singles, part_units, min_gain)
         if layout is None:
             continue
         if strategy == "memory":
             return layout
-        key = (evaluator.score(layout).time_per_token_s, _simplicity(layout), layout.tie_key())
-        if best_key is None or key < best_key:
-            best, best_key = layout, key
-    return best
-
-
-def _simplicity(layout: Layout) -> tuple[int, int]:
-    """Tie-breaker between equally fast layouts: fewer nodes, then fewer stages."""
-    return sum(unit.degree for unit in layout.units), len(layout.units)
+        found.append((evaluator.score(layout).time_per_token_s, layout))
+    return choose_within_margin(found, min_gain)[1] if found else None
 
 
 def _layout_in_part(
-    strategy: str, kind: str, evaluator: Evaluator, singles: list[Unit], units: list[Unit]
+    strategy: str,
+    kind: str,
+    evaluator: Evaluator,
+    singles: list[Unit],
+    units: list[Unit],
+    min_gain: float,
 ) -> Layout | None:
     cost = evaluator.cost
     accept = _ACCEPTS[kind]
@@ -246,7 +299,7 @@ def _layout_in_part(
     baseline = memory_layout(cost, singles)
     fitting = None if baseline is not None else find_fitting_layout(cost, units)
     extras = [layout for layout in (baseline, fitting) if layout is not None]
-    return SpeedSearch(evaluator, units, accept).run(extras)
+    return SpeedSearch(evaluator, units, accept, min_gain).run(extras)
 
 
 # ---- refusal --------------------------------------------------------------------------------
@@ -254,41 +307,101 @@ def _layout_in_part(
 
 def _unavailable_reason(
     kind: str, cost: CostModel, view: MeshView, singles: Sequence[Unit], groups: Sequence[Unit]
-) -> str:
-    """Why a forced kind of layout has no plan (the memory as a whole would fit)."""
+) -> tuple[str, str]:
+    """Why a forced kind of layout has no plan (the memory as a whole would fit): what is
+    missing, and what to do."""
     model = cost.model
-    if kind in ("solo", "pipeline"):
-        if kind == "pipeline" and len(singles) < 2:
-            return "a pipeline needs at least two nodes with usable memory"
-        return f"no {kind} layout fits in the nodes' memory (see `--parallelism auto`)"
+    count = len(singles)
+    left = f"{count} node{'' if count == 1 else 's'} with usable memory"
+    if kind == "solo":
+        largest = max(singles, key=lambda unit: (unit.usable_bytes, unit.nodes))
+        need = cost.need(largest, 0, cost.num_layers, first=True, last=True)
+        return (
+            f"one node alone needs {format_bytes(need)} for the model; the largest usable "
+            f"budget is {format_bytes(largest.usable_bytes)} (node {largest.leader})",
+            "split it with --parallelism auto or pipeline, or use a more strongly quantized model",
+        )
+    if kind == "pipeline":
+        if count < 2:
+            return (
+                f"a pipeline needs at least 2 nodes with usable memory; {count} left",
+                "add a node, or use --parallelism auto",
+            )
+        return (
+            f"no pipeline over the {left} fits their memory (each stage holds whole layers, "
+            "the first also the embeddings, the last the head)",
+            "use --parallelism auto, add memory, or lower --context or --concurrency",
+        )
+    what = "tensor parallelism" if kind == "tensor" else "a hybrid layout (tensor parallelism)"
     if not model.supports_tensor_parallel:
         return (
-            f"architecture {model.architecture or 'of this model'} has no shard(group) in "
-            "mlx-lm, so its layers cannot be split over a group"
+            f"{what} is not available for architecture {model.architecture or 'of this model'}"
+            ", whose mlx-lm shard(group) meshd has not verified on pipeline stages "
+            "(docs/architectures.md lists the architectures it has)",
+            "use --parallelism pipeline or auto",
         )
-    if not tensor_parallel_degrees(model):
+    degrees = tensor_parallel_degrees(model)
+    heads = (
+        f"the attention heads ({model.num_attention_heads}) and the KV heads "
+        f"({model.num_key_value_heads})"
+    )
+    if not degrees:
         return (
-            f"no group size from 2 to 8 divides both the attention heads "
-            f"({model.num_attention_heads}) and the KV heads ({model.num_key_value_heads})"
+            f"{what} needs a group size that divides both {heads}; none from 2 to "
+            f"{TP_MAX_DEGREE} does",
+            "use --parallelism pipeline or auto",
+        )
+    sizes = _sizes_text(degrees)
+    smallest = degrees[0]
+    if kind == "hybrid" and count < smallest + 1:
+        return (
+            f"a hybrid layout needs a tensor-parallel group of {smallest} nodes and another "
+            f"stage, so at least {smallest + 1} nodes; {count} left",
+            "add a node, or use --parallelism auto",
         )
     if not groups:
+        if count < smallest:
+            return (
+                f"tensor parallelism needs {smallest} nodes with a trusted link; {count} left",
+                "add a node joined to it by a trusted link, such as a Thunderbolt or direct "
+                "cable, or use --parallelism auto",
+            )
         trusted = trusted_link_graph(view, [unit.leader for unit in singles])
         if trusted.number_of_edges() == 0:
             return (
-                "no two nodes are joined by links marked trusted in both directions "
-                "(tensor-parallel traffic is unencrypted; mark point-to-point links trusted)"
+                f"{what} needs a group of {sizes} nodes joined by links marked trusted in both "
+                f"directions (tensor-parallel traffic is unencrypted); none of the {left} are",
+                "join them by a point-to-point link (Thunderbolt, a direct cable) or name "
+                "their private network with --tensor-parallel-trusted-network (a mesh file: "
+                '"trusted": true), or use --parallelism auto',
             )
-        return "the nodes joined by trusted links form no group of an allowed size"
-    if kind == "tensor":
-        largest = max(groups, key=lambda unit: (unit.usable_bytes, unit.nodes))
-        need = cost.need(largest, 0, cost.num_layers, first=True, last=True)
-        member = min(largest.member_usable)
+        largest = max(len(clique) for clique in nx.find_cliques(trusted))
         return (
-            f"no tensor-parallel group holds the whole model: group {'+'.join(largest.nodes)} "
-            f"needs up to {format_bytes(need)} per member, its smallest member has "
-            f"{format_bytes(member)}"
+            f"{what} needs a group of {sizes} nodes all joined pairwise by trusted links (the "
+            f"sizes that divide {heads}); the largest such set here has {largest} nodes",
+            "mark the links between more nodes trusted, or use --parallelism auto",
         )
-    return "no layout of two or more stages with a tensor-parallel group fits in memory"
+    if kind == "tensor":
+        largest_group = max(groups, key=lambda unit: (unit.usable_bytes, unit.nodes))
+        need = cost.need(largest_group, 0, cost.num_layers, first=True, last=True)
+        member = min(largest_group.member_usable)
+        return (
+            f"no tensor-parallel group (sizes {sizes}) holds the whole model: group "
+            f"{'+'.join(largest_group.nodes)} needs up to {format_bytes(need)} per member, its "
+            f"smallest member has {format_bytes(member)}",
+            "use --parallelism hybrid or auto, add memory, or lower --context or --concurrency",
+        )
+    return (
+        f"no layout of two or more stages with a tensor-parallel group (sizes {sizes}) fits "
+        f"in the memory of the {left}",
+        "use --parallelism auto, add memory, or lower --context or --concurrency",
+    )
+
+
+def _sizes_text(degrees: Sequence[int]) -> str:
+    """'2', '2 or 4', '2, 4 or 8'."""
+    words = [str(degree) for degree in degrees]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def _refusal(cost: CostModel, view: MeshView, singles: Sequence[Unit]) -> InsufficientMemory:
@@ -323,16 +436,20 @@ def _refusal_detail(
     cost: CostModel, view: MeshView, singles: Sequence[Unit], needed: int, available: int
 ) -> str:
     if not view.nodes:
-        return "the mesh has no nodes (after exclusions)"
+        return "the mesh has no nodes left after the exclusions: start a node or exclude fewer"
     if not singles:
-        return "no node has usable memory (every budget is at or below the reserve)"
+        return (
+            "no node has usable memory: every memory budget is at or below the reserve; "
+            "lower --reserve or raise --memory-budget"
+        )
     if needed > available:
         return "the mesh has too little memory in total"
     parts = view.components()
     if len(parts) > 1:
         return (
             f"the mesh is split into {len(parts)} parts whose nodes cannot reach each other, "
-            "and no part alone can hold the model"
+            "and no part alone can hold the model: check the network between them (a firewall, "
+            "another subnet)"
         )
     largest = max(singles, key=lambda u: u.usable_bytes)  # ties: the lowest id
     sizes = [cost.memory(i, i + 1, first=False, last=False).total for i in range(cost.num_layers)]
@@ -509,6 +626,11 @@ def _left_out(
             reason = f"too little memory ({format_bytes(usable)}) for even one layer"
         elif options.strategy == "memory":
             reason = "its memory-proportional share rounded to zero layers"
+        elif options.min_gain > 0:
+            reason = (
+                f"not needed: no layout using it is predicted more than {options.min_gain:.0%} "
+                "faster (min_gain: what a node must add to join)"
+            )
         else:
             reason = "not needed: the plan is predicted faster without it"
         entries.append(LeftOut(node_id, reason))

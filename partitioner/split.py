@@ -6,7 +6,8 @@
 - `capped_proportional`: the same, but no share above its cap (water-filling within caps).
 - `repair_bounds`: moves boundaries until every stage fits its memory, keeping the order.
 - `improve_bounds`: local search on boundaries under the exact cost model.
-- `split_for_order`: the best split the speed strategy finds for one stage order.
+- `split_for_order`: the best split the speed strategy finds for one stage order (stages
+  with a tensor-parallel group: balanced by predicted time).
 """
 
 from __future__ import annotations
@@ -299,6 +300,8 @@ def split_for_order(
         return layout, evaluator.time_per_token(evaluator.stage_s(layout), hops_s)
     rates = [cost.per_layer_decode_s(unit) for unit in units]
     caps = role_caps(cost, units)
+    if any(unit.degree > 1 for unit in units):
+        return _balanced_split(evaluator, units, rates, caps, hops_s)
     starts: list[tuple[int, ...]] = []
     if len(units) * total * total <= DP_BUDGET:
         exact = min_sum_bounds(cost, units)
@@ -323,6 +326,27 @@ def split_for_order(
         if best is None or (seconds, candidate.tie_key()) < (best[1], best[0].tie_key()):
             best = (candidate, seconds)
     return best
+
+
+def _balanced_split(
+    evaluator: Evaluator,
+    units: tuple[Unit, ...],
+    rates: Sequence[float],
+    caps: Sequence[int],
+    hops_s: float,
+) -> tuple[Layout, float] | None:
+    """Stages with a tensor-parallel group (hybrid): layers in proportion to each unit's
+    speed within memory, so the stages' predicted times are balanced and every unit holds a
+    share that matches it (partitioner.strategies explains why not the summed-time optimum)."""
+    cost = evaluator.cost
+    counts = balanced_counts(rates, caps, cost.num_layers)
+    if counts is None:
+        counts = fill_fastest_counts(rates, caps, cost.num_layers)
+    bounds = repair_bounds(cost, units, bounds_from_counts(counts))
+    if bounds is None:
+        return None
+    layout = Layout(units, bounds)
+    return layout, evaluator.time_per_token(evaluator.stage_s(layout), hops_s)
 
 
 def min_sum_bounds(cost: CostModel, units: Sequence[Unit]) -> tuple[int, ...] | None:

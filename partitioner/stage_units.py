@@ -43,7 +43,15 @@ def single_units(view: MeshView, reserve_bytes: int) -> list[Unit]:
     for node_id, node in view.nodes.items():
         usable = usable_bytes(view, node_id, reserve_bytes)
         if usable > 0:
-            units.append(Unit((node_id,), usable, node.flops, node.mem_bandwidth))
+            units.append(
+                Unit(
+                    (node_id,),
+                    usable,
+                    node.flops,
+                    node.mem_bandwidth,
+                    layer_overhead_s=node.layer_overhead_s,
+                )
+            )
     return units
 
 
@@ -141,4 +149,5 @@ def group_unit(view: MeshView, members: list[Unit], num_experts: int) -> Unit:
         collective_overhead_s=max(
             DEFAULT_COLLECTIVE_OVERHEAD_S if value is None else value for value in overheads
         ),
+        layer_overhead_s=max(unit.layer_overhead_s for unit in ordered),
     )

@@ -29,6 +29,17 @@ speed: minimises the predicted time per token (partitioner.cost) subject to memo
        add one; repeated while the time improves (bounded rounds).
     6. The memory baseline and the fitting layout are candidates too, so `speed` is never
        predicted slower than `memory`.
+    7. Nodes earn their place (PlanOptions.min_gain, g): every layout evaluated is kept as the
+       fastest of its node count, and the result is the layout with the fewest nodes whose time
+       is within (1 + g) of the fastest found (then the fastest of those, then node ids). Sets
+       are pruned against (1 + g) x the best time instead of the best time, so a smaller set
+       that could be chosen is still evaluated; the work grows by the sets within the margin,
+       never exponentially. A node needed to hold the model is always used: no layout without
+       it fits.
+    A split of stages that include a tensor-parallel group (hybrid) balances the stages'
+    predicted times (water-filling by speed within memory): the summed-time optimum would give
+    a group that is slower per layer than a node a single layer, and one faster per layer every
+    layer but one, neither a layout worth its nodes.
     Checked against brute force (tests): the optimum on meshes of up to four nodes.
 All choices break ties on node ids, so every machine picks the same plan.
 """
@@ -103,11 +114,19 @@ class SpeedSearch:
     """The speed strategy's search (see module docstring); one instance per planning call."""
 
     def __init__(
-        self, evaluator: Evaluator, units: Sequence[Unit], accept: Accept | None = None
+        self,
+        evaluator: Evaluator,
+        units: Sequence[Unit],
+        accept: Accept | None = None,
+        min_gain: float = 0.0,
     ) -> None:
         """`accept` restricts the layouts to sets of units it accepts (a forced kind of
-        layout: partitioner.planner); None accepts every set."""
+        layout: partitioner.planner); None accepts every set. `min_gain`: what a node must add
+        to join (step 7 of the module docstring)."""
         self.evaluator = evaluator
+        self.min_gain = min_gain
+        # The fastest layout found for each node count (step 7).
+        self.by_size: dict[int, Ranked] = {}
         self.accept = accept or (lambda unit_set: True)
         self.cost = evaluator.cost
         self.rate = {unit: self.cost.per_layer_decode_s(unit) for unit in units}
@@ -121,17 +140,38 @@ class SpeedSearch:
         self._min_latency = min((link.latency_s for link in links), default=0.0)
 
     def run(self, extra_layouts: Sequence[Layout]) -> Layout | None:
+        """The layout with the fewest nodes within `min_gain` of the fastest (module
+        docstring), or None when no accepted set fits."""
         extra_layouts = [x for x in extra_layouts if self.accept(frozenset(x.units))]
         best: Ranked | None = None
         for unit_set in filter(self.accept, self._seed_sets(extra_layouts)):
-            if best is None or self.lower_bound(unit_set) < best[0]:
+            if best is None or self.lower_bound(unit_set) < self._cutoff(best, unit_set):
                 best = _better(best, self.evaluate(unit_set))
         for layout in extra_layouts:
-            best = _better(best, self._as_is(layout))
+            best = _better(best, self._record(self._as_is(layout)))
         if best is None:
             return None
-        best = self._local_search(best)
-        return best[1]
+        self._local_search(best)
+        return self.chosen()[1]
+
+    def chosen(self) -> Ranked:
+        """Of the layouts found: the fewest nodes within `min_gain` of the fastest."""
+        return choose_within_margin(list(self.by_size.values()), self.min_gain)
+
+    def _cutoff(self, best: Ranked, unit_set: frozenset[Unit]) -> float:
+        """Sets whose lower bound reaches this cannot be chosen (step 7): a set with fewer
+        nodes than the choice so far may win within the margin, any other only by being the
+        fastest."""
+        nodes = sum(unit.degree for unit in unit_set)
+        if self.by_size and nodes < node_count(self.chosen()[1]):
+            return best[0] * (1.0 + self.min_gain)
+        return best[0]
+
+    def _record(self, ranked: Ranked | None) -> Ranked | None:
+        if ranked is not None:
+            size = node_count(ranked[1])
+            self.by_size[size] = _better(self.by_size.get(size), ranked) or ranked
+        return ranked
 
     # ---- candidate sets -----------------------------------------------------------------
 
@@ -272,7 +312,7 @@ class SpeedSearch:
     def evaluate(self, unit_set: frozenset[Unit]) -> Ranked | None:
         """Best layout for this set of units (order, rotation and split), cached."""
         if unit_set not in self._cache:
-            self._cache[unit_set] = self._evaluate(unit_set)
+            self._cache[unit_set] = self._record(self._evaluate(unit_set))
         return self._cache[unit_set]
 
     def _evaluate(self, unit_set: frozenset[Unit]) -> Ranked | None:
@@ -336,17 +376,17 @@ class SpeedSearch:
 
     # ---- local search over sets ---------------------------------------------------------
 
-    def _local_search(self, best: Ranked) -> Ranked:
+    def _local_search(self, best: Ranked) -> None:
+        """Neighbours of the fastest layout and of the one chosen within the margin, while
+        either changes (bounded rounds); every layout evaluated is recorded by node count."""
         for _ in range(LOCAL_SEARCH_ROUNDS):
-            current = frozenset(best[1].units)
-            improved = best
-            for neighbour in filter(self.accept, self._neighbours(current)):
-                if self.lower_bound(neighbour) < improved[0]:
-                    improved = _better(improved, self.evaluate(neighbour))
-            if improved is best:
+            before = (best, self.chosen())
+            for current in dict.fromkeys(frozenset(r[1].units) for r in before):
+                for neighbour in filter(self.accept, self._neighbours(current)):
+                    if self.lower_bound(neighbour) < self._cutoff(best, neighbour):
+                        best = _better(best, self.evaluate(neighbour)) or best
+            if (best, self.chosen()) == before:
                 break
-            best = improved
-        return best
 
     def _neighbours(self, current: frozenset[Unit]) -> list[frozenset[Unit]]:
         used = {node for unit in current for node in unit.nodes}
@@ -375,3 +415,17 @@ def _better(best: Ranked | None, candidate: Ranked | None) -> Ranked | None:
     if (candidate[0], candidate[1].tie_key()) < (best[0], best[1].tie_key()):
         return candidate
     return best
+
+
+def node_count(layout: Layout) -> int:
+    """Machines a layout uses (a tensor-parallel group counts each member)."""
+    return sum(unit.degree for unit in layout.units)
+
+
+def choose_within_margin(found: Sequence[Ranked], min_gain: float) -> Ranked:
+    """The fewest nodes whose time is within (1 + min_gain) of the fastest, then the fastest
+    of those, then node ids: a node joins only where it adds at least `min_gain` speed."""
+    fastest = min(ranked[0] for ranked in found)
+    limit = fastest * (1.0 + min_gain) * (1.0 + 1e-12)
+    within = [ranked for ranked in found if ranked[0] <= limit]
+    return min(within, key=lambda r: (node_count(r[1]), r[0], r[1].tie_key()))

@@ -13,6 +13,7 @@ from partitioner.humanize import (
     format_seconds,
     parse_duration,
     parse_flops,
+    parse_fraction,
     parse_rate,
     parse_size,
 )
@@ -144,3 +145,13 @@ def test_parse_duration_refuses_what_is_not_a_duration(value: object) -> None:
 
 def test_format_seconds() -> None:
     assert [format_seconds(s) for s in (12e-6, 0.0123, 42.0)] == ["12 us", "12.3 ms", "42.0 s"]
+
+
+def test_fractions_as_percent_or_number() -> None:
+    assert parse_fraction("10%") == pytest.approx(0.1)
+    assert parse_fraction(" 2.5 % ") == pytest.approx(0.025)
+    assert parse_fraction("0.1") == pytest.approx(0.1)
+    assert parse_fraction(0) == 0.0
+    for bad in ("150%", "-1", "ten", 2):
+        with pytest.raises(ValueError, match="fraction"):
+            parse_fraction(bad)

@@ -248,7 +248,9 @@ def test_speed_leaves_out_a_weak_node_that_the_memory_split_uses() -> None:
     speed = plan_model(mesh, model)
     assert layer_counts(memory) == [8, 8]
     assert stage_nodes(speed) == [("fast",)]
-    assert speed.left_out[0].node == "weak" and "faster without it" in speed.left_out[0].reason
+    assert speed.left_out[0].node == "weak" and speed.left_out[0].reason.startswith(
+        "not needed: no layout using it"
+    )
     ratio = memory.prediction.decode_s_per_token / speed.prediction.decode_s_per_token
     assert ratio > 4
 
@@ -420,7 +422,7 @@ def test_no_tensor_parallel_group_when_heads_do_not_divide() -> None:
     plan = plan_model(mesh, model)
     assert not any(stage.tensor_parallel for stage in plan.stages)
     with pytest.raises(ParallelismUnavailable, match="divides both the attention heads"):
-        plan_model(mesh, model, PlanOptions(parallelism="tensor"))
+        plan_model(mesh, model, PlanOptions(parallelism="tensor"), fallback=False)
 
 
 # ---- determinism, quantization, ids ---------------------------------------------------------

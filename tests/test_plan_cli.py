@@ -114,7 +114,11 @@ def test_both_strategies_side_by_side(tmp_path: Path, model_dir: Path) -> None:
     rows = {line.split()[0]: line.split()[1] for line in out.splitlines() if line[:1].isalpha()}
     assert rows["solo"] == "solo" and rows["pipeline"] == "pipeline"
     assert rows["tensor"] == "-" and "tensor: architecture" not in out  # llama can shard
-    assert "no two nodes are joined by links marked trusted" in out
+    assert (
+        "  tensor: tensor parallelism needs a group of 2 nodes joined by links marked "
+        "trusted in both directions (tensor-parallel traffic is unencrypted); none of the 2 "
+        "nodes with usable memory are; join them by a point-to-point link"
+    ) in out
 
 
 def test_json_output_is_a_plan(tmp_path: Path, model_dir: Path) -> None:
@@ -238,8 +242,17 @@ def test_config_only_moe_directory_plans_with_its_experts_placed() -> None:
         "--parallelism",
         "tensor",
     )
-    assert code == EXIT_REFUSED and out == ""
-    assert "architecture qwen3_next has no shard(group) in mlx-lm" in err
+    assert (code, err) == (EXIT_OK, "")  # what serves instead, and why
+    assert (
+        "layout solo" in out
+        and (
+            "note: tensor parallelism is not available for architecture qwen3_next, whose mlx-lm "
+            "shard(group) meshd has not verified on pipeline stages (docs/architectures.md lists "
+            "the architectures it has): serving one node alone instead; use --parallelism "
+            "pipeline or auto"
+        )
+        in out
+    )
     code, out, _ = run(
         *argv, "--model", str(models / "deepseek-v3-8bit"), "--parallelism", "hybrid", "--json"
     )
@@ -271,3 +284,35 @@ def test_mesh_file_trusted_links_and_collective_overhead(tmp_path: Path) -> None
     path.write_text(json.dumps(mesh))
     with pytest.raises(PlanInputError, match="trusted must be true or false"):
         load_mesh_json(path)
+
+
+def test_a_forced_layout_that_cannot_run_prints_the_plan_that_serves_and_why(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """One node left of a tensor-parallel pair: the plan serves on it alone and says what is
+    missing, in the text and in the JSON the daemon reports too (its plan_json)."""
+    mesh = write_mesh(tmp_path / "mesh.json", {"a": "200MiB"})
+    argv = ["--mesh", str(mesh), "--model", str(model_dir), "--parallelism", "tensor"]
+    code, out, err = run(*argv)
+    assert (code, err) == (EXIT_OK, "")
+    lines = out.splitlines()
+    assert "layout solo" in lines[0]
+    assert lines[1] == (
+        "note: tensor parallelism needs 2 nodes with a trusted link; 1 left: serving one node "
+        "alone instead; add a node joined to it by a trusted link, such as a Thunderbolt or "
+        "direct cable, or use --parallelism auto"
+    )
+    code, out, _ = run(*argv, "--json")
+    assert code == EXIT_OK and Plan.from_dict(json.loads(out)).note == lines[1][len("note: ") :]
+
+
+def test_min_gain_flag(tmp_path: Path, model_dir: Path) -> None:
+    """Two equal nodes that each hold the model: one serves unless the margin is 0 and the
+    pair is predicted faster; a bad value is refused with what to type."""
+    mesh = write_mesh(tmp_path / "mesh.json", {"a": "200MiB", "b": "200MiB"})
+    code, out, _ = run("--mesh", str(mesh), "--model", str(model_dir), "--json")
+    assert code == EXIT_OK and len(Plan.from_dict(json.loads(out)).nodes) == 1
+    code, out, err = run("--mesh", str(mesh), "--model", str(model_dir), "--min-gain", "150%")
+    assert code == EXIT_BAD_INPUT and "--min-gain" in err and "from 0 to 1" in err
+    code, _, err = run("--mesh", str(mesh), "--model", str(model_dir), "--min-gain", "5%")
+    assert (code, err) == (EXIT_OK, "")

@@ -22,10 +22,12 @@ component is its runtime, and what the data plane sees of it is `meshd.agreement
   that joins or restarts never switches the model of a running mesh.
 * **compute_plan** restricts the mesh graph to the members, runs `partitioner.plan_model`
   with the incumbent's stages (the running layout is kept unless another is predicted more
-  than `partitioner.SWITCH_GAIN` faster) and caches the full plan by plan id, which is a hash
-  of the layout; a plan that cannot fit becomes a `Refusal` whose reason says how much memory
-  is missing ("not enough memory in this mesh for ..."). A commit of the plan id already
-  active is a re-confirmation from newer inputs: logged at debug level, nothing else happens.
+  than `partitioner.SWITCH_GAIN` faster, and a layout with more nodes only while they earn
+  `min_gain`; a forced kind that cannot run falls back to the best plan, whose note says
+  why) and caches the full plan by plan id, which is a hash of the layout; a plan that
+  cannot fit becomes a `Refusal` whose reason says how much memory is missing ("not enough
+  memory in this mesh for ..."). A commit of the plan id already active is a
+  re-confirmation from newer inputs: logged at debug level, nothing else happens.
 * **Leaving.** A peer whose `NodeState` says `leaving` is no longer planned with; this node
   leaves by publishing the flag (`Membership.set_leaving`) and waiting for
   `peers_moved_on`.
@@ -457,13 +459,20 @@ class PlanAgreement:
     def _compute_plan(self, inputs: ag.PlanInputs) -> ag.PlanOutcome:
         selection = self._selection
         if selection is None or selection.digest != inputs.model.digest:
-            return ag.Refusal(f"the description of model {inputs.model.name} is not known here")
+            return ag.Refusal(
+                f"the description of model {inputs.model.name} has not reached this node yet: "
+                "the mesh plans once every member has it (seconds); if this stays, check that "
+                "every node runs the same meshd version"
+            )
         try:
             states = [
                 self._states[(m, d)] for m, d in zip(inputs.members, inputs.digests, strict=True)
             ]
         except KeyError as exc:
-            return ag.Refusal(f"profile {exc} is not known here yet")
+            return ag.Refusal(
+                f"the measured profile of node {exc} has not reached this node yet: the mesh "
+                "plans once it has (seconds after the node joins)"
+            )
         spec = partitioner.ModelSpec.from_dict(json.loads(selection.spec_json))
         options = partitioner.PlanOptions.from_dict(json.loads(inputs.settings or "{}"))
         incumbent = None

@@ -31,6 +31,8 @@ Mesh file format (human units accepted everywhere a size, rate or time is expect
   (all read by partitioner.humanize, as flags and the config file are);
 - collective_overhead (optional, per node): what the node adds to each collective of a
   tensor-parallel group ("60us"; partitioner.cost has the default);
+- layer_overhead (optional, per node): fixed time per layer and decode step that does not
+  shrink with the bytes read (kernel launches, synchronisation; "80us" on a GPU; default 0);
 - trusted (optional, per link, default false): the link is point-to-point or trusted, so
   tensor-parallel traffic (unencrypted) may cross it;
 - a link is used in both directions unless it says "both_ways": false (then add the reverse
@@ -53,6 +55,7 @@ import networkx as nx
 
 from meshd.models.info import ModelInfoError, architecture_refusal, read_model_spec
 from partitioner import (
+    DEFAULT_MIN_GAIN,
     PARALLELISMS,
     InsufficientMemory,
     MeshError,
@@ -71,6 +74,7 @@ from partitioner.humanize import (
     format_seconds,
     parse_duration,
     parse_flops,
+    parse_fraction,
     parse_rate,
     parse_size,
 )
@@ -79,7 +83,15 @@ LIVE_TIMEOUT_S = 5.0
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
 
 T = TypeVar("T")
-_NODE_KEYS = {"id", "name", "memory_budget", "flops", "mem_bandwidth", "collective_overhead"}
+_NODE_KEYS = {
+    "id",
+    "name",
+    "memory_budget",
+    "flops",
+    "mem_bandwidth",
+    "collective_overhead",
+    "layer_overhead",
+}
 _LINK_KEYS = {
     "src",
     "dst",
@@ -164,6 +176,10 @@ def _node_entry(entry: Any, where: str) -> tuple[str, dict[str, Any]]:
     if "collective_overhead" in entry:
         attributes["collective_overhead_s"] = _quantity(
             parse_duration, entry["collective_overhead"], f"{where}: collective_overhead"
+        )
+    if "layer_overhead" in entry:
+        attributes["layer_overhead_s"] = _quantity(
+            parse_duration, entry["layer_overhead"], f"{where}: layer_overhead"
         )
     return str(entry["id"]), attributes
 
@@ -269,6 +285,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="kind of layout: auto (default, the fastest predicted), pipeline, tensor "
         "(one tensor-parallel group) or hybrid (pipeline stages of groups)",
     )
+    parser.add_argument(
+        "--min-gain",
+        default=str(DEFAULT_MIN_GAIN),
+        metavar="FRACTION",
+        help="what a node must add to join the layout: the fewest nodes within this much of "
+        "the fastest predicted layout are used ('10%%' or 0.1, the default; 0: the fastest)",
+    )
     parser.add_argument("--context", type=int, metavar="N", help="tokens of KV cache to reserve")
     parser.add_argument(
         "--concurrency", type=int, default=1, metavar="N", help="sequences decoded at once"
@@ -345,12 +368,10 @@ def _both(mesh: nx.DiGraph, model: ModelSpec, options: PlanOptions) -> dict[str,
 
 
 def _describe(refusal: InsufficientMemory | ParallelismUnavailable) -> str:
+    """The refusal in the words the daemon reports it with (AgreementStatus.refusal)."""
     if isinstance(refusal, InsufficientMemory):
         return describe_refusal(refusal)
-    return (
-        f"{refusal.message}\noptions: `--parallelism auto` picks the fastest layout that can "
-        "run; mark point-to-point links trusted for tensor parallelism"
-    )
+    return refusal.message
 
 
 def _live_mesh(args: argparse.Namespace) -> nx.DiGraph:
@@ -391,6 +412,7 @@ def _options(args: argparse.Namespace) -> PlanOptions:
         concurrency=args.concurrency,
         prompt_len=args.prompt_len,
         parallelism=args.parallelism,
+        min_gain=_quantity(parse_fraction, args.min_gain, "--min-gain"),
     )
 
 
@@ -442,7 +464,10 @@ def render_plan_table(plan: Plan, mesh: nx.DiGraph) -> str:
     usable = sum(entry.usable_bytes for entry in plan.memory)
     total_ms = f"{plan.prediction.decode_s_per_token * 1e3:.2f}"
     rows.append(("total", "", f"{plan.num_layers} layers", _usage(used, usable), total_ms))
-    lines = [_plan_header(plan), *_format_rows(rows), _layout_line(plan), _speed_line(plan)]
+    lines = [_plan_header(plan)]
+    if plan.note:
+        lines.append(f"note: {plan.note}")
+    lines.extend([*_format_rows(rows), _layout_line(plan), _speed_line(plan)])
     lines.extend(_route_lines(plan, names))
     lines.extend(_expert_lines(plan, names))
     lines.extend(

@@ -104,6 +104,8 @@ def agreement_text(agreement: pb.AgreementStatus) -> str:
             plan = json.loads(agreement.plan_json)
             if plan.get("layout"):
                 lines.append(f"layout: {plan['layout']}")
+            if plan.get("note"):
+                lines.append(f"note: {plan['note']}")
             rows = [
                 [
                     str(i),

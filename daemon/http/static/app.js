@@ -185,7 +185,8 @@ function drawPlan(status) {
   const plan = status.plan;
   const why = $("plan-why");
   const reason = view.refusal ? `Refused: ${view.refusal}`
-    : view.reason ? `${plan ? "Converging on a new plan" : "Not committed yet"}: ${view.reason}` : "";
+    : view.reason ? `${plan ? "Converging on a new plan" : "Not committed yet"}: ${view.reason}`
+    : plan && plan.note ? `Note: ${plan.note}` : "";
   why.hidden = !reason && !!plan;
   why.className = view.refusal ? "why bad" : "why";
   why.textContent = reason || (!view.model ? "No model selected: start a node with --model, or run `meshd load MODEL`."
