@@ -415,43 +415,30 @@ class Node:
         A re-measure is settled against the cached one (``profiling.settle_profile``): a
         loaded measurement keeps a quiet one, numbers within the spread stay as they were, so
         only a real change makes a new digest and a new plan."""
-        from meshd.mesh.profiling import load_or_measure_profile
+        from meshd.mesh.profiling import load_or_measure_profile, measure_and_settle
 
+        budget = self.config.memory_budget
         async with self._remeasure_lock:
-            profile = await trio.to_thread.run_sync(
-                lambda: load_or_measure_profile(
-                    self.config.state_dir,
-                    memory_budget_override=self.config.memory_budget,
-                    remeasure=remeasure,
+            if remeasure:
+                measured = await trio.to_thread.run_sync(
+                    lambda: measure_and_settle(self.config.state_dir)
                 )
-            )
-        changed = self._measured is None or (profile.flops, profile.mem_bandwidth) != (
-            self._measured.flops,
-            self._measured.mem_bandwidth,
-        )
-        self._measured = profile
+                profile = measured.published
+                if budget is not None:
+                    profile = profile.with_memory_budget(budget)
+            else:
+                measured = None
+                profile = await trio.to_thread.run_sync(
+                    lambda: load_or_measure_profile(
+                        self.config.state_dir, memory_budget_override=budget
+                    )
+                )
+        previous, self._measured = self._measured, profile
         self._publish_profile()
         import mlx.core as mx
 
         mx.reset_peak_memory()  # the benchmark's buffers are not the model's memory
-        load = (
-            f"; measured under load (other processes used {profile.other_busy_cores:.1f} "
-            "cores): not planned as a slow machine, measured again later"
-            if profile.loaded
-            else ""
-        )
-        self.events.add(
-            "profile %s: %s (±%.0f%%), %s memory (±%.0f%%), budget %s, process overhead %s (%s)%s",
-            "measured" if changed else "measured again, within its spread: plan unchanged",
-            format_flops(profile.flops),
-            50 * profile.flops_spread,
-            format_rate(profile.mem_bandwidth),
-            50 * profile.mem_bandwidth_spread,
-            format_bytes(profile.memory_budget),
-            format_bytes(self.overhead.planned),
-            profile.blas,
-            load,
-        )
+        self.events.add("%s", _profile_line(profile, previous, measured, self.overhead.planned))
         return profile
 
     def _publish_profile(self) -> None:
@@ -830,6 +817,35 @@ class Node:
         if self._mdns_dialled.get(node_id) == new:  # else it moved again meanwhile
             self.membership.unwant(old, f"{node_id} moved to {new}")
             self.membership.want(new, DISCOVERY_PEER_SOURCE)
+
+
+def _profile_line(profile: Any, previous: Any, measured: Any, overhead: int) -> str:
+    """The event log's line for a (re-)measured profile: its numbers with their spread,
+    whether it was measured under load, and what a re-measure did to the plan."""
+    numbers = (
+        f"{format_flops(profile.flops)} (±{50 * profile.flops_spread:.0f}%), "
+        f"{format_rate(profile.mem_bandwidth)} memory (±{50 * profile.mem_bandwidth_spread:.0f}%)"
+        f", budget {format_bytes(profile.memory_budget)}, process overhead "
+        f"{format_bytes(overhead)} ({profile.blas})"
+    )
+    if measured is not None and measured.kept_quiet:
+        fresh = measured.fresh
+        return (
+            f"profile measured again under load ({format_flops(fresh.flops)}, other processes "
+            f"used {fresh.other_busy_cores:.1f} cores): kept the quiet measurement, {numbers}"
+        )
+    if previous is not None and (profile.flops, profile.mem_bandwidth) == (
+        previous.flops,
+        previous.mem_bandwidth,
+    ):
+        return f"profile measured again, no change beyond its spread: the plan keeps {numbers}"
+    load = (
+        f"; measured under load (other processes used {profile.other_busy_cores:.1f} cores): "
+        "not planned as a slow machine, measured again later"
+        if profile.loaded
+        else ""
+    )
+    return f"profile measured: {numbers}{load}"
 
 
 async def _first_item_cancels(feed: trio.MemoryReceiveChannel, scope: trio.CancelScope) -> None:

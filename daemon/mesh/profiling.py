@@ -281,13 +281,35 @@ def load_or_measure_profile(
     cache = state_dir / PROFILE_FILE
     profile = None if remeasure else _read_cache(cache, dtype=dtype, max_age_s=max_age_s)
     if profile is None:
-        previous = _read_cache(cache, dtype=dtype, max_age_s=math.inf)
-        profile = settle_profile(previous, measure_node_profile(dtype=dtype))
-        if profile != previous:
-            _write_cache(cache, profile)
+        profile = measure_and_settle(state_dir, dtype=dtype).published
     if memory_budget_override is not None:
         profile = profile.with_memory_budget(memory_budget_override)
     return profile
+
+
+@dataclass(frozen=True)
+class Remeasured:
+    """A re-measure: what was measured now, and what is published (and cached) after it."""
+
+    fresh: NodeProfile
+    published: NodeProfile
+
+    @property
+    def kept_quiet(self) -> bool:
+        """The fresh measurement was loaded and a quiet one was kept instead."""
+        return self.fresh.loaded and not self.published.loaded
+
+
+def measure_and_settle(state_dir: Path, *, dtype: str = "float32") -> Remeasured:
+    """Measure now, settle it against this machine's cached profile (of any age), cache and
+    return both (blocking: about a second)."""
+    cache = state_dir / PROFILE_FILE
+    previous = _read_cache(cache, dtype=dtype, max_age_s=math.inf)
+    fresh = measure_node_profile(dtype=dtype)
+    published = settle_profile(previous, fresh)
+    if published != previous:
+        _write_cache(cache, published)
+    return Remeasured(fresh, published)
 
 
 def profile_to_proto(profile: NodeProfile, node_id: str, name: str) -> Any:
