@@ -643,7 +643,12 @@ class Node:
         the planned one (a new profile digest: the mesh re-plans with less here), remember
         the most it held for the next start, and bound MLX's cache by the plan's slack."""
         stage_loaded = bool(self.membership.loaded_plans)
-        if self.overhead.observe(process_memory.resident_beside_mlx(), stage_loaded=stage_loaded):
+        reading = process_memory.resident_beside_mlx()
+        if self.overhead.outgrows(reading, stage_loaded=stage_loaded):
+            # Freed heap glibc keeps resident is not overhead: give it back, read again.
+            await trio.to_thread.run_sync(process_memory.release_freed_heap)
+            reading = process_memory.resident_beside_mlx()
+        if self.overhead.observe(reading, stage_loaded=stage_loaded):
             self.events.add(
                 "process overhead: %s held beside MLX's memory (most: %s); plans now reserve %s "
                 "of the budget for it",

@@ -244,3 +244,32 @@ def test_a_budget_below_the_overhead_is_refused_with_the_number_needed() -> None
     assert tight is not None and "leaves 12 MiB beside" in tight
     assert budget_refusal(least, overhead) is None
     assert OverheadTracker(Remembered()).refusal(None) is None
+
+
+# ---------------------------------------------------------------- what status shows
+
+
+def test_status_shows_spread_load_overhead_and_rss_against_the_budget() -> None:
+    from meshd.api import render
+
+    quiet = profile_to_proto(profile(process_overhead=288 * MIB), "n1", "one")
+    loaded = profile_to_proto(profile(loaded=True, other_busy_cores=1.6), "n2", "two")
+    status = pb.MeshStatus(
+        node_id="n1",
+        nodes=[
+            pb.PeerStatus(profile=quiet, alive=True, source="self"),
+            pb.PeerStatus(profile=loaded, alive=True, source="mdns"),
+        ],
+        memory=pb.RuntimeMemory(
+            rss=400 * MIB, budget=477 * MIB, mlx_active=150 * MIB, overhead=288 * MIB
+        ),
+    )
+    table = render.nodes_table(status)
+    assert "178 GFLOP/s ±3%" in table and "quiet" in table
+    assert "loaded (1.6 cores busy elsewhere)" in table
+    assert "process overhead planned out of each budget: n1 288 MiB" in table
+    memory = render.memory_text(status.memory)
+    assert memory.startswith("memory: RSS 400 MiB of budget 477 MiB (84%)")
+    assert "OVER BUDGET" not in memory and "process overhead planned 288 MiB" in memory
+    over = render.memory_text(pb.RuntimeMemory(rss=500 * MIB, budget=477 * MIB))
+    assert "OVER BUDGET" in over

@@ -12,9 +12,12 @@ reserves for its allocator (``mlx_cache_limit``).
 How the overhead is measured, and why so:
 
 * ``resident_beside_mlx()``: RSS less MLX's active and cached memory, read now.
-* The daemon reads it when it starts, after each stage load and every few seconds, and keeps
-  the most it has seen (``OverheadTracker``). The high-water mark is remembered per machine in
-  ``state_dir/process_overhead.json``, so a restarted daemon plans with what it held before.
+* The daemon reads it when it starts and every 2 s, and keeps the most it has seen
+  (``OverheadTracker``). A reading that would make the planned overhead grow is taken again
+  after ``release_freed_heap``: glibc keeps the pages MLX freed (a stage unloaded, a
+  prefill's buffers) resident, which is memory the process can give back, not overhead.
+  The high-water mark is remembered per machine in ``state_dir/process_overhead.json``, so
+  a restarted daemon plans with what it held before.
 * Before this machine's daemon ever loaded a stage, what loading one adds beside MLX's arrays
   cannot be read yet: the process as it started plus ``FIRST_LOAD_ALLOWANCE`` stands in for
   it (measured: a daemon holds ~110 MiB beside MLX before any model, ~210 MiB with a stage of
@@ -27,8 +30,11 @@ How the overhead is measured, and why so:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +54,25 @@ def resident_beside_mlx() -> int:
 
     rss = psutil.Process().memory_info().rss
     return max(0, rss - mx.get_active_memory() - mx.get_cache_memory())
+
+
+def release_freed_heap() -> bool:
+    """Hand the heap glibc keeps after frees back to the OS (``malloc_trim``); False where
+    there is no glibc. MLX frees a stage's buffers on unload and between steps; glibc keeps
+    the freed pages of its heap resident, so RSS would count memory nothing uses. Blocking
+    (it walks the heap): call it off the event loop."""
+    if not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True
 
 
 def planned_overhead(high_water: int, *, loaded_before: bool, at_start: int = 0) -> int:
@@ -127,6 +152,16 @@ class OverheadTracker:
         self.planned = fixed if fixed is not None else 0
         self.last = 0
         self.at_start = 0  # the first reading: the process before any model was touched
+
+    def outgrows(self, reading: int, *, stage_loaded: bool) -> bool:
+        """Whether this reading would make the planned overhead grow (before taking it)."""
+        if self.fixed is not None:
+            return False
+        high_water = max(self.high_water, reading)
+        loaded_before = self.loaded_before or stage_loaded
+        at_start = self.at_start or reading
+        wanted = planned_overhead(high_water, loaded_before=loaded_before, at_start=at_start)
+        return wanted > self.planned
 
     def observe(self, reading: int, *, stage_loaded: bool) -> bool:
         """Take a reading; True when the planned overhead grew (re-publish the profile)."""
