@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +14,6 @@ import pytest
 from meshd.agreement.service import state_digest
 from meshd.api import client
 from meshd.api.launcher import DaemonProcess
-from meshd.models.store import ModelEntry
 from meshd.wire import pb
 from tests.conftest import PROFILE_FILE
 
@@ -60,7 +59,7 @@ def test_a_remeasure_within_the_spread_keeps_the_profile_digest_and_plan(
     tmp_path: Path,
     model_store: Path,
     profile_template: Path,
-    default_model_entry: ModelEntry,
+    architecture_dir: Callable[[str], Path],
     started: list[DaemonProcess],
 ) -> None:
     state = tmp_path / "node"
@@ -70,10 +69,10 @@ def test_a_remeasure_within_the_spread_keeps_the_profile_digest_and_plan(
     # loaded, falls within it, so the plan must not move.
     document["profile"].update(flops_spread=4.0, mem_bandwidth_spread=4.0, loaded=False)
     (state / PROFILE_FILE).write_text(json.dumps(document))
-    args = ["--model", str(default_model_entry.path), "--memory-budget", "2GiB"]
-    daemon = _daemon(state, [*args, "--context-length", "256"], model_store).start()
+    args = ["--model", str(architecture_dir("mistral")), "--memory-budget", "1GiB"]
+    daemon = _daemon(state, args, model_store).start()
     started.append(daemon)
-    before = daemon.wait_for(lambda s: bool(s.agreement.active_plan_id), 120, "a plan")
+    before = daemon.wait_for(lambda s: bool(s.agreement.active_plan_id), 60, "a plan")
     own = _own(before)
     assert own.profile.process_overhead > 0  # measured, and planned out of the budget
     assert before.memory.overhead == own.profile.process_overhead
