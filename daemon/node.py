@@ -82,6 +82,7 @@ MOVED_PEER_WAIT_S = 10.0  # a moved peer's old session ends within peer_timeout_
 # started together on one machine do not measure together again).
 PROFILE_RETRIES = 4
 PROFILE_RETRY_FIRST_S = 30.0
+PROFILE_FIRST_WAIT_S = 10.0  # the configured model waits this long at most for the profile
 OVERHEAD_CHECK_S = 2  # housekeeping ticks between readings of the process's memory beside MLX
 
 
@@ -168,6 +169,7 @@ class Node:
             raise ConfigError(refusal)
         self._remembered_overhead = self.overhead.remembered()
         self._mlx_cache_limit: int | None = None
+        self._profile_ready = trio.Event()  # set once the first profile is published
         # Files of Hub repositories arriving here (status), and the Hub downloads shared by
         # the plan installer and the peers that ask this node for a file.
         self.hub_downloads = HubDownloads(DownloadBoard(self.identity.node_id))
@@ -370,6 +372,11 @@ class Node:
         return selection
 
     async def _select_configured_model(self, model: str) -> None:
+        # Checking a model imports mlx-lm (a second of CPU, holding the GIL): not while this
+        # node measures its profile, which would take that for a slower machine. No plan is
+        # made without the profile anyway.
+        with trio.move_on_after(PROFILE_FIRST_WAIT_S):
+            await self._profile_ready.wait()
         try:
             await self.select_model(model, startup_default=True)
         except Exception as exc:
@@ -435,6 +442,7 @@ class Node:
                 )
         previous, self._measured = self._measured, profile
         self._publish_profile()
+        self._profile_ready.set()
         import mlx.core as mx
 
         mx.reset_peak_memory()  # the benchmark's buffers are not the model's memory
