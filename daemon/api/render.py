@@ -347,9 +347,9 @@ def _model_size(model: pb.ModelInfo) -> str:
 def profile_text(profile: Any) -> str:
     """`meshd profile`: every field, and the measurement's quality in words."""
     d = profile.to_dict()
-    lines = [f"{key:18} {value}" for key, value in d.items() if key != "versions"]
+    lines = [f"{key:20} {value}" for key, value in d.items() if key != "versions"]
     lines.append(
-        f"{'versions':18} " + ", ".join(f"{k} {v}" for k, v in d.get("versions", {}).items())
+        f"{'versions':20} " + ", ".join(f"{k} {v}" for k, v in d.get("versions", {}).items())
     )
     quality = (
         f"measured under load: other processes used {profile.other_busy_cores:.1f} cores "
@@ -358,7 +358,7 @@ def profile_text(profile: Any) -> str:
         else "measured on a quiet machine"
     )
     lines.append(
-        f"{'summary':18} {_measured(format_flops(profile.flops), profile.flops_spread)}, "
+        f"{'summary':20} {_measured(format_flops(profile.flops), profile.flops_spread)}, "
         f"{_measured(format_rate(profile.mem_bandwidth), profile.mem_bandwidth_spread)}; " + quality
     )
     return "\n".join(lines)
