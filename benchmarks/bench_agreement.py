@@ -74,6 +74,8 @@ def one_round(n: int, root: Path, profile: Path, model: Path) -> tuple[float, fl
                 str(model),
                 "--memory-budget",
                 "120MB",
+                "--process-overhead",  # a simulated small machine: the budget is the model's
+                "0",
                 "--context-length",
                 "256",
                 "--log-level",

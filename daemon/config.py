@@ -308,7 +308,14 @@ class Config:
     )
     memory_budget: int | None = setting(
         None,
-        "bytes this node may use for a model, e.g. 300MB or 12GiB",
+        "bytes this node's daemon may use in all (its process and a model), e.g. 300MB or 12GiB",
+        read=_size,
+        metavar="SIZE",
+    )
+    process_overhead: int | None = setting(
+        None,
+        "bytes of the budget the process itself holds beside the model; measured when not "
+        "given (0: the whole budget is the model's, to simulate a small machine)",
         read=_size,
         metavar="SIZE",
     )

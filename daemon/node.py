@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import trio
@@ -32,7 +33,7 @@ from meshd.inference.fencing import CommittedPlans
 from meshd.inference.install.installer import PlanInstaller
 from meshd.inference.router import RequestRouter
 from meshd.inference.serving.dataplane import DataPlane
-from meshd.mesh import channels, security
+from meshd.mesh import channels, process_memory, security
 from meshd.mesh.gate import ConnectionGate
 from meshd.mesh.identity import Identity, load_or_create_node_id
 from meshd.mesh.membership import PROTOCOL_VERSION, Membership
@@ -76,6 +77,13 @@ LEAVE_HAND_OVER_RESERVE_S = 2.0  # of the grace, kept for the hand-over (replays
 PARTS_DIR = "parts"  # model parts fetched from peers: per node, in the state directory
 DISCOVERY_PEER_SOURCE = "mdns"
 MOVED_PEER_WAIT_S = 10.0  # a moved peer's old session ends within peer_timeout_s; a bound
+# A profile measured under load is measured again later: at most this many times, the first
+# after PROFILE_RETRY_FIRST_S, then twice as long each time (with jitter, so daemons that
+# started together on one machine do not measure together again).
+PROFILE_RETRIES = 4
+PROFILE_RETRY_FIRST_S = 30.0
+PROFILE_FIRST_WAIT_S = 10.0  # the configured model waits this long at most for the profile
+OVERHEAD_CHECK_S = 2  # housekeeping ticks between readings of the process's memory beside MLX
 
 
 @dataclass(frozen=True)
@@ -149,6 +157,19 @@ class Node:
         self.http_url = ""
         self._channel_credentials = security.channel_credentials(self.credentials)
         self._remeasure_lock = trio.Lock()
+        self._measured: Any = None  # the measured NodeProfile (budget override applied)
+        # What the process holds beside MLX, measured now (before any server starts) and
+        # remembered from earlier runs; a budget that cannot hold it is refused here.
+        self.overhead = process_memory.OverheadTracker(
+            process_memory.read_remembered(config.state_dir), fixed=config.process_overhead
+        )
+        self.overhead.observe(process_memory.resident_beside_mlx(), stage_loaded=False)
+        refusal = self.overhead.refusal(config.memory_budget)
+        if refusal is not None:
+            raise ConfigError(refusal)
+        self._remembered_overhead = self.overhead.remembered()
+        self._mlx_cache_limit: int | None = None
+        self._profile_ready = trio.Event()  # set once the first profile is published
         # Files of Hub repositories arriving here (status), and the Hub downloads shared by
         # the plan installer and the peers that ask this node for a file.
         self.hub_downloads = HubDownloads(DownloadBoard(self.identity.node_id))
@@ -352,6 +373,11 @@ class Node:
         return selection
 
     async def _select_configured_model(self, model: str) -> None:
+        # Checking a model imports mlx-lm (a second of CPU, holding the GIL): not while this
+        # node measures its profile, which would take that for a slower machine. No plan is
+        # made without the profile anyway.
+        with trio.move_on_after(PROFILE_FIRST_WAIT_S):
+            await self._profile_ready.wait()
         try:
             await self.select_model(model, startup_default=True)
         except Exception as exc:
@@ -391,29 +417,48 @@ class Node:
     async def remeasure(self) -> None:
         await self._measure_profile(remeasure=True)
 
-    async def _measure_profile(self, *, remeasure: bool) -> None:
-        from meshd.mesh.profiling import load_or_measure_profile, profile_to_proto
+    async def _measure_profile(self, *, remeasure: bool) -> Any:
+        """Measure (or read the cached profile), publish it, say so; returns the profile.
 
+        A re-measure is settled against the cached one (``profiling.settle_profile``): a
+        loaded measurement keeps a quiet one, numbers within the spread stay as they were, so
+        only a real change makes a new digest and a new plan."""
+        from meshd.mesh.profiling import load_or_measure_profile, measure_and_settle
+
+        budget = self.config.memory_budget
         async with self._remeasure_lock:
-            profile = await trio.to_thread.run_sync(
-                lambda: load_or_measure_profile(
-                    self.config.state_dir,
-                    memory_budget_override=self.config.memory_budget,
-                    remeasure=remeasure,
+            if remeasure:
+                measured = await trio.to_thread.run_sync(
+                    lambda: measure_and_settle(self.config.state_dir)
                 )
-            )
-        self.membership.set_profile(
-            profile_to_proto(profile, self.identity.node_id, self.config.name)
-        )
+                profile = measured.published
+                if budget is not None:
+                    profile = profile.with_memory_budget(budget)
+            else:
+                measured = None
+                profile = await trio.to_thread.run_sync(
+                    lambda: load_or_measure_profile(
+                        self.config.state_dir, memory_budget_override=budget
+                    )
+                )
+        previous, self._measured = self._measured, profile
+        self._publish_profile()
+        self._profile_ready.set()
         import mlx.core as mx
 
         mx.reset_peak_memory()  # the benchmark's buffers are not the model's memory
-        self.events.add(
-            "profile measured: %s, %s memory, budget %s (%s)",
-            format_flops(profile.flops),
-            format_rate(profile.mem_bandwidth),
-            format_bytes(profile.memory_budget),
-            profile.blas,
+        self.events.add("%s", _profile_line(profile, previous, measured, self.overhead.planned))
+        return profile
+
+    def _publish_profile(self) -> None:
+        """Gossip the measured profile with the process overhead planned now."""
+        from meshd.mesh.profiling import profile_to_proto
+
+        if self._measured is None:
+            return
+        profile = dataclasses.replace(self._measured, process_overhead=self.overhead.planned)
+        self.membership.set_profile(
+            profile_to_proto(profile, self.identity.node_id, self.config.name)
         )
 
     # ------------------------------------------------------------ run
@@ -584,7 +629,71 @@ class Node:
         return tuple(record.state.loaded_plans)
 
     async def _measure_profile_task(self) -> None:
-        await self._measure_profile(remeasure=False)
+        """Measure at start; a measurement under load is measured again, a bounded number of
+        times with backoff, until one is quiet (it then replaces the loaded one)."""
+        profile = await self._measure_profile(remeasure=False)
+        delay = PROFILE_RETRY_FIRST_S
+        for _ in range(PROFILE_RETRIES):
+            if not profile.loaded:
+                return
+            await trio.sleep(delay * random.uniform(0.75, 1.25))
+            profile = await self._measure_profile(remeasure=True)
+            delay *= 2
+        if profile.loaded:
+            self.events.add(
+                "profile: still measured under load after %d re-measures; planning with the "
+                "fastest so far (`meshd profile --remeasure` measures again)",
+                PROFILE_RETRIES,
+                level=logging.WARNING,
+            )
+
+    async def _check_process_memory(self) -> None:
+        """Read what the process holds beside MLX; plan a larger overhead when it outgrew
+        the planned one (a new profile digest: the mesh re-plans with less here), remember
+        the most it held for the next start, and bound MLX's cache by the plan's slack."""
+        stage_loaded = bool(self.membership.loaded_plans)
+        reading = process_memory.resident_beside_mlx()
+        if self.overhead.outgrows(reading, stage_loaded=stage_loaded):
+            # Freed heap glibc keeps resident is not overhead: give it back, read again.
+            await trio.to_thread.run_sync(process_memory.release_freed_heap)
+            reading = process_memory.resident_beside_mlx()
+        if self.overhead.observe(reading, stage_loaded=stage_loaded):
+            self.events.add(
+                "process overhead: %s held beside MLX's memory (most: %s); plans now reserve %s "
+                "of the budget for it",
+                format_bytes(self.overhead.last),
+                format_bytes(self.overhead.high_water),
+                format_bytes(self.overhead.planned),
+            )
+            self._publish_profile()
+        remembered = self.overhead.remembered()
+        if (
+            remembered.high_water > self._remembered_overhead.high_water + 8 * 2**20
+            or remembered.loaded_before != self._remembered_overhead.loaded_before
+        ):
+            self._remembered_overhead = remembered
+            try:
+                await trio.to_thread.run_sync(
+                    process_memory.write_remembered, self.config.state_dir, remembered
+                )
+            except OSError as exc:
+                log.warning("cannot remember the process overhead: %s", exc)
+        self._bound_mlx_cache()
+
+    def _bound_mlx_cache(self) -> None:
+        """MLX keeps freed buffers for reuse; they count in RSS, so they must fit in the
+        allocator slack the active plan reserves here (unbounded while no plan is active)."""
+        import mlx.core as mx
+
+        active = self.agreement.core.active
+        plan = self.agreement.plan_for(active.proposal) if active else None
+        share = plan.memory_of(self.identity.node_id) if plan else None
+        if share is None:
+            return
+        limit = process_memory.mlx_cache_limit(share.overhead_bytes)
+        if limit != self._mlx_cache_limit:
+            mx.set_cache_limit(limit)
+            self._mlx_cache_limit = limit
 
     def _publish_hub_state(self) -> None:
         """Gossip the files arriving here (once a second at most) and whether this node's
@@ -604,6 +713,8 @@ class Node:
             self.gate.check()  # who knocked on the peer port without the mesh's certificate
             self._publish_hub_state()
             ticks += 1
+            if ticks % OVERHEAD_CHECK_S == 0:
+                await self._check_process_memory()
             if ticks % 10 == 0:
                 self.membership.forget_old()
             if log_file is not None and ticks % logrotate.ROTATE_CHECK_S == 0:
@@ -720,6 +831,35 @@ class Node:
         if self._mdns_dialled.get(node_id) == new:  # else it moved again meanwhile
             self.membership.unwant(old, f"{node_id} moved to {new}")
             self.membership.want(new, DISCOVERY_PEER_SOURCE)
+
+
+def _profile_line(profile: Any, previous: Any, measured: Any, overhead: int) -> str:
+    """The event log's line for a (re-)measured profile: its numbers with their spread,
+    whether it was measured under load, and what a re-measure did to the plan."""
+    numbers = (
+        f"{format_flops(profile.flops)} (±{50 * profile.flops_spread:.0f}%), "
+        f"{format_rate(profile.mem_bandwidth)} memory (±{50 * profile.mem_bandwidth_spread:.0f}%)"
+        f", budget {format_bytes(profile.memory_budget)}, process overhead "
+        f"{format_bytes(overhead)} ({profile.blas})"
+    )
+    if measured is not None and measured.kept_quiet:
+        fresh = measured.fresh
+        return (
+            f"profile measured again under load ({format_flops(fresh.flops)}, other processes "
+            f"used {fresh.other_busy_cores:.1f} cores): kept the quiet measurement, {numbers}"
+        )
+    if previous is not None and (profile.flops, profile.mem_bandwidth) == (
+        previous.flops,
+        previous.mem_bandwidth,
+    ):
+        return f"profile measured again, no change beyond its spread: the plan keeps {numbers}"
+    load = (
+        f"; measured under load (other processes used {profile.other_busy_cores:.1f} cores): "
+        "not planned as a slow machine, measured again later"
+        if profile.loaded
+        else ""
+    )
+    return f"profile measured: {numbers}{load}"
 
 
 async def _first_item_cancels(feed: trio.MemoryReceiveChannel, scope: trio.CancelScope) -> None:

@@ -178,7 +178,8 @@ def _tensor_parallel_runners(node: Node) -> list[pb.TensorParallelRunner]:
 
 
 def _runtime_memory(node: Node) -> pb.RuntimeMemory:
-    """MLX allocator counters and RSS, next to the budget and the plan's prediction."""
+    """MLX allocator counters and RSS, next to the budget, the plan's prediction and the
+    process overhead planned out of the budget (and what the process holds beside MLX now)."""
     import resource
 
     import mlx.core as mx
@@ -187,11 +188,15 @@ def _runtime_memory(node: Node) -> pb.RuntimeMemory:
     active = node.agreement.core.active
     plan = node.agreement.plan_for(active.proposal) if active else None
     planned = plan.memory_of(node.identity.node_id) if plan else None
+    rss = psutil.Process().memory_info().rss
+    mlx_held = mx.get_active_memory() + mx.get_cache_memory()
     return pb.RuntimeMemory(
         mlx_active=mx.get_active_memory(),
         mlx_peak=mx.get_peak_memory(),
-        rss=psutil.Process().memory_info().rss,
+        rss=rss,
         peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         budget=node.membership.profile.memory_budget,
         planned=planned.total_bytes if planned else 0,
+        overhead=node.overhead.planned,
+        overhead_now=max(0, rss - mlx_held),
     )

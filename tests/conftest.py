@@ -7,6 +7,8 @@ from meshd.runtime.blas import enable_fast_blas
 enable_fast_blas()  # before any test module imports mlx.core: float32 matmuls on OpenBLAS
 
 # isort: split
+import json
+import os
 import secrets
 import shutil
 from collections.abc import Callable, Iterator
@@ -23,6 +25,11 @@ pytest_plugins = ["tests.netns"]  # the netns_mesh fixture
 
 PROFILE_FILE = "profile.json"
 
+# Tests simulate small machines with budgets (90-150 MB) below what a daemon's process holds
+# beside a model: their daemons plan the whole budget for the model, as the planner's tests
+# expect. Tests of the process overhead itself give their daemons MESHD_PROCESS_OVERHEAD="".
+os.environ.setdefault("MESHD_PROCESS_OVERHEAD", "0")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def no_orphaned_scratch() -> Iterator[None]:
@@ -35,11 +42,18 @@ def no_orphaned_scratch() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def profile_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Measure this machine once per test session; daemons start from the cached profile."""
+    """Measure this machine once per test session; daemons start from the cached profile.
+
+    The suite keeps the machine busy, so the measurement is usually marked loaded; it is
+    stored as quiet, or every daemon would measure again in the background mid-test (and
+    re-plan when a quieter measurement lands)."""
     from meshd.mesh.profiling import load_or_measure_profile
 
     state = tmp_path_factory.mktemp("profile-template")
     load_or_measure_profile(state, memory_budget_override=None)
+    document = json.loads((state / PROFILE_FILE).read_text())
+    document["profile"]["loaded"] = False
+    (state / PROFILE_FILE).write_text(json.dumps(document))
     return state / PROFILE_FILE
 
 

@@ -161,7 +161,8 @@ def copy_cache(source_dir: Path, target_dir: Path, **changes: Any) -> Path:
     "changes",
     [
         {"fingerprint": "0123456789abcdef"},
-        {"measured_at": time.time() - CACHE_MAX_AGE_S - 60},
+        # a stale quiet cache would be kept over a loaded measurement (settle_profile)
+        {"measured_at": time.time() - CACHE_MAX_AGE_S - 60, "loaded": True},
         {"measured_at": time.time() + 3600},
         {"dtype": "bfloat16"},
     ],
@@ -189,7 +190,7 @@ def test_corrupt_cache_is_remeasured(tmp_path: Path) -> None:
 
 
 def test_remeasure_on_request(cached_profile: tuple[Path, NodeProfile], tmp_path: Path) -> None:
-    state = copy_cache(cached_profile[0], tmp_path)
+    state = copy_cache(cached_profile[0], tmp_path, loaded=True)  # any measurement replaces it
     fresh = load_or_measure_profile(state, remeasure=True)
     assert fresh.measured_at > cached_profile[1].measured_at
 

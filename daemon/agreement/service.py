@@ -5,10 +5,13 @@ component is its runtime, and what the data plane sees of it is `meshd.agreement
 
 * **Inputs.** The live peers from `Membership` (with the monotonic time each became alive,
   renewed on every reconnect), one *profile digest* per node, and the selected model.
-  A digest hashes exactly what the partitioner reads of a node — memory budget, the buckets
+  A digest hashes exactly what the partitioner reads of a node — memory budget (less the
+  process overhead the node measured, `mesh.graph.plannable_budget`), the buckets
   of its FLOP/s and memory bandwidth, and the buckets of its outgoing links — so every node
   computes the same digest from the same served `NodeState`, and measurement noise inside a
-  bucket changes nothing (the publisher also applies hysteresis, see `Membership`).
+  bucket changes nothing (the publisher also applies hysteresis: `Membership` for links,
+  `profiling.settle_profile` for FLOP/s and memory bandwidth, whose re-measure within the
+  previous spread publishes the previous number).
 * **Settling.** A node whose published links still miss a node that joined moments ago is
   *settling* (`settling_nodes`); the core keeps its current proposal meanwhile, for at most
   `settle_bound_s`, so a starting mesh commits one plan made from measured links instead of
@@ -53,7 +56,7 @@ from meshd.agreement import messages as ag
 from meshd.agreement.contract import PlanChange, ServedPlans
 from meshd.agreement.protocol import AgreementNode
 from meshd.agreement.remembered import RememberedSelection, write_remembered
-from meshd.mesh.graph import mesh_graph, planning_bandwidth, planning_latency
+from meshd.mesh.graph import mesh_graph, plannable_budget, planning_bandwidth, planning_latency
 from meshd.mesh.membership import Membership
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
@@ -83,7 +86,7 @@ def state_digest(state: pb.NodeState) -> str:
     group's configuration from the same state.
     """
     profile = state.profile
-    if profile.flops <= 0 or profile.mem_bandwidth <= 0 or profile.memory_budget <= 0:
+    if profile.flops <= 0 or profile.mem_bandwidth <= 0 or plannable_budget(profile) <= 0:
         return ""
     links = sorted(
         [
@@ -97,7 +100,7 @@ def state_digest(state: pb.NodeState) -> str:
     )
     payload = [
         profile.node_id,
-        int(profile.memory_budget),
+        plannable_budget(profile),
         bucket_index(profile.flops),
         bucket_index(profile.mem_bandwidth),
         links,

@@ -69,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     profile = sub.add_parser("profile", help="measure (or show the cached) profile of this machine")
     _add_common(profile)
-    profile.add_argument("--remeasure", action="store_true", help="ignore the cache")
+    profile.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="measure again (the running daemon does, and publishes it; else this command)",
+    )
     add_setting_flags(profile, ("memory_budget",))
     profile.add_argument("--json", action="store_true")
 
@@ -336,13 +340,25 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from meshd.api import render
-    from meshd.mesh.profiling import load_or_measure_profile
+    """This machine's profile; ``--remeasure`` asks the running daemon to measure again (it
+    then publishes the result to the mesh), or measures here when no daemon runs."""
+    from meshd.api import client, render
+    from meshd.mesh.profiling import load_or_measure_profile, profile_from_proto
 
     budget = load_config(flags_given(args)).memory_budget
-    profile = load_or_measure_profile(
-        _state_dir(args), memory_budget_override=budget, remeasure=args.remeasure
-    )
+    profile = None
+    if args.remeasure:
+        try:
+            status = client.remeasure(_api(args))
+        except client.DaemonUnreachable:
+            pass
+        else:
+            own = next(n.profile for n in status.nodes if n.source == "self")
+            profile = profile_from_proto(own)
+    if profile is None:
+        profile = load_or_measure_profile(
+            _state_dir(args), memory_budget_override=budget, remeasure=args.remeasure
+        )
     if args.json:
         print(json.dumps(profile.to_dict(), indent=2))
     else:

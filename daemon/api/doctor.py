@@ -413,17 +413,22 @@ def check_memory(ctx: Context) -> list[Finding]:
 
 
 def _budgets(ctx: Context) -> tuple[int, int, int]:
-    """This node's memory budget, the mesh's total, and how many nodes make it."""
+    """This node's memory budget, the mesh's total, and how many nodes make it (a live node's
+    budget less the process overhead it plans: what a model may use)."""
     if ctx.status is not None and ctx.status.nodes:
         alive = [n for n in ctx.status.nodes if n.alive or n.source == "self"]
-        own = ctx.status.nodes[0].profile.memory_budget
-        return own, sum(n.profile.memory_budget for n in alive), len(alive)
+        own = _for_a_model(ctx.status.nodes[0].profile)
+        return own, sum(_for_a_model(n.profile) for n in alive), len(alive)
     if ctx.config.memory_budget:
         return ctx.config.memory_budget, ctx.config.memory_budget, 1
     from meshd.mesh.profiling import default_memory_budget, gpu_wired_limit, total_memory
 
     own = default_memory_budget(total_memory(), wired_limit=gpu_wired_limit())
     return own, own, 1
+
+
+def _for_a_model(profile: pb.NodeProfile) -> int:
+    return max(0, profile.memory_budget - profile.process_overhead)
 
 
 def _model_size(ctx: Context) -> tuple[str | None, int | None, str]:

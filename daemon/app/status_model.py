@@ -273,7 +273,10 @@ def _memory_lines(memory: pb.RuntimeMemory) -> list[str]:
     line = f"this node: MLX {used} of {budget} budget"
     if memory.planned:
         line += f" (plan predicts {format_bytes(memory.planned)})"
-    return [line + f" · RSS {format_bytes(memory.rss)}"]
+    line += f" · RSS {format_bytes(memory.rss)}"
+    if memory.overhead:
+        line += f" (process overhead {format_bytes(memory.overhead)} planned)"
+    return [line]
 
 
 def _parse_plan(plan_json: str) -> dict[str, Any] | None:

@@ -5,7 +5,8 @@ each node serves them (its own profile and its own outgoing links), so every
 node that has fetched the same states builds the same graph, attribute for
 attribute. Links to or from nodes that are not alive are left out.
 
-Node attributes: memory_budget (bytes), flops (FLOP/s), mem_bandwidth (bytes/s), name.
+Node attributes: memory_budget (bytes: the node's budget less its process overhead, see
+`plannable_budget`), flops (FLOP/s), mem_bandwidth (bytes/s), name.
 Edge attributes (directed src -> dst): latency_s and bandwidth (bytes/s) as planning uses
 them (the measurer's bucket, with hysteresis), measured_latency_s and measured_bandwidth
 (the last raw sample), tcp_rtt_s, grpc_rtt_s, measured_at, and trusted: whether the link may
@@ -34,7 +35,7 @@ def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
         graph.add_node(
             profile.node_id,
             name=profile.name,
-            memory_budget=int(profile.memory_budget),
+            memory_budget=plannable_budget(profile),
             flops=float(profile.flops),
             mem_bandwidth=float(profile.mem_bandwidth),
         )
@@ -62,6 +63,12 @@ def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
                 trusted=bool(link.trusted and back is not None and back.trusted),
             )
     return graph
+
+
+def plannable_budget(profile: pb.NodeProfile) -> int:
+    """What plans may place on a node: its memory budget less the memory its daemon's process
+    holds beside the model (`process_overhead`, measured by the node; 0 from older nodes)."""
+    return max(0, int(profile.memory_budget) - int(profile.process_overhead))
 
 
 def planning_bandwidth(link: pb.LinkMeasurement) -> float:

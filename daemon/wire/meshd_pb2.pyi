@@ -21,7 +21,7 @@ REFUSAL_PROTOCOL_VERSION: Refusal
 REFUSAL_IDENTITY_MISMATCH: Refusal
 
 class NodeProfile(_message.Message):
-    __slots__ = ("node_id", "name", "total_memory", "available_memory", "memory_budget", "flops", "mem_bandwidth", "dtype", "platform", "chip", "mlx_device", "blas", "cores", "measured_at", "versions", "fingerprint")
+    __slots__ = ("node_id", "name", "total_memory", "available_memory", "memory_budget", "flops", "mem_bandwidth", "dtype", "platform", "chip", "mlx_device", "blas", "cores", "measured_at", "versions", "fingerprint", "flops_spread", "mem_bandwidth_spread", "loaded", "other_busy_cores", "process_overhead")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,11 @@ class NodeProfile(_message.Message):
     MEASURED_AT_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_SPREAD_FIELD_NUMBER: _ClassVar[int]
+    MEM_BANDWIDTH_SPREAD_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    OTHER_BUSY_CORES_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_OVERHEAD_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     total_memory: int
@@ -61,7 +66,12 @@ class NodeProfile(_message.Message):
     measured_at: float
     versions: _containers.ScalarMap[str, str]
     fingerprint: str
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., total_memory: _Optional[int] = ..., available_memory: _Optional[int] = ..., memory_budget: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., dtype: _Optional[str] = ..., platform: _Optional[str] = ..., chip: _Optional[str] = ..., mlx_device: _Optional[str] = ..., blas: _Optional[str] = ..., cores: _Optional[int] = ..., measured_at: _Optional[float] = ..., versions: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    flops_spread: float
+    mem_bandwidth_spread: float
+    loaded: bool
+    other_busy_cores: float
+    process_overhead: int
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., total_memory: _Optional[int] = ..., available_memory: _Optional[int] = ..., memory_budget: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., dtype: _Optional[str] = ..., platform: _Optional[str] = ..., chip: _Optional[str] = ..., mlx_device: _Optional[str] = ..., blas: _Optional[str] = ..., cores: _Optional[int] = ..., measured_at: _Optional[float] = ..., versions: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ..., flops_spread: _Optional[float] = ..., mem_bandwidth_spread: _Optional[float] = ..., loaded: _Optional[bool] = ..., other_busy_cores: _Optional[float] = ..., process_overhead: _Optional[int] = ...) -> None: ...
 
 class LinkMeasurement(_message.Message):
     __slots__ = ("src", "dst", "tcp_rtt_s", "grpc_rtt_s", "latency_s", "bandwidth", "probe_bytes", "measured_at", "latency_bucket", "bandwidth_bucket", "trusted", "trust_reason", "src_address", "dst_address")
@@ -527,20 +537,24 @@ class PrefixCacheStatus(_message.Message):
     def __init__(self, plan_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., slots: _Optional[int] = ..., tokens: _Optional[int] = ..., budget_tokens: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., evicted: _Optional[int] = ...) -> None: ...
 
 class RuntimeMemory(_message.Message):
-    __slots__ = ("mlx_active", "mlx_peak", "rss", "peak_rss", "budget", "planned")
+    __slots__ = ("mlx_active", "mlx_peak", "rss", "peak_rss", "budget", "planned", "overhead", "overhead_now")
     MLX_ACTIVE_FIELD_NUMBER: _ClassVar[int]
     MLX_PEAK_FIELD_NUMBER: _ClassVar[int]
     RSS_FIELD_NUMBER: _ClassVar[int]
     PEAK_RSS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     PLANNED_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_NOW_FIELD_NUMBER: _ClassVar[int]
     mlx_active: int
     mlx_peak: int
     rss: int
     peak_rss: int
     budget: int
     planned: int
-    def __init__(self, mlx_active: _Optional[int] = ..., mlx_peak: _Optional[int] = ..., rss: _Optional[int] = ..., peak_rss: _Optional[int] = ..., budget: _Optional[int] = ..., planned: _Optional[int] = ...) -> None: ...
+    overhead: int
+    overhead_now: int
+    def __init__(self, mlx_active: _Optional[int] = ..., mlx_peak: _Optional[int] = ..., rss: _Optional[int] = ..., peak_rss: _Optional[int] = ..., budget: _Optional[int] = ..., planned: _Optional[int] = ..., overhead: _Optional[int] = ..., overhead_now: _Optional[int] = ...) -> None: ...
 
 class AgreementStatus(_message.Message):
     __slots__ = ("model", "active_plan_id", "members", "confirmed_by", "committed_by", "draining", "proposal_plan_id", "refusal", "reason", "converged", "plan_json")

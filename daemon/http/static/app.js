@@ -140,6 +140,12 @@ function drawGraph(status) {
   }
 }
 
+// "±4%": half the p10-p90 spread of a profile's samples ("" when not known).
+function spread(value) {
+  const v = num(value);
+  return v > 0 ? ` ±${(50 * v).toFixed(0)}%` : "";
+}
+
 function drawNodeTable(status) {
   const plan = status.plan;
   const stages = stageIndex(plan);
@@ -157,8 +163,11 @@ function drawNodeTable(status) {
     const bar = el("div", { className: "membar", title: "planned / budget" },
       el("span", { className: "planned", style: `width:${Math.min(100, 100 * planned / Math.max(1, budget))}%` }),
       el("span", { className: "used", style: `width:${Math.min(100, 100 * used / Math.max(1, budget))}%` }));
+    const overhead = num(p.process_overhead);
     const memText = `${planned ? mb(planned) + " planned" : "none planned"}` +
-      `${self ? " · " + mb(used) + " in use" : ""} / ${gb(budget)} budget`;
+      `${self ? " · " + mb(used) + " in use" : ""} / ${gb(budget)} budget` +
+      `${overhead ? " · " + mb(overhead) + " process overhead" : ""}` +
+      `${self ? " · RSS " + mb(num(status.memory.rss)) : ""}`;
     const color = stage === undefined ? "#5b6475" : STAGE_COLORS[stage % STAGE_COLORS.length];
     const layers = stage === undefined ? "—"
       : `${stage}: layers ${plan.stages[stage].layer_start}–${plan.stages[stage].layer_end - 1}`;
@@ -169,8 +178,12 @@ function drawNodeTable(status) {
         el("div", { className: "muted small" }, stage === undefined ? "no stage" : `stage ${layers}`)),
       el("td", {}, memText, bar),
       el("td", {}, num(p.flops) > 0
-        ? `${(num(p.flops) / 1e9).toFixed(0)} GFLOP/s · ${(num(p.mem_bandwidth) / 1e9).toFixed(0)} GB/s`
-        : "measuring")));
+        ? `${(num(p.flops) / 1e9).toFixed(0)} GFLOP/s${spread(p.flops_spread)} · ` +
+          `${(num(p.mem_bandwidth) / 1e9).toFixed(1)} GB/s${spread(p.mem_bandwidth_spread)}`
+        : "measuring",
+        num(p.flops) > 0 ? el("div", { className: "muted small" }, p.loaded
+          ? `measured under load (${num(p.other_busy_cores).toFixed(1)} cores busy elsewhere)`
+          : "measured quietly") : "")));
   }
   const lost = status.nodes.filter((n) => !n.alive).map((n) => n.profile.name || n.profile.node_id);
   $("lost-nodes").textContent = lost.length ? `lost: ${lost.join(", ")}` : "";
