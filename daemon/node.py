@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,6 +50,7 @@ from meshd.node_models import (
 from meshd.node_status import mesh_status
 from meshd.runtime import stalls
 from meshd.runtime.bridge import AsyncioThread
+from meshd.runtime.device import DeviceChoice, DeviceUnavailable, select_device
 from meshd.runtime.events import EventLog
 from meshd.runtime.rpc_guard import add_guarded_servicer
 from meshd.runtime.scratch import remove_orphaned_scratch
@@ -116,6 +117,7 @@ class Node:
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.device = _select_device(config.device)
         config.state_dir.mkdir(parents=True, exist_ok=True)
         self.identity = Identity(load_or_create_node_id(config.state_dir), config.name)
         self.secret = resolve_secret(config)
@@ -401,6 +403,7 @@ class Node:
                     remeasure=remeasure,
                 )
             )
+        profile = replace(profile, device_reason=self.device.reason)
         self.membership.set_profile(
             profile_to_proto(profile, self.identity.node_id, self.config.name)
         )
@@ -408,11 +411,12 @@ class Node:
 
         mx.reset_peak_memory()  # the benchmark's buffers are not the model's memory
         self.events.add(
-            "profile measured: %s, %s memory, budget %s (%s)",
+            "profile measured: %s, %s memory, budget %s (%s); computing on %s",
             format_flops(profile.flops),
             format_rate(profile.mem_bandwidth),
             format_bytes(profile.memory_budget),
             profile.blas,
+            self.device.summary,
         )
 
     # ------------------------------------------------------------ run
@@ -734,6 +738,17 @@ async def _stop_servers(*servers: grpc.aio.Server) -> None:
 def _remove_socket(address: str) -> None:
     if address.startswith("unix:"):
         Path(address.removeprefix("unix:")).unlink(missing_ok=True)
+
+
+def _select_device(requested: str) -> DeviceChoice:
+    """The device this daemon and the processes it spawns compute on (meshd.runtime.device);
+    ConfigError, naming what to install, for a forced GPU that MLX does not report."""
+    from meshd.mesh.profiling import cpu_model
+
+    try:
+        return select_device(requested, cpu_name=cpu_model())
+    except DeviceUnavailable as error:
+        raise ConfigError(str(error)) from error
 
 
 async def run_node(

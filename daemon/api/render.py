@@ -45,13 +45,31 @@ def nodes_table(status: pb.MeshStatus) -> str:
                 else "measuring",
                 format_flops(p.flops) if measured else "-",
                 format_rate(p.mem_bandwidth) if measured else "-",
+                _device_cell(p),
                 peer.source,
                 _seen(peer),
             ]
         )
     return _table(
-        ["NODE", "NAME", "ADDRESS", "BUDGET / MEMORY", "COMPUTE", "MEMORY BW", "VIA", "SEEN"], rows
+        [
+            "NODE",
+            "NAME",
+            "ADDRESS",
+            "BUDGET / MEMORY",
+            "COMPUTE",
+            "MEMORY BW",
+            "DEVICE",
+            "VIA",
+            "SEEN",
+        ],
+        rows,
     )
+
+
+def _device_cell(profile: pb.NodeProfile) -> str:
+    if profile.mlx_device == "gpu":
+        return f"gpu ({profile.device_name or profile.device_backend or '?'})"
+    return profile.mlx_device or "-"
 
 
 def links_table(status: pb.MeshStatus) -> str:
@@ -148,12 +166,37 @@ def tensor_parallel_text(status: pb.MeshStatus) -> str:
     return "\n".join(lines)
 
 
+def device_line(profile: pb.NodeProfile) -> str:
+    """Where a node computes, and why: "gpu 0 of 2 (cuda, NVIDIA H200): GPU reported by MLX"."""
+    if not profile.mlx_device:
+        return "not measured yet"
+    if profile.mlx_device == "gpu":
+        backend = profile.device_backend or "gpu"
+        where = f"gpu 0 of {profile.gpu_count or 1} ({backend}, {profile.device_name or '?'})"
+    else:
+        where = "cpu"
+    return f"{where}: {profile.device_reason}" if profile.device_reason else where
+
+
+def device_text(status: pb.MeshStatus) -> str:
+    """This node's device, then each peer's that computes elsewhere than on a CPU."""
+    own = next((n.profile for n in status.nodes if n.source == "self"), None)
+    lines = [f"device: {device_line(own) if own is not None else 'not measured yet'}"]
+    lines += [
+        f"  {n.profile.node_id}: {device_line(n.profile)}"
+        for n in status.nodes
+        if n.source != "self" and n.profile.mlx_device == "gpu"
+    ]
+    return "\n".join(lines)
+
+
 def status_text(status: pb.MeshStatus) -> str:
     alive = sum(1 for n in status.nodes if n.alive)
     head = (
         f"mesh {status.mesh_name!r} (fingerprint {status.mesh_fingerprint}), "
         f"this node {status.node_id}, {alive} node(s) alive\n"
         f"BLAS: {status.blas or 'unknown'}\n"
+        f"{device_text(status)}\n"
         f"dashboard and HTTP APIs: {status.http_url + '/' if status.http_url else 'off'}"
     )
     recent = "\n".join("  " + line for line in status.events[-8:])

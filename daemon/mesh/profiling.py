@@ -44,10 +44,15 @@ from typing import Any
 
 import psutil
 
+from meshd.mesh.profile_dtypes import (
+    measure_device_profile,
+    measured_on_this_device,
+    rates_from_mapping,
+)
 from meshd.runtime.blas import blas_info
 
 PROFILE_FILE = "profile.json"
-CACHE_FORMAT = 1  # bump when the meaning of a cached field changes
+CACHE_FORMAT = 2  # bump when the meaning of a cached field changes (2: per-dtype rates, GPU)
 CACHE_MAX_AGE_S = 7 * 24 * 3600
 BUDGET_FRACTION = 0.75
 MAX_OS_RESERVE = 2**30
@@ -79,11 +84,21 @@ class NodeProfile:
     cores: int
     measured_at: float  # unix time
     fingerprint: str
+    # Per compute dtype (meshd.mesh.profile_dtypes): FLOP/s and bytes/s; the device MLX computes
+    # on (meshd.runtime.device): cuda, metal or cpu, its name, why it was chosen, GPUs seen.
+    dtype_flops: Mapping[str, float] = field(default_factory=dict, hash=False)
+    dtype_bandwidth: Mapping[str, float] = field(default_factory=dict, hash=False)
+    device_backend: str = "cpu"
+    device_name: str = ""
+    device_reason: str = ""
+    gpu_count: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the cache format and the wire's JSON form)."""
         data = asdict(self)
         data["versions"] = dict(self.versions)
+        data["dtype_flops"] = dict(self.dtype_flops)
+        data["dtype_bandwidth"] = dict(self.dtype_bandwidth)
         return data
 
     @classmethod
@@ -103,7 +118,7 @@ class NodeProfile:
         return replace(self, memory_budget=_checked_budget(memory_budget))
 
 
-_INTS = {"total_memory", "available_memory", "memory_budget", "cores"}
+_INTS = {"total_memory", "available_memory", "memory_budget", "cores", "gpu_count"}
 _FLOATS = {"flops", "mem_bandwidth", "measured_at"}
 
 
@@ -116,6 +131,8 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, Mapping):
             raise ValueError(f"versions must be a mapping, got {value!r}")
         return {str(key): str(version) for key, version in value.items()}
+    if name in ("dtype_flops", "dtype_bandwidth"):
+        return rates_from_mapping(value, name)
     return str(value)
 
 
@@ -125,7 +142,10 @@ def measure_node_profile(
     """Measure this machine now (about a second); blocking, call it off the event loop."""
     _check_dtype(dtype)
     total = total_memory()
-    budget = default_memory_budget(total, wired_limit=gpu_wired_limit())
+    device = measure_device_profile()
+    budget = device.pop("memory_budget") or default_memory_budget(
+        total, wired_limit=gpu_wired_limit()
+    )
     if memory_budget_override is not None:
         budget = _checked_budget(memory_budget_override)
     return NodeProfile(
@@ -143,6 +163,7 @@ def measure_node_profile(
         cores=usable_cores(),
         measured_at=time.time(),
         fingerprint=machine_fingerprint(total),
+        **device,
     )
 
 
@@ -185,6 +206,8 @@ def profile_from_proto(message: Any) -> NodeProfile:
     """Inverse of ``profile_to_proto`` (node_id and name are the caller's to keep)."""
     data = {f.name: getattr(message, f.name) for f in fields(NodeProfile)}
     data["versions"] = dict(message.versions)
+    data["dtype_flops"] = dict(message.dtype_flops)
+    data["dtype_bandwidth"] = dict(message.dtype_bandwidth)
     return NodeProfile.from_dict(data)
 
 
@@ -379,7 +402,7 @@ def _read_cache(cache: Path, *, dtype: str, max_age_s: float) -> NodeProfile | N
     age = time.time() - profile.measured_at
     if profile.dtype != dtype or not 0 <= age <= max_age_s:
         return None
-    if profile.fingerprint != machine_fingerprint():
+    if profile.fingerprint != machine_fingerprint() or not measured_on_this_device(profile):
         return None
     return profile
 

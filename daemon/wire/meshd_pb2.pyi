@@ -21,7 +21,7 @@ REFUSAL_PROTOCOL_VERSION: Refusal
 REFUSAL_IDENTITY_MISMATCH: Refusal
 
 class NodeProfile(_message.Message):
-    __slots__ = ("node_id", "name", "total_memory", "available_memory", "memory_budget", "flops", "mem_bandwidth", "dtype", "platform", "chip", "mlx_device", "blas", "cores", "measured_at", "versions", "fingerprint")
+    __slots__ = ("node_id", "name", "total_memory", "available_memory", "memory_budget", "flops", "mem_bandwidth", "dtype", "platform", "chip", "mlx_device", "blas", "cores", "measured_at", "versions", "fingerprint", "dtype_flops", "dtype_bandwidth", "device_backend", "device_name", "device_reason", "gpu_count")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,20 @@ class NodeProfile(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class DtypeFlopsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class DtypeBandwidthEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MEMORY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +59,12 @@ class NodeProfile(_message.Message):
     MEASURED_AT_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_REASON_FIELD_NUMBER: _ClassVar[int]
+    GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     total_memory: int
@@ -61,7 +81,13 @@ class NodeProfile(_message.Message):
     measured_at: float
     versions: _containers.ScalarMap[str, str]
     fingerprint: str
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., total_memory: _Optional[int] = ..., available_memory: _Optional[int] = ..., memory_budget: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., dtype: _Optional[str] = ..., platform: _Optional[str] = ..., chip: _Optional[str] = ..., mlx_device: _Optional[str] = ..., blas: _Optional[str] = ..., cores: _Optional[int] = ..., measured_at: _Optional[float] = ..., versions: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    dtype_flops: _containers.ScalarMap[str, float]
+    dtype_bandwidth: _containers.ScalarMap[str, float]
+    device_backend: str
+    device_name: str
+    device_reason: str
+    gpu_count: int
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., total_memory: _Optional[int] = ..., available_memory: _Optional[int] = ..., memory_budget: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., dtype: _Optional[str] = ..., platform: _Optional[str] = ..., chip: _Optional[str] = ..., mlx_device: _Optional[str] = ..., blas: _Optional[str] = ..., cores: _Optional[int] = ..., measured_at: _Optional[float] = ..., versions: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ..., dtype_flops: _Optional[_Mapping[str, float]] = ..., dtype_bandwidth: _Optional[_Mapping[str, float]] = ..., device_backend: _Optional[str] = ..., device_name: _Optional[str] = ..., device_reason: _Optional[str] = ..., gpu_count: _Optional[int] = ...) -> None: ...
 
 class LinkMeasurement(_message.Message):
     __slots__ = ("src", "dst", "tcp_rtt_s", "grpc_rtt_s", "latency_s", "bandwidth", "probe_bytes", "measured_at", "latency_bucket", "bandwidth_bucket", "trusted", "trust_reason", "src_address", "dst_address")
