@@ -106,6 +106,18 @@ class Prediction:
 
 
 @dataclass(frozen=True)
+class PricedRate:
+    """The compute and memory rates a node's stage was priced at, and which measurement they
+    are: the model's compute key ("bfloat16", "q4/bfloat16") when the node measured it, else
+    the node's float32 `flops` / `mem_bandwidth` (partitioner.mesh explains the fallback)."""
+
+    node: str
+    flops: float
+    mem_bandwidth: float
+    source: str
+
+
+@dataclass(frozen=True)
 class LeftOut:
     """A mesh node that holds no layers in this plan, and why."""
 
@@ -138,6 +150,8 @@ class Plan:
     left_out: tuple[LeftOut, ...]
     layout: str = ""
     cache_sequences: int = 0  # KV sequences reserved beyond `concurrency` for prefix caches
+    compute_key: str = ""  # the model's compute dtype key its nodes were priced at
+    priced: tuple[PricedRate, ...] = ()  # per node holding layers, in stage order
 
     @property
     def short_id(self) -> str:
@@ -195,6 +209,8 @@ class Plan:
                 }
             ),
             left_out=tuple(LeftOut(**item) for item in data["left_out"]),
+            compute_key=data.get("compute_key", ""),
+            priced=tuple(PricedRate(**item) for item in data.get("priced", ())),
         )
 
 
