@@ -37,3 +37,23 @@ def test_forced_gpu_without_one_refuses_to_start(daemons, mesh_token: str) -> No
     log = daemon.log_tail()
     assert "--device gpu, but MLX" in log and "reports no GPU" in log
     assert "meshd[cuda12]" in log
+
+
+def test_meshd_profile_measures_on_the_configured_device(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "meshd.api.cli", "profile", "--state-dir", str(tmp_path)]
+    done = subprocess.run(
+        [*command, "--device", "cpu", "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    profile = json.loads(done.stdout)
+    assert profile["mlx_device"] == "cpu" and profile["device_reason"] == "forced by --device cpu"
+    assert set(profile["dtype_flops"]) == set(DTYPE_KEYS)
+    if not probe_mlx().gpu_available:
+        refused = subprocess.run(
+            [*command, "--device", "gpu"], capture_output=True, text=True, timeout=120
+        )
+        assert refused.returncode == 2 and "reports no GPU" in refused.stderr

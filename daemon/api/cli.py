@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile = sub.add_parser("profile", help="measure (or show the cached) profile of this machine")
     _add_common(profile)
     profile.add_argument("--remeasure", action="store_true", help="ignore the cache")
-    add_setting_flags(profile, ("memory_budget",))
+    add_setting_flags(profile, ("memory_budget", "device"))
     profile.add_argument("--json", action="store_true")
 
     plan = sub.add_parser("plan", help="plan a model over the mesh (live view or --mesh FILE)")
@@ -337,12 +338,19 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from meshd.api import render
-    from meshd.mesh.profiling import load_or_measure_profile
+    from meshd.mesh.profiling import cpu_model, load_or_measure_profile
+    from meshd.runtime.device import DeviceUnavailable, select_device
 
-    budget = load_config(flags_given(args)).memory_budget
+    config = load_config(flags_given(args))
+    try:  # measure on the device `meshd run` would compute on
+        choice = select_device(config.device, cpu_name=cpu_model())
+    except DeviceUnavailable as error:
+        print(f"meshd profile: {error}", file=sys.stderr)
+        return 2
     profile = load_or_measure_profile(
-        _state_dir(args), memory_budget_override=budget, remeasure=args.remeasure
+        _state_dir(args), memory_budget_override=config.memory_budget, remeasure=args.remeasure
     )
+    profile = dataclasses.replace(profile, device_reason=choice.reason)
     if args.json:
         print(json.dumps(profile.to_dict(), indent=2))
     else:

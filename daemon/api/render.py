@@ -339,10 +339,17 @@ def _model_size(model: pb.ModelInfo) -> str:
 
 def profile_text(profile: Any) -> str:
     d = profile.to_dict()
-    lines = [f"{key:18} {value}" for key, value in d.items() if key != "versions"]
+    rates = ("versions", "dtype_flops", "dtype_bandwidth")
+    lines = [f"{key:18} {value}" for key, value in d.items() if key not in rates]
     lines.append(
         f"{'versions':18} " + ", ".join(f"{k} {v}" for k, v in d.get("versions", {}).items())
     )
+    flops, bandwidth = d.get("dtype_flops", {}), d.get("dtype_bandwidth", {})
+    for key in flops:
+        lines.append(
+            f"{key:18} {format_flops(flops[key])} matmul, "
+            f"{format_rate(bandwidth.get(key, 0.0))} matrix-vector"
+        )
     return "\n".join(lines)
 
 

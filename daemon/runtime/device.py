@@ -29,9 +29,9 @@ DEVICE_CHOICES = ("auto", "cpu", "gpu")
 DEVICE_ENV = "MESHD_COMPUTE_DEVICE"  # the chosen device, for spawned processes
 # What to install for a GPU, per platform, named in the refusal of a forced GPU that is not there.
 CUDA_INSTALL_HINT = (
-    'install MLX\'s CUDA backend: pip install "meshd[cuda12]" (CUDA 12 driver) or '
-    '"meshd[cuda13]" (CUDA 13), or packaging/install.sh --cuda 12|13; `nvidia-smi` must list '
-    "the GPU"
+    "install MLX's CUDA backend: packaging/install.sh --cuda 12 (CUDA 12 driver) or --cuda 13, "
+    'or pip install "meshd[cuda12]" in an environment without mlx-cpu (the backends share '
+    "files); `nvidia-smi` must list the GPU"
 )
 METAL_INSTALL_HINT = "MLX uses the GPU of Apple silicon (M1 or later) on macOS 14 or later"
 
