@@ -19,8 +19,9 @@ small size until one run takes MIN_RUN_S (or the largest size is reached), and a
 would take longer than MAX_RUN_S is never tried, so a dtype the device computes slowly costs a
 few milliseconds, not seconds. All of it takes about a second on a 2-core CPU.
 
-On a GPU node the memory budget is the GPU's memory (``mx.device_info``), not the host's RAM:
-weights, KV cache and activations live there (:func:`gpu_memory_budget`).
+On a CUDA node the memory budget is the GPU's memory (``mx.device_info``), not the host's RAM:
+weights, KV cache and activations live there (:func:`gpu_memory_budget`). Apple silicon's GPU
+shares the host's memory, so a Mac keeps profiling's rule (and macOS's wired limit).
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def measure_dtype_throughput() -> tuple[dict[str, float], dict[str, float]]:
 
 def measure_device_profile() -> dict[str, Any]:
     """The profile's device fields, measured on MLX's default device: per-dtype rates, the
-    backend, the GPU's name and count, and ``memory_budget`` (the GPU's, 0 on a CPU: the
-    host's rule applies)."""
+    backend, the GPU's name and count, and ``memory_budget`` (a CUDA GPU's; 0 on a CPU and on
+    Apple silicon, whose GPU shares the host's memory: profiling's rule applies)."""
     devices = probe_mlx()
     flops, bandwidth = measure_dtype_throughput()
     on_gpu = current_device() == "gpu"
@@ -86,7 +87,10 @@ def measure_device_profile() -> dict[str, Any]:
         "device_name": devices.gpu_name if on_gpu else "",
         "device_reason": "",
         "gpu_count": devices.gpu_count,
-        "memory_budget": gpu_memory_budget(devices.gpu_memory) if on_gpu else 0,
+        # A discrete GPU's own memory; Apple silicon's is the host's (profiling's rule).
+        "memory_budget": (
+            gpu_memory_budget(devices.gpu_memory) if on_gpu and devices.backend == "cuda" else 0
+        ),
     }
 
 
