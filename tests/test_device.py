@@ -142,3 +142,12 @@ def test_gpu_budget_is_the_gpus_memory_less_a_reserve() -> None:
     assert 120 * 10**9 < budget < 0.9 * 141 * 10**9
     assert budget % (256 * 2**20) == 0
     assert gpu_memory_budget(2**30) == 0
+
+
+def test_only_a_cuda_gpus_memory_replaces_the_host_rule() -> None:
+    from meshd.mesh.profile_dtypes import device_memory_budget, gpu_memory_budget
+
+    h200 = 141 * 10**9
+    assert device_memory_budget(True, "cuda", h200) == gpu_memory_budget(h200)
+    assert device_memory_budget(True, "metal", 256 * 2**30) == 0  # unified memory: host rule
+    assert device_memory_budget(False, "cuda", h200) == 0  # --device cpu on a GPU node

@@ -87,10 +87,7 @@ def measure_device_profile() -> dict[str, Any]:
         "device_name": devices.gpu_name if on_gpu else "",
         "device_reason": "",
         "gpu_count": devices.gpu_count,
-        # A discrete GPU's own memory; Apple silicon's is the host's (profiling's rule).
-        "memory_budget": (
-            gpu_memory_budget(devices.gpu_memory) if on_gpu and devices.backend == "cuda" else 0
-        ),
+        "memory_budget": device_memory_budget(on_gpu, devices.backend, devices.gpu_memory),
     }
 
 
@@ -101,6 +98,12 @@ def measured_on_this_device(profile: Any) -> bool:
     if profile.mlx_device != device:
         return False
     return device != "gpu" or profile.device_name == probe_mlx().gpu_name
+
+
+def device_memory_budget(on_gpu: bool, backend: str, gpu_memory: int) -> int:
+    """A CUDA GPU's budget from its own memory; 0 (profiling's host rule) on a CPU and on Apple
+    silicon, whose GPU shares the host's memory under macOS's wired limit."""
+    return gpu_memory_budget(gpu_memory) if on_gpu and backend == "cuda" else 0
 
 
 def gpu_memory_budget(gpu_memory: int) -> int:
