@@ -136,7 +136,7 @@ def test_per_dtype_rates_are_measured_quickly_on_this_device() -> None:
 
 
 def test_gpu_budget_is_the_gpus_memory_less_a_reserve() -> None:
-    from meshd.mesh.profile_dtypes import gpu_memory_budget
+    from meshd.runtime.device import gpu_memory_budget
 
     budget = gpu_memory_budget(141 * 10**9)
     assert 120 * 10**9 < budget < 0.9 * 141 * 10**9
@@ -145,7 +145,7 @@ def test_gpu_budget_is_the_gpus_memory_less_a_reserve() -> None:
 
 
 def test_only_a_cuda_gpus_memory_replaces_the_host_rule() -> None:
-    from meshd.mesh.profile_dtypes import device_memory_budget, gpu_memory_budget
+    from meshd.runtime.device import device_memory_budget, gpu_memory_budget
 
     h200 = 141 * 10**9
     assert device_memory_budget(True, "cuda", h200) == gpu_memory_budget(h200)

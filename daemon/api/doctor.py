@@ -464,8 +464,14 @@ def _budgets(ctx: Context) -> tuple[int, int, int]:
     if ctx.config.memory_budget:
         return ctx.config.memory_budget, ctx.config.memory_budget, 1
     from meshd.mesh.profiling import default_memory_budget, gpu_wired_limit, total_memory
+    from meshd.runtime.device import choose_device, device_memory_budget, probe_mlx
 
-    own = default_memory_budget(total_memory(), wired_limit=gpu_wired_limit())
+    try:  # a CUDA node plans with its GPU's memory, as its profile will say
+        choice = choose_device(ctx.config.device, probe_mlx())
+        own = device_memory_budget(choice.device == "gpu", choice.backend, choice.gpu_memory)
+    except Exception:  # MLX missing, or a forced GPU absent (the device check says which)
+        own = 0
+    own = own or default_memory_budget(total_memory(), wired_limit=gpu_wired_limit())
     return own, own, 1
 
 

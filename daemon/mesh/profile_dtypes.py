@@ -20,8 +20,9 @@ would take longer than MAX_RUN_S is never tried, so a dtype the device computes 
 few milliseconds, not seconds. All of it takes about a second on a 2-core CPU.
 
 On a CUDA node the memory budget is the GPU's memory (``mx.device_info``), not the host's RAM:
-weights, KV cache and activations live there (:func:`gpu_memory_budget`). Apple silicon's GPU
-shares the host's memory, so a Mac keeps profiling's rule (and macOS's wired limit).
+weights, KV cache and activations live there (``meshd.runtime.device.gpu_memory_budget``).
+Apple silicon's GPU shares the host's memory, so a Mac keeps profiling's rule (and macOS's
+wired limit).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from collections.abc import Callable, Mapping
 from itertools import pairwise
 from typing import Any
 
-from meshd.runtime.device import current_device, probe_mlx
+from meshd.runtime.device import current_device, device_memory_budget, probe_mlx
 
 DENSE_KEYS = ("float32", "float16", "bfloat16")
 QUANT_BITS = 4
@@ -46,11 +47,6 @@ BUDGET_S = 0.06  # timed runs per measurement stop once this is spent (at least 
 MIN_RUNS, MAX_RUNS = 3, 7
 _MATMUL_SIDES = (64, 128, 256, 512, 1024, 2048, 4096)  # 4096 on a GPU only
 _MATVEC_SIDES = (256, 512, 1024, 2048, 4096, 8192)  # 8192 on a GPU only
-# A discrete GPU's memory holds nothing but what processes put there; keep room for the CUDA
-# context, cuBLAS workspaces and MLX's buffers in flight.
-GPU_BUDGET_FRACTION = 0.90
-GPU_RESERVE = 2**30
-BUDGET_GRANULE = 256 * 2**20
 
 
 def measure_dtype_throughput() -> tuple[dict[str, float], dict[str, float]]:
@@ -98,18 +94,6 @@ def measured_on_this_device(profile: Any) -> bool:
     if profile.mlx_device != device:
         return False
     return device != "gpu" or profile.device_name == probe_mlx().gpu_name
-
-
-def device_memory_budget(on_gpu: bool, backend: str, gpu_memory: int) -> int:
-    """A CUDA GPU's budget from its own memory; 0 (profiling's host rule) on a CPU and on Apple
-    silicon, whose GPU shares the host's memory under macOS's wired limit."""
-    return gpu_memory_budget(gpu_memory) if on_gpu and backend == "cuda" else 0
-
-
-def gpu_memory_budget(gpu_memory: int) -> int:
-    """What a plan may place on a GPU of ``gpu_memory`` bytes: 90% less 1 GiB, rounded down."""
-    budget = int(gpu_memory * GPU_BUDGET_FRACTION) - GPU_RESERVE
-    return max(0, budget // BUDGET_GRANULE * BUDGET_GRANULE)
 
 
 def rates_from_mapping(value: Any, what: str) -> dict[str, float]:

@@ -34,6 +34,11 @@ CUDA_INSTALL_HINT = (
     "files); `nvidia-smi` must list the GPU"
 )
 METAL_INSTALL_HINT = "MLX uses the GPU of Apple silicon (M1 or later) on macOS 14 or later"
+# A discrete GPU's memory holds nothing but what processes put there; keep room for the CUDA
+# context, cuBLAS workspaces and MLX's buffers in flight.
+GPU_BUDGET_FRACTION = 0.90
+GPU_RESERVE = 2**30
+BUDGET_GRANULE = 256 * 2**20
 
 
 class DeviceUnavailable(RuntimeError):
@@ -186,6 +191,18 @@ def current_device() -> str:
     import mlx.core as mx
 
     return str(mx.default_device().type.name)
+
+
+def device_memory_budget(on_gpu: bool, backend: str, gpu_memory: int) -> int:
+    """A CUDA GPU's budget from its own memory; 0 (profiling's host rule) on a CPU and on Apple
+    silicon, whose GPU shares the host's memory under macOS's wired limit."""
+    return gpu_memory_budget(gpu_memory) if on_gpu and backend == "cuda" else 0
+
+
+def gpu_memory_budget(gpu_memory: int) -> int:
+    """What a plan may place on a GPU of ``gpu_memory`` bytes: 90% less 1 GiB, rounded down."""
+    budget = int(gpu_memory * GPU_BUDGET_FRACTION) - GPU_RESERVE
+    return max(0, budget // BUDGET_GRANULE * BUDGET_GRANULE)
 
 
 def _cpu(requested: str, devices: MlxDevices, reason: str, cpu_name: str) -> DeviceChoice:
