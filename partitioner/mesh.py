@@ -2,11 +2,16 @@
 
 Input contract (networkx.DiGraph):
 - node key: node id (str); attributes `memory_budget` (int bytes the daemon may use for a
-  model), `flops` (FLOP/s at the dtype in use), `mem_bandwidth` (bytes/s), optional `name`,
+  model), `flops` (float32 matmul FLOP/s), `mem_bandwidth` (bytes/s), optional `name`,
   optional `collective_overhead_s` (seconds the node adds to each collective of a
   tensor-parallel group: device synchronisation; partitioner.cost has the default),
   optional `layer_overhead_s` (fixed seconds per layer and decode step: kernel launches and
   synchronisation that do not shrink with the bytes read; 0 when not given).
+  Optional `dtype_flops` / `dtype_bandwidth`: {compute key: rate} measured per compute dtype
+  ("float32", "float16", "bfloat16", "q4/bfloat16", ...: ModelSpec.compute_key). A GPU runs
+  half precision many times faster than float32, a CPU often many times slower, so a model is
+  priced at its own key: the node's rate for that key, else (a quantized model) the node's
+  rate for the same dtype at another bit width, else `flops` / `mem_bandwidth`.
 - edge u->v: `latency_s` (one-way seconds) and `bandwidth` (bytes/s); links may be asymmetric.
   Optional `trusted` (bool, default False): the link is point-to-point (a Thunderbolt bridge,
   a direct cable) or the user marked it trusted. Tensor-parallel collectives travel in clear
@@ -58,6 +63,8 @@ class NodeProfile:
         if self.layer_overhead_bucket is None:
             return 0.0
         return bucket_value(self.layer_overhead_bucket)
+
+    priced_as: str = field(default="flops", compare=False)  # which measurement (module doc)
 
     @property
     def flops(self) -> float:
@@ -126,13 +133,15 @@ class MeshView:
         graph: nx.DiGraph,
         exclude: frozenset[str] = frozenset(),
         route_payload_bytes: float = 0.0,
+        compute_key: str = "",
     ) -> MeshView:
         """The view of `graph` without the `exclude`d nodes; relayed routes are chosen for a
-        payload of `route_payload_bytes` (one token's hidden state)."""
+        payload of `route_payload_bytes` (one token's hidden state); nodes are priced at
+        `compute_key` (the model's, see the module docstring; "" for `flops` alone)."""
         if not isinstance(graph, nx.DiGraph):
             raise MeshError(f"the mesh must be a networkx.DiGraph, got {type(graph).__name__}")
         nodes = {
-            str(node): _node_profile(str(node), data)
+            str(node): _node_profile(str(node), data, compute_key)
             for node, data in graph.nodes(data=True)
             if str(node) not in exclude
         }
@@ -253,7 +262,7 @@ def _path_to(previous: dict[str, str], src: str, dst: str) -> tuple[str, ...] | 
     return tuple(reversed(path))
 
 
-def _node_profile(node_id: str, data: dict[str, Any]) -> NodeProfile:
+def _node_profile(node_id: str, data: dict[str, Any], compute_key: str = "") -> NodeProfile:
     budget = data.get("memory_budget")
     if isinstance(budget, float) and budget.is_integer():
         budget = int(budget)
@@ -261,19 +270,52 @@ def _node_profile(node_id: str, data: dict[str, Any]) -> NodeProfile:
         raise MeshError(
             f"node {node_id!r}: memory_budget must be an integer number of bytes, got {budget!r}"
         )
+    flops_key, flops = _priced_rate(node_id, data, "dtype_flops", compute_key)
+    bandwidth_key, bandwidth = _priced_rate(node_id, data, "dtype_bandwidth", compute_key)
     return NodeProfile(
         node_id=node_id,
         name=str(data.get("name") or node_id),
         memory_budget=max(0, budget),
-        flops_bucket=_positive_bucket(node_id, "flops", data.get("flops"), "FLOP/s"),
+        flops_bucket=_positive_bucket(
+            node_id,
+            "flops" if flops is None else f"dtype_flops[{flops_key}]",
+            data.get("flops") if flops is None else flops,
+            "FLOP/s",
+        ),
         mem_bandwidth_bucket=_positive_bucket(
-            node_id, "mem_bandwidth", data.get("mem_bandwidth"), "bytes/s"
+            node_id,
+            "mem_bandwidth" if bandwidth is None else f"dtype_bandwidth[{bandwidth_key}]",
+            data.get("mem_bandwidth") if bandwidth is None else bandwidth,
+            "bytes/s",
         ),
         collective_overhead_bucket=_overhead_bucket(node_id, data.get("collective_overhead_s")),
         layer_overhead_bucket=_overhead_bucket(
             node_id, data.get("layer_overhead_s"), "layer_overhead_s"
         ),
+        priced_as=flops_key if flops is not None else "flops",
     )
+
+
+def _priced_rate(
+    node_id: str, data: dict[str, Any], attribute: str, compute_key: str
+) -> tuple[str, Any]:
+    """(key, rate) of the node's `attribute` map for `compute_key`, or ("", None) to use the
+    float32 figure: the exact key, else for a quantized key the same dtype at another width."""
+    rates = data.get(attribute)
+    if not compute_key or not rates:
+        return "", None
+    if not isinstance(rates, dict):
+        raise MeshError(
+            f"node {node_id!r}: {attribute} must map compute keys to rates, got {rates!r}"
+        )
+    if compute_key in rates:
+        return compute_key, rates[compute_key]
+    if compute_key.startswith("q") and "/" in compute_key:
+        dtype = compute_key.split("/", 1)[1]
+        for key in sorted(rates):
+            if key.startswith("q") and key.endswith(f"/{dtype}"):
+                return key, rates[key]
+    return "", None
 
 
 def _overhead_bucket(

@@ -127,6 +127,13 @@ class ModelSpec:
         return len(self.layer_bytes)
 
     @property
+    def compute_key(self) -> str:
+        """The key of the node's measured rates this model is priced at (partitioner.mesh):
+        its dtype ("bfloat16"), or for a quantized model "q<bits>/<dtype>" (4-bit weights,
+        activations and scales in the dtype: "q4/bfloat16")."""
+        return f"q{self.quant_bits}/{self.dtype}" if self.quant_bits else self.dtype
+
+    @property
     def total_weight_bytes(self) -> int:
         """Bytes of all weights once (tied embeddings counted once)."""
         return sum(self.layer_bytes) + self.embedding_bytes + self.head_bytes

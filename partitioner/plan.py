@@ -106,6 +106,18 @@ class Prediction:
 
 
 @dataclass(frozen=True)
+class PricedRate:
+    """The compute and memory rates a node's stage was priced at, and which measurement they
+    are: the model's compute key ("bfloat16", "q4/bfloat16") when the node measured it, else
+    the node's float32 `flops` / `mem_bandwidth` (partitioner.mesh explains the fallback)."""
+
+    node: str
+    flops: float
+    mem_bandwidth: float
+    source: str
+
+
+@dataclass(frozen=True)
 class LeftOut:
     """A mesh node that holds no layers in this plan, and why."""
 
@@ -141,6 +153,8 @@ class Plan:
     # Why this plan is not the kind of layout asked for ("" when it is): a forced kind that
     # cannot run falls back to the best plan of another kind (partitioner.planner).
     note: str = ""
+    compute_key: str = ""  # the model's compute dtype key its nodes were priced at
+    priced: tuple[PricedRate, ...] = ()  # per node holding layers, in stage order
 
     @property
     def short_id(self) -> str:
@@ -199,6 +213,8 @@ class Plan:
                 }
             ),
             left_out=tuple(LeftOut(**item) for item in data["left_out"]),
+            compute_key=data.get("compute_key", ""),
+            priced=tuple(PricedRate(**item) for item in data.get("priced", ())),
         )
 
 

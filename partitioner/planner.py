@@ -63,6 +63,7 @@ from partitioner.plan import (
     NodeMemory,
     Plan,
     Prediction,
+    PricedRate,
     Stage,
     layout_key,
 )
@@ -173,7 +174,9 @@ def _plan(
 ) -> Plan:
     if not isinstance(model, ModelSpec):
         raise TypeError(f"model must be a ModelSpec, got {type(model).__name__}")
-    view = MeshView.from_graph(mesh, options.exclude, model.hidden_state_bytes)
+    view = MeshView.from_graph(
+        mesh, options.exclude, model.hidden_state_bytes, compute_key=model.compute_key
+    )
     cost = CostModel(model, options)
     singles = single_units(view, options.reserve_bytes)
     groups: list[Unit] = []
@@ -510,7 +513,31 @@ def _build_plan(
         hops=hops,
         prediction=_prediction(layout, evaluator, hops),
         left_out=_left_out(layout, evaluator, options, excluded),
+        compute_key=cost.model.compute_key,
+        priced=_priced(layout, evaluator),
     )
+
+
+def _priced(layout: Layout, evaluator: Evaluator) -> tuple[PricedRate, ...]:
+    """The rates each node holding layers was priced at, and which measurement they are."""
+    view = evaluator.view
+    key = evaluator.cost.model.compute_key
+    return tuple(
+        PricedRate(
+            node=node,
+            flops=view.nodes[node].flops,
+            mem_bandwidth=view.nodes[node].mem_bandwidth,
+            source=_priced_source(view.nodes[node].priced_as, key),
+        )
+        for unit in layout.units
+        for node in unit.nodes
+    )
+
+
+def _priced_source(priced_as: str, key: str) -> str:
+    if priced_as != "flops":
+        return priced_as
+    return "flops" if key == "float32" else f"flops (no {key} figure)"
 
 
 def _placed(layout: Layout, evaluator: Evaluator) -> Layout:

@@ -56,7 +56,13 @@ from meshd.agreement import messages as ag
 from meshd.agreement.contract import PlanChange, ServedPlans
 from meshd.agreement.protocol import AgreementNode
 from meshd.agreement.remembered import RememberedSelection, write_remembered
-from meshd.mesh.graph import mesh_graph, plannable_budget, planning_bandwidth, planning_latency
+from meshd.mesh.graph import (
+    dtype_rates,
+    mesh_graph,
+    plannable_budget,
+    planning_bandwidth,
+    planning_latency,
+)
 from meshd.mesh.membership import Membership
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
@@ -106,6 +112,9 @@ def state_digest(state: pb.NodeState) -> str:
         links,
         int(state.tensor_parallel_port),
     ]
+    rates = dtype_rates(profile)  # per-dtype rates, bucketed; absent from older profiles
+    if rates:
+        payload.append(rates)
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="measure again (the running daemon does, and publishes it; else this command)",
     )
-    add_setting_flags(profile, ("memory_budget",))
+    add_setting_flags(profile, ("memory_budget", "device"))
     profile.add_argument("--json", action="store_true")
 
     plan = sub.add_parser("plan", help="plan a model over the mesh (live view or --mesh FILE)")
@@ -343,9 +344,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     """This machine's profile; ``--remeasure`` asks the running daemon to measure again (it
     then publishes the result to the mesh), or measures here when no daemon runs."""
     from meshd.api import client, render
-    from meshd.mesh.profiling import load_or_measure_profile, profile_from_proto
+    from meshd.mesh.profiling import cpu_model, load_or_measure_profile, profile_from_proto
+    from meshd.runtime.device import DeviceUnavailable, select_device
 
-    budget = load_config(flags_given(args)).memory_budget
+    config = load_config(flags_given(args))
     profile = None
     if args.remeasure:
         try:
@@ -356,9 +358,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
             own = next(n.profile for n in status.nodes if n.source == "self")
             profile = profile_from_proto(own)
     if profile is None:
+        try:  # measure on the device `meshd run` would compute on
+            choice = select_device(config.device, cpu_name=cpu_model())
+        except DeviceUnavailable as error:
+            print(f"meshd profile: {error}", file=sys.stderr)
+            return 2
         profile = load_or_measure_profile(
-            _state_dir(args), memory_budget_override=budget, remeasure=args.remeasure
+            _state_dir(args), memory_budget_override=config.memory_budget, remeasure=args.remeasure
         )
+        profile = dataclasses.replace(profile, device_reason=choice.reason)
     if args.json:
         print(json.dumps(profile.to_dict(), indent=2))
     else:

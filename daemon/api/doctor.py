@@ -56,6 +56,7 @@ SETTINGS_READ = (
     "model",
     "memory_budget",
     "mesh_name",
+    "device",
 )
 
 
@@ -366,6 +367,48 @@ def check_blas(ctx: Context) -> list[Finding]:
     ]
 
 
+def check_device(ctx: Context) -> list[Finding]:
+    """Which device MLX would compute on with this configuration, and why; the running
+    daemon's own choice when it answers (meshd.runtime.device decides both)."""
+    from meshd.runtime.device import DeviceUnavailable, choose_device, probe_mlx
+
+    requested = ctx.config.device
+    try:
+        choice = choose_device(requested, probe_mlx())
+    except DeviceUnavailable:
+        return [
+            Finding(
+                "device",
+                "fail",
+                f"no GPU reported by MLX, and device = {requested} refuses the CPU",
+                f"{_device_fix()}; or use --device auto",
+            )
+        ]
+    except Exception as error:  # MLX missing or broken
+        return [Finding("device", "fail", f"MLX cannot be asked for its devices: {error}")]
+    detail = choice.summary
+    if choice.gpu_memory:
+        detail += f"; {_size(choice.gpu_memory)} of GPU memory"
+    own = _daemon_profile(ctx)
+    if own is not None and own.mlx_device:
+        from meshd.api.render import device_line
+
+        detail += f"; the running daemon: {device_line(own)}"
+    return [Finding("device", "ok", detail)]
+
+
+def _device_fix() -> str:
+    from meshd.runtime.device import CUDA_INSTALL_HINT, METAL_INSTALL_HINT
+
+    return METAL_INSTALL_HINT if sys.platform == "darwin" else CUDA_INSTALL_HINT
+
+
+def _daemon_profile(ctx: Context) -> pb.NodeProfile | None:
+    if ctx.status is None:
+        return None
+    return next((n.profile for n in ctx.status.nodes if n.source == "self"), None)
+
+
 def _matmul_speed() -> str:
     """ ", 412 GFLOP/s float32 matmul" measured now (a fraction of a second), or ""."""
     try:
@@ -422,8 +465,14 @@ def _budgets(ctx: Context) -> tuple[int, int, int]:
     if ctx.config.memory_budget:
         return ctx.config.memory_budget, ctx.config.memory_budget, 1
     from meshd.mesh.profiling import default_memory_budget, gpu_wired_limit, total_memory
+    from meshd.runtime.device import choose_device, device_memory_budget, probe_mlx
 
-    own = default_memory_budget(total_memory(), wired_limit=gpu_wired_limit())
+    try:  # a CUDA node plans with its GPU's memory, as its profile will say
+        choice = choose_device(ctx.config.device, probe_mlx())
+        own = device_memory_budget(choice.device == "gpu", choice.backend, choice.gpu_memory)
+    except Exception:  # MLX missing, or a forced GPU absent (the device check says which)
+        own = 0
+    own = own or default_memory_budget(total_memory(), wired_limit=gpu_wired_limit())
     return own, own, 1
 
 
@@ -682,6 +731,7 @@ CHECKS: dict[str, Callable[[Context], list[Finding]]] = {
     "firewall": check_firewall,
     "clock": check_clock,
     "blas": check_blas,
+    "device": check_device,
     "memory": check_memory,
     "store": check_model_store,
     "service": check_service,

@@ -29,6 +29,9 @@ Mesh file format (human units accepted everywhere a size, rate or time is expect
 - flops: FLOP/s as a number, or "25TFLOPS" / "25 TFLOP/s";
 - latency: "latency_ms" (number), "latency_s" (number) or "latency": "300us" / "0.3ms";
   (all read by partitioner.humanize, as flags and the config file are);
+- dtype_flops / dtype_bandwidth (optional, per node): rates per compute dtype, keyed as
+  ModelSpec.compute_key ("float32", "float16", "bfloat16", "q4/bfloat16"): a model is priced at
+  its own dtype's rate, else at flops / mem_bandwidth ({"bfloat16": "700TFLOPS"});
 - collective_overhead (optional, per node): what the node adds to each collective of a
   tensor-parallel group ("60us"; partitioner.cost has the default);
 - layer_overhead (optional, per node): fixed time per layer and decode step that does not
@@ -71,6 +74,8 @@ from partitioner import (
 )
 from partitioner.humanize import (
     format_bytes,
+    format_flops,
+    format_rate,
     format_seconds,
     parse_duration,
     parse_flops,
@@ -91,6 +96,8 @@ _NODE_KEYS = {
     "mem_bandwidth",
     "collective_overhead",
     "layer_overhead",
+    "dtype_flops",
+    "dtype_bandwidth",
 }
 _LINK_KEYS = {
     "src",
@@ -173,6 +180,9 @@ def _node_entry(entry: Any, where: str) -> tuple[str, dict[str, Any]]:
         "flops": _quantity(parse_flops, entry["flops"], f"{where}: flops"),
         "mem_bandwidth": _quantity(parse_rate, entry["mem_bandwidth"], f"{where}: mem_bandwidth"),
     }
+    for key, parse in (("dtype_flops", parse_flops), ("dtype_bandwidth", parse_rate)):
+        if key in entry:
+            attributes[key] = _rates(entry[key], parse, f"{where}: {key}")
     if "collective_overhead" in entry:
         attributes["collective_overhead_s"] = _quantity(
             parse_duration, entry["collective_overhead"], f"{where}: collective_overhead"
@@ -182,6 +192,13 @@ def _node_entry(entry: Any, where: str) -> tuple[str, dict[str, Any]]:
             parse_duration, entry["layer_overhead"], f"{where}: layer_overhead"
         )
     return str(entry["id"]), attributes
+
+
+def _rates(value: Any, parse: Callable[[Any], float], where: str) -> dict[str, float]:
+    """{compute key: rate} ("bfloat16": "700TFLOPS"); the keys are ModelSpec.compute_key's."""
+    if not isinstance(value, dict) or not value:
+        raise PlanInputError(f"{where}: expected an object like {{'bfloat16': '700TFLOPS'}}")
+    return {str(key): _quantity(parse, rate, f"{where}.{key}") for key, rate in value.items()}
 
 
 def _link_attributes(entry: dict[str, Any], where: str) -> dict[str, Any]:
@@ -468,12 +485,25 @@ def render_plan_table(plan: Plan, mesh: nx.DiGraph) -> str:
     if plan.note:
         lines.append(f"note: {plan.note}")
     lines.extend([*_format_rows(rows), _layout_line(plan), _speed_line(plan)])
+    lines.extend(_priced_lines(plan, names))
     lines.extend(_route_lines(plan, names))
     lines.extend(_expert_lines(plan, names))
     lines.extend(
         f"left out: {_node_label(entry.node, names)}: {entry.reason}" for entry in plan.left_out
     )
     return "\n".join(lines)
+
+
+def _priced_lines(plan: Plan, names: dict[str, str]) -> list[str]:
+    """Which compute rate each node was priced at for the model's dtype, and from what."""
+    if not plan.priced:
+        return []
+    parts = [
+        f"{_node_label(entry.node, names)} {format_flops(entry.flops)}, "
+        f"{format_rate(entry.mem_bandwidth)} ({entry.source})"
+        for entry in plan.priced
+    ]
+    return [f"priced at {plan.compute_key or 'flops'}: " + "; ".join(parts)]
 
 
 def render_comparison(outcomes: dict[str, Outcome] | list[Plan]) -> str:

@@ -48,6 +48,7 @@ def nodes_table(status: pb.MeshStatus) -> str:
                 if measured
                 else "-",
                 _profile_note(p) if measured else "measuring",
+                _device_cell(p),
                 peer.source,
                 _seen(peer),
             ]
@@ -61,6 +62,7 @@ def nodes_table(status: pb.MeshStatus) -> str:
             "COMPUTE",
             "MEMORY BW",
             "PROFILE",
+            "DEVICE",
             "VIA",
             "SEEN",
         ],
@@ -101,6 +103,12 @@ def memory_text(memory: pb.RuntimeMemory) -> str:
         f"(peak {format_bytes(memory.mlx_peak)}){planned}; process overhead planned "
         f"{format_bytes(memory.overhead)}, beside MLX now {format_bytes(memory.overhead_now)}"
     )
+
+
+def _device_cell(profile: pb.NodeProfile) -> str:
+    if profile.mlx_device == "gpu":
+        return f"gpu ({profile.device_name or profile.device_backend or '?'})"
+    return profile.mlx_device or "-"
 
 
 def links_table(status: pb.MeshStatus) -> str:
@@ -199,12 +207,37 @@ def tensor_parallel_text(status: pb.MeshStatus) -> str:
     return "\n".join(lines)
 
 
+def device_line(profile: pb.NodeProfile) -> str:
+    """Where a node computes, and why: "gpu 0 of 2 (cuda, NVIDIA H200): GPU reported by MLX"."""
+    if not profile.mlx_device:
+        return "not measured yet"
+    if profile.mlx_device == "gpu":
+        backend = profile.device_backend or "gpu"
+        where = f"gpu 0 of {profile.gpu_count or 1} ({backend}, {profile.device_name or '?'})"
+    else:
+        where = "cpu"
+    return f"{where}: {profile.device_reason}" if profile.device_reason else where
+
+
+def device_text(status: pb.MeshStatus) -> str:
+    """This node's device, then each peer's that computes elsewhere than on a CPU."""
+    own = next((n.profile for n in status.nodes if n.source == "self"), None)
+    lines = [f"device: {device_line(own) if own is not None else 'not measured yet'}"]
+    lines += [
+        f"  {n.profile.node_id}: {device_line(n.profile)}"
+        for n in status.nodes
+        if n.source != "self" and n.profile.mlx_device == "gpu"
+    ]
+    return "\n".join(lines)
+
+
 def status_text(status: pb.MeshStatus) -> str:
     alive = sum(1 for n in status.nodes if n.alive)
     head = (
         f"mesh {status.mesh_name!r} (fingerprint {status.mesh_fingerprint}), "
         f"this node {status.node_id}, {alive} node(s) alive\n"
         f"BLAS: {status.blas or 'unknown'}\n"
+        f"{device_text(status)}\n"
         f"dashboard and HTTP APIs: {status.http_url + '/' if status.http_url else 'off'}"
     )
     recent = "\n".join("  " + line for line in status.events[-8:])
@@ -349,7 +382,8 @@ def _model_size(model: pb.ModelInfo) -> str:
 def profile_text(profile: Any) -> str:
     """`meshd profile`: every field, and the measurement's quality in words."""
     d = profile.to_dict()
-    lines = [f"{key:20} {value}" for key, value in d.items() if key != "versions"]
+    rates = ("versions", "dtype_flops", "dtype_bandwidth")
+    lines = [f"{key:20} {value}" for key, value in d.items() if key not in rates]
     lines.append(
         f"{'versions':20} " + ", ".join(f"{k} {v}" for k, v in d.get("versions", {}).items())
     )
@@ -363,6 +397,12 @@ def profile_text(profile: Any) -> str:
         f"{'summary':20} {_measured(format_flops(profile.flops), profile.flops_spread)}, "
         f"{_measured(format_rate(profile.mem_bandwidth), profile.mem_bandwidth_spread)}; " + quality
     )
+    flops, bandwidth = d.get("dtype_flops", {}), d.get("dtype_bandwidth", {})
+    for key in flops:
+        lines.append(
+            f"{key:20} {format_flops(flops[key])} matmul, "
+            f"{format_rate(bandwidth.get(key, 0.0))} matrix-vector"
+        )
     return "\n".join(lines)
 
 

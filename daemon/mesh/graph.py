@@ -6,7 +6,8 @@ node that has fetched the same states builds the same graph, attribute for
 attribute. Links to or from nodes that are not alive are left out.
 
 Node attributes: memory_budget (bytes: the node's budget less its process overhead, see
-`plannable_budget`), flops (FLOP/s), mem_bandwidth (bytes/s), name.
+`plannable_budget`), flops (FLOP/s), mem_bandwidth (bytes/s), name, and where the profile
+measured them dtype_flops / dtype_bandwidth ({compute key: rate}).
 Edge attributes (directed src -> dst): latency_s and bandwidth (bytes/s) as planning uses
 them (the measurer's bucket, with hysteresis), measured_latency_s and measured_bandwidth
 (the last raw sample), tcp_rtt_s, grpc_rtt_s, measured_at, and trusted: whether the link may
@@ -23,7 +24,7 @@ from collections.abc import Iterable
 import networkx as nx
 
 from meshd.wire import pb
-from partitioner.quantize import bucket_value
+from partitioner.quantize import bucket_index, bucket_value
 
 
 def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
@@ -38,6 +39,7 @@ def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
             memory_budget=plannable_budget(profile),
             flops=float(profile.flops),
             mem_bandwidth=float(profile.mem_bandwidth),
+            **dtype_rates(profile),
         )
     published = {
         (link.src, link.dst): link
@@ -69,6 +71,22 @@ def plannable_budget(profile: pb.NodeProfile) -> int:
     """What plans may place on a node: its memory budget less the memory its daemon's process
     holds beside the model (`process_overhead`, measured by the node; 0 from older nodes)."""
     return max(0, int(profile.memory_budget) - int(profile.process_overhead))
+
+
+def dtype_rates(profile: pb.NodeProfile) -> dict[str, dict[str, float]]:
+    """The profile's per-dtype rates as the partitioner reads them (partitioner.mesh), each
+    rate at its bucket's value, as `flops` is priced: every node builds the same graph from
+    the same states, and noise inside a bucket changes no plan. Empty for older profiles."""
+    rates = {}
+    for name in ("dtype_flops", "dtype_bandwidth"):
+        measured = getattr(profile, name)
+        if measured:
+            rates[name] = {
+                key: bucket_value(bucket_index(rate))
+                for key, rate in sorted(measured.items())
+                if rate > 0
+            }
+    return rates
 
 
 def planning_bandwidth(link: pb.LinkMeasurement) -> float:

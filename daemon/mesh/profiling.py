@@ -56,10 +56,17 @@ from typing import Any
 
 import psutil
 
+from meshd.mesh.profile_dtypes import (
+    measure_device_profile,
+    measured_on_this_device,
+    rates_from_mapping,
+)
 from meshd.runtime.blas import blas_info
 
 PROFILE_FILE = "profile.json"
-CACHE_FORMAT = 2  # bump when the meaning of a cached field changes (2: quartiles, spread, load)
+# Bump when the meaning of a cached field changes (2: quartiles, spread, load; 3: per-dtype
+# rates, the device).
+CACHE_FORMAT = 3
 CACHE_MAX_AGE_S = 7 * 24 * 3600
 BUDGET_FRACTION = 0.75
 MAX_OS_RESERVE = 2**30
@@ -107,11 +114,21 @@ class NodeProfile:
     loaded: bool = False  # measured while other processes kept the machine busy
     other_busy_cores: float = 0.0  # cores other processes used on average meanwhile
     process_overhead: int = 0  # bytes the daemon holds beside MLX's arrays; planned from budget
+    # Per compute dtype (meshd.mesh.profile_dtypes): FLOP/s and bytes/s; the device MLX computes
+    # on (meshd.runtime.device): cuda, metal or cpu, its name, why it was chosen, GPUs seen.
+    dtype_flops: Mapping[str, float] = field(default_factory=dict, hash=False)
+    dtype_bandwidth: Mapping[str, float] = field(default_factory=dict, hash=False)
+    device_backend: str = "cpu"
+    device_name: str = ""
+    device_reason: str = ""
+    gpu_count: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the cache format and the wire's JSON form)."""
         data = asdict(self)
         data["versions"] = dict(self.versions)
+        data["dtype_flops"] = dict(self.dtype_flops)
+        data["dtype_bandwidth"] = dict(self.dtype_bandwidth)
         return data
 
     @classmethod
@@ -137,7 +154,14 @@ class NodeProfile:
         return max(0, self.memory_budget - self.process_overhead)
 
 
-_INTS = {"total_memory", "available_memory", "memory_budget", "cores", "process_overhead"}
+_INTS = {
+    "total_memory",
+    "available_memory",
+    "memory_budget",
+    "cores",
+    "process_overhead",
+    "gpu_count",
+}
 _FLOATS = {
     "flops",
     "mem_bandwidth",
@@ -161,6 +185,8 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, Mapping):
             raise ValueError(f"versions must be a mapping, got {value!r}")
         return {str(key): str(version) for key, version in value.items()}
+    if name in ("dtype_flops", "dtype_bandwidth"):
+        return rates_from_mapping(value, name)
     return str(value)
 
 
@@ -170,7 +196,10 @@ def measure_node_profile(
     """Measure this machine now (about a second); blocking, call it off the event loop."""
     _check_dtype(dtype)
     total = total_memory()
-    budget = default_memory_budget(total, wired_limit=gpu_wired_limit())
+    device = measure_device_profile()
+    budget = device.pop("memory_budget") or default_memory_budget(
+        total, wired_limit=gpu_wired_limit()
+    )
     if memory_budget_override is not None:
         budget = _checked_budget(memory_budget_override)
     watch = OtherLoad.start()
@@ -197,6 +226,7 @@ def measure_node_profile(
         mem_bandwidth_spread=bandwidth.spread,
         loaded=is_loaded(busy_cores, cores, flops.spread, bandwidth.spread),
         other_busy_cores=busy_cores,
+        **device,
     )
 
 
@@ -245,6 +275,15 @@ def settle_profile(previous: NodeProfile | None, fresh: NodeProfile) -> NodeProf
         flops_spread=flops_spread,
         mem_bandwidth=bandwidth,
         mem_bandwidth_spread=bandwidth_spread,
+        dtype_flops=_settled_rates(
+            previous.dtype_flops, fresh.dtype_flops, previous.flops_spread, both_loaded
+        ),
+        dtype_bandwidth=_settled_rates(
+            previous.dtype_bandwidth,
+            fresh.dtype_bandwidth,
+            previous.mem_bandwidth_spread,
+            both_loaded,
+        ),
     )
 
 
@@ -260,6 +299,17 @@ def _settled(
     if within_spread(fresh[0], *previous) or (both_loaded and fresh[0] < previous[0]):
         return previous
     return fresh
+
+
+def _settled_rates(
+    previous: Mapping[str, float], fresh: Mapping[str, float], spread: float, both_loaded: bool
+) -> dict[str, float]:
+    """Per-dtype rates to publish: each settled as its float32 counterpart is (same spread)."""
+    settled = dict(fresh)
+    for key, rate in fresh.items():
+        if key in previous:
+            settled[key] = _settled((previous[key], spread), (rate, spread), both_loaded)[0]
+    return settled
 
 
 def load_or_measure_profile(
@@ -327,6 +377,8 @@ def profile_from_proto(message: Any) -> NodeProfile:
     """Inverse of ``profile_to_proto`` (node_id and name are the caller's to keep)."""
     data = {f.name: getattr(message, f.name) for f in fields(NodeProfile)}
     data["versions"] = dict(message.versions)
+    data["dtype_flops"] = dict(message.dtype_flops)
+    data["dtype_bandwidth"] = dict(message.dtype_bandwidth)
     return NodeProfile.from_dict(data)
 
 
@@ -594,7 +646,7 @@ def _read_cache(cache: Path, *, dtype: str, max_age_s: float) -> NodeProfile | N
     age = time.time() - profile.measured_at
     if profile.dtype != dtype or not 0 <= age <= max_age_s:
         return None
-    if profile.fingerprint != machine_fingerprint():
+    if profile.fingerprint != machine_fingerprint() or not measured_on_this_device(profile):
         return None
     return profile
 

@@ -53,6 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from meshd.runtime.device import follow_in_thread
 from meshd.runtime.thread_names import name_this_thread
 
 log = logging.getLogger("meshd.compute")
@@ -220,6 +221,7 @@ class ComputeExecutor:
         (an awaiter's future is cancelled, a ``submit_then`` job is forgotten)."""
         _running_on.executor = self
         name_this_thread("meshd-compute")  # the OS's name, for top -H; MLX's threads inherit it
+        follow_in_thread()  # the device the daemon chose (meshd.runtime.device)
         try:
             while (job := self._jobs.get()) is not None:
                 self._busy = True

@@ -21,7 +21,7 @@ REFUSAL_PROTOCOL_VERSION: Refusal
 REFUSAL_IDENTITY_MISMATCH: Refusal
 
 class NodeProfile(_message.Message):
-    __slots__ = ("node_id", "name", "total_memory", "available_memory", "memory_budget", "flops", "mem_bandwidth", "dtype", "platform", "chip", "mlx_device", "blas", "cores", "measured_at", "versions", "fingerprint", "flops_spread", "mem_bandwidth_spread", "loaded", "other_busy_cores", "process_overhead")
+    __slots__ = ("node_id", "name", "total_memory", "available_memory", "memory_budget", "flops", "mem_bandwidth", "dtype", "platform", "chip", "mlx_device", "blas", "cores", "measured_at", "versions", "fingerprint", "flops_spread", "mem_bandwidth_spread", "loaded", "other_busy_cores", "process_overhead", "dtype_flops", "dtype_bandwidth", "device_backend", "device_name", "device_reason", "gpu_count")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,20 @@ class NodeProfile(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class DtypeFlopsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class DtypeBandwidthEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MEMORY_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +64,12 @@ class NodeProfile(_message.Message):
     LOADED_FIELD_NUMBER: _ClassVar[int]
     OTHER_BUSY_CORES_FIELD_NUMBER: _ClassVar[int]
     PROCESS_OVERHEAD_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_REASON_FIELD_NUMBER: _ClassVar[int]
+    GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     total_memory: int
@@ -71,7 +91,13 @@ class NodeProfile(_message.Message):
     loaded: bool
     other_busy_cores: float
     process_overhead: int
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., total_memory: _Optional[int] = ..., available_memory: _Optional[int] = ..., memory_budget: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., dtype: _Optional[str] = ..., platform: _Optional[str] = ..., chip: _Optional[str] = ..., mlx_device: _Optional[str] = ..., blas: _Optional[str] = ..., cores: _Optional[int] = ..., measured_at: _Optional[float] = ..., versions: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ..., flops_spread: _Optional[float] = ..., mem_bandwidth_spread: _Optional[float] = ..., loaded: _Optional[bool] = ..., other_busy_cores: _Optional[float] = ..., process_overhead: _Optional[int] = ...) -> None: ...
+    dtype_flops: _containers.ScalarMap[str, float]
+    dtype_bandwidth: _containers.ScalarMap[str, float]
+    device_backend: str
+    device_name: str
+    device_reason: str
+    gpu_count: int
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., total_memory: _Optional[int] = ..., available_memory: _Optional[int] = ..., memory_budget: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., dtype: _Optional[str] = ..., platform: _Optional[str] = ..., chip: _Optional[str] = ..., mlx_device: _Optional[str] = ..., blas: _Optional[str] = ..., cores: _Optional[int] = ..., measured_at: _Optional[float] = ..., versions: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ..., flops_spread: _Optional[float] = ..., mem_bandwidth_spread: _Optional[float] = ..., loaded: _Optional[bool] = ..., other_busy_cores: _Optional[float] = ..., process_overhead: _Optional[int] = ..., dtype_flops: _Optional[_Mapping[str, float]] = ..., dtype_bandwidth: _Optional[_Mapping[str, float]] = ..., device_backend: _Optional[str] = ..., device_name: _Optional[str] = ..., device_reason: _Optional[str] = ..., gpu_count: _Optional[int] = ...) -> None: ...
 
 class LinkMeasurement(_message.Message):
     __slots__ = ("src", "dst", "tcp_rtt_s", "grpc_rtt_s", "latency_s", "bandwidth", "probe_bytes", "measured_at", "latency_bucket", "bandwidth_bucket", "trusted", "trust_reason", "src_address", "dst_address")

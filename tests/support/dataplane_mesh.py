@@ -262,4 +262,7 @@ def mlx_lm_reference(
         if token in eos_ids:
             break
         tokens.append(int(token))
-    return tokens, [np.array(row[0]) for row in recorder.rows[: len(tokens)]]
+    # numpy has no bfloat16: such logits are compared as float32 (which holds them exactly).
+    rows = recorder.rows[: len(tokens)]
+    wide = [row[0].astype(mx.float32) if row[0].dtype == mx.bfloat16 else row[0] for row in rows]
+    return tokens, [np.array(row) for row in wide]

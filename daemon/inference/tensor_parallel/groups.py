@@ -14,9 +14,12 @@ which every member holds identically because the plan's inputs name them by dige
 * the ports: from rank 0's published ``tensor_parallel_port`` (its configured range), the plan
   id and the stage index (:func:`meshd.inference.tensor_parallel.spec.group_ports`).
 
-The backend is MLX's ring (TCP), the one every platform has; JACCL (RDMA over Thunderbolt 5)
-and NCCL are supported by the spec and the runner, but the daemon does not yet detect the
-devices they need, so it never chooses them.
+The backend (:func:`group_backend`): NCCL where every member computes on an NVIDIA GPU through
+MLX's CUDA backend and all are daemons of one host (their profiles' machine fingerprints are
+equal: one daemon per GPU, each started with its own ``CUDA_VISIBLE_DEVICES``), so the
+collectives stay on the host's NVLink or PCIe; otherwise MLX's ring (TCP), the one every
+platform has. JACCL (RDMA over Thunderbolt 5) is supported by the spec and the runner, but the
+daemon does not yet detect the devices it needs, so it never chooses it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,17 @@ from meshd.inference.tensor_parallel.spec import (
 from meshd.mesh.link_trust import LinkVerdict
 from meshd.wire import pb
 
-BACKEND = "ring"
+BACKEND = "ring"  # the default: MLX's ring over TCP, on every platform
+
+
+def group_backend(members: Sequence[str], states: Mapping[str, pb.NodeState]) -> str:
+    """ "nccl" when every member computes on CUDA and all run on one host, else "ring"."""
+    profiles = [states[node].profile if node in states else None for node in members]
+    if len(members) < 2 or any(profile is None for profile in profiles):
+        return BACKEND
+    on_cuda = all(p.mlx_device == "gpu" and p.device_backend == "cuda" for p in profiles)
+    one_host = len({p.fingerprint for p in profiles}) == 1 and bool(profiles[0].fingerprint)
+    return "nccl" if on_cuda and one_host else BACKEND
 
 
 def _published_links(
@@ -121,7 +134,7 @@ def spec_for_stage(
         link=verdict.reason,
         mesh_secret=mesh_secret,
         expert_shards=stage.experts,
-        backend=BACKEND,
+        backend=group_backend(members, states),
         base_port=base_port(members[0], states),
     )
 
@@ -138,7 +151,7 @@ def describe_groups(
         group = pb.TensorParallelGroup(
             stage=index,
             members=members,
-            backend=BACKEND,
+            backend=group_backend(members, states),
             link=group_link(members, states).reason,
             layer_start=stage.layer_start,
             layer_end=stage.layer_end,

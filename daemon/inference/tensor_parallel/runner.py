@@ -71,6 +71,7 @@ from meshd.inference.tensor_parallel.wire import (
     send_frame,
     to_mx,
 )
+from meshd.runtime.device import DeviceUnavailable, apply_from_env
 
 log = logging.getLogger("meshd.tp.runner")
 
@@ -111,6 +112,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         format=f"meshd-tp[{spec.name} rank {args.rank}] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    try:
+        apply_from_env()  # compute where the daemon does (meshd.runtime.device)
+    except DeviceUnavailable as error:
+        _report_failure(ipc, str(error))
+        return EXIT_START_FAILED
     runner = Runner(spec, args.rank, ipc, args.parent_pid)
     return runner.run(args.startup_timeout)
 
