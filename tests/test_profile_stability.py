@@ -114,6 +114,23 @@ def test_a_remeasure_within_the_spread_keeps_the_numbers_and_the_digest() -> Non
     assert digest(settled) == digest(before)
 
 
+def test_per_dtype_rates_settle_like_the_float32_numbers() -> None:
+    """A GPU node's half-precision rates are planned with too: noise in them must not make a
+    new digest either, and a real change must."""
+    rates = {"float32": 178 * GFLOP, "bfloat16": 9 * GFLOP}
+    before = profile(dtype_flops=rates, dtype_bandwidth={"bfloat16": 8 * GB})
+    noisy = profile(
+        dtype_flops={"float32": 185 * GFLOP, "bfloat16": 8.4 * GFLOP},
+        dtype_bandwidth={"bfloat16": 7.5 * GB},
+        measured_at=2000.0,
+    )
+    settled = settle_profile(before, noisy)
+    assert settled.dtype_flops == rates and settled.dtype_bandwidth == {"bfloat16": 8 * GB}
+    assert digest(settled) == digest(before)
+    changed = profile(dtype_flops={"float32": 178 * GFLOP, "bfloat16": 90 * GFLOP})
+    assert settle_profile(before, changed).dtype_flops["bfloat16"] == 90 * GFLOP
+
+
 def test_noise_across_a_bucket_edge_would_change_the_digest_without_settling() -> None:
     edge = 1.25**115  # a bucket edge (partitioner.quantize): FLOP/s just below and above
     before = profile(flops=edge * 0.99)
