@@ -51,7 +51,13 @@ from meshd.agreement import messages as ag
 from meshd.agreement.contract import PlanChange, ServedPlans
 from meshd.agreement.protocol import AgreementNode
 from meshd.agreement.remembered import RememberedSelection, write_remembered
-from meshd.mesh.graph import mesh_graph, planning_bandwidth, planning_latency
+from meshd.mesh.graph import (
+    effective_bandwidth,
+    effective_flops,
+    mesh_graph,
+    planning_bandwidth,
+    planning_latency,
+)
 from meshd.mesh.membership import Membership
 from meshd.runtime.bridge import AsyncioThread
 from meshd.runtime.events import EventLog
@@ -96,8 +102,8 @@ def state_digest(state: pb.NodeState) -> str:
     payload = [
         profile.node_id,
         int(profile.memory_budget),
-        bucket_index(profile.flops),
-        bucket_index(profile.mem_bandwidth),
+        bucket_index(effective_flops(state)),
+        bucket_index(effective_bandwidth(state)),
         links,
         int(state.tensor_parallel_port),
     ]

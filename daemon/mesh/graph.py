@@ -5,7 +5,9 @@ each node serves them (its own profile and its own outgoing links), so every
 node that has fetched the same states builds the same graph, attribute for
 attribute. Links to or from nodes that are not alive are left out.
 
-Node attributes: memory_budget (bytes), flops (FLOP/s), mem_bandwidth (bytes/s), name.
+Node attributes: memory_budget (bytes), flops (FLOP/s), mem_bandwidth (bytes/s), name. FLOP/s
+and bandwidth are the profile's divided by the node's published speed correction
+(`meshd.mesh.speed_correction`: how much slower its decode steps ran than predicted).
 Edge attributes (directed src -> dst): latency_s and bandwidth (bytes/s) as planning uses
 them (the measurer's bucket, with hysteresis), measured_latency_s and measured_bandwidth
 (the last raw sample), tcp_rtt_s, grpc_rtt_s, measured_at, and trusted: whether the link may
@@ -35,8 +37,8 @@ def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
             profile.node_id,
             name=profile.name,
             memory_budget=int(profile.memory_budget),
-            flops=float(profile.flops),
-            mem_bandwidth=float(profile.mem_bandwidth),
+            flops=effective_flops(state),
+            mem_bandwidth=effective_bandwidth(state),
         )
     published = {
         (link.src, link.dst): link
@@ -64,6 +66,22 @@ def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
     return graph
 
 
+def speed_factor(state: pb.NodeState) -> float:
+    """The node's published speed correction (1 when it published none)."""
+    factor = state.speed_correction.factor if state.HasField("speed_correction") else 0.0
+    return factor if factor > 0 else 1.0
+
+
+def effective_flops(state: pb.NodeState) -> float:
+    """The FLOP/s planning uses: the profile's, divided by the node's speed correction."""
+    return float(state.profile.flops) / speed_factor(state)
+
+
+def effective_bandwidth(state: pb.NodeState) -> float:
+    """The memory bandwidth planning uses: the profile's, divided by the speed correction."""
+    return float(state.profile.mem_bandwidth) / speed_factor(state)
+
+
 def planning_bandwidth(link: pb.LinkMeasurement) -> float:
     """The bandwidth planning uses: the measurer's (sticky) bucket, else the raw number."""
     if link.HasField("bandwidth_bucket"):
@@ -80,10 +98,12 @@ def planning_latency(link: pb.LinkMeasurement) -> float:
 def graph_from_status(status: pb.MeshStatus) -> nx.DiGraph:
     """The live view as the local API reports it (for `meshd plan` and tools)."""
     alive = {n.profile.node_id for n in status.nodes if n.alive}
+    corrections = {c.node_id: c for c in status.speed_corrections}
     states = [
         pb.NodeState(
             profile=n.profile,
             links=[m for m in status.links if m.src == n.profile.node_id and m.dst in alive],
+            speed_correction=corrections.get(n.profile.node_id),
         )
         for n in status.nodes
         if n.alive
