@@ -1,0 +1,229 @@
+"""The comparison of a plan's predictions with its requests, and the speed correction rule."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import networkx as nx
+import pytest
+
+from meshd.inference.prediction_check import (
+    FinishedRequest,
+    compare,
+    decoding_together,
+    predicted_ttft_s,
+    prefilled_alone,
+)
+from meshd.mesh.graph import effective_bandwidth, effective_flops, mesh_graph
+from meshd.mesh.speed_correction import (
+    FACTOR_MAX,
+    FACTOR_MIN,
+    MIN_SAMPLES,
+    SpeedCorrector,
+    StepPredictor,
+    StepSample,
+    estimate,
+    should_publish,
+)
+from meshd.wire import pb
+from partitioner import ModelSpec, Plan, PlanOptions, plan_model
+from partitioner.humanize import format_token_rate, format_wait
+
+pytestmark = pytest.mark.unit
+
+MiB = 2**20
+GB = 10**9
+
+
+def model() -> ModelSpec:
+    layers = (16 * MiB,) * 8
+    return ModelSpec(
+        name="tiny",
+        layer_bytes=layers,
+        layer_params=tuple(size // 4 for size in layers),
+        embedding_bytes=2 * MiB,
+        head_bytes=2 * MiB,
+        tie_word_embeddings=False,
+        kv_bytes_per_token_per_layer=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        vocab_size=1024,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        activation_bytes=4,
+        dtype="float32",
+        context_length=512,
+    )
+
+
+def two_node_plan(concurrency: int = 1) -> Plan:
+    graph = nx.DiGraph()
+    for node in ("a", "b"):
+        graph.add_node(node, memory_budget=170 * MiB, flops=20e9, mem_bandwidth=2 * GB)
+    graph.add_edge("a", "b", latency_s=1e-4, bandwidth=1e9)
+    graph.add_edge("b", "a", latency_s=1e-4, bandwidth=1e9)
+    options = PlanOptions(concurrency=concurrency, prompt_len=128, context_length=256)
+    plan = plan_model(graph, model(), options)
+    assert len(plan.stages) == 2  # neither node holds the whole model
+    return plan
+
+
+def request(plan: Plan, start: float, ttft: float, decode: float, **kw: int) -> FinishedRequest:
+    values = {"prompt_tokens": 128, "cached_tokens": 0, "completion_tokens": 33} | kw
+    return FinishedRequest(plan.plan_id, start, start + ttft, start + ttft + decode, **values)
+
+
+def test_requests_one_after_another_are_compared_with_the_prediction_alone() -> None:
+    plan = two_node_plan()
+    predicted_rate = plan.prediction.tokens_per_s
+    # 32 tokens after the first, at half the predicted rate; each request alone.
+    decode = 32 / (predicted_rate / 2)
+    ttft = plan.prediction.ttft_s * 3
+    finished = [request(plan, i * 100.0, ttft, decode) for i in range(5)]
+    found = compare(plan, finished)
+    assert found.requests == 5
+    assert found.decode_alone.requests == 5
+    assert found.decode_alone.ratio == pytest.approx(0.5)
+    assert found.ttft.requests == 5
+    assert found.ttft.ratio == pytest.approx(3.0)
+    assert found.prefill.ratio == pytest.approx(1 / 3)
+    assert found.decode_concurrent is None  # the plan is for one sequence
+
+
+def test_overlapping_requests_count_at_the_plans_concurrency_not_alone() -> None:
+    plan = two_node_plan(concurrency=4)
+    per_sequence = 1 / plan.prediction.time_per_token_s
+    decode = 32 / per_sequence  # exactly as predicted
+    finished = [request(plan, 0.0, 1.0, decode) for _ in range(4)]
+    found = compare(plan, finished)
+    assert found.decode_alone.requests == 0
+    assert found.decode_concurrent is not None
+    assert found.decode_concurrent.requests == 4
+    assert found.decode_concurrent.ratio == pytest.approx(1.0)
+    # Their prompts ran together: no TTFT or prefill is compared.
+    assert found.ttft.requests == 0 and found.prefill.requests == 0
+    assert found.ttft.predicted == pytest.approx(plan.prediction.ttft_s)
+
+
+def test_a_request_that_overlapped_at_another_concurrency_is_not_compared() -> None:
+    plan = two_node_plan(concurrency=16)
+    finished = [request(plan, 0.0, 1.0, 10.0) for _ in range(2)]
+    found = compare(plan, finished)
+    assert found.decode_alone.requests == 0
+    assert found.decode_concurrent is not None and found.decode_concurrent.requests == 0
+    assert decoding_together(finished[0], finished) == pytest.approx(2.0)
+
+
+def test_a_prefix_cache_hit_or_a_prompt_behind_another_request_is_no_prefill_sample() -> None:
+    plan = two_node_plan()
+    cached = request(plan, 0.0, 0.1, 1.0, cached_tokens=100)
+    first = request(plan, 10.0, 0.5, 5.0)
+    behind = request(plan, 12.0, 4.0, 1.0)  # started while `first` decoded
+    found = compare(plan, [cached, first, behind])
+    assert found.ttft.requests == 1
+    assert not prefilled_alone(behind, [first, behind])
+    assert prefilled_alone(first, [cached, first])
+
+
+def test_other_plans_requests_and_old_ones_beyond_the_window_are_left_out() -> None:
+    plan = two_node_plan()
+    other = dataclasses.replace(request(plan, 0.0, 1.0, 1.0), plan_id="another")
+    finished = [other] + [request(plan, i * 100.0, 1.0, 1.0) for i in range(40)]
+    found = compare(plan, finished)
+    assert found.requests == 32
+
+
+def test_the_ttft_prediction_scales_with_the_prompt_from_the_weights_read_floor() -> None:
+    plan = two_node_plan()
+    at_prompt_len = predicted_ttft_s(plan, plan.prediction.prompt_len)
+    assert at_prompt_len == pytest.approx(plan.prediction.ttft_s)
+    assert predicted_ttft_s(plan, 1) >= sum(plan.prediction.stage_decode_s)
+    assert predicted_ttft_s(plan, 10 * 128) > at_prompt_len
+
+
+def test_no_request_yet_shows_the_prediction_and_nothing_measured() -> None:
+    found = compare(two_node_plan(), [])
+    assert found.decode_alone.measured == 0 and found.decode_alone.ratio == 0
+    assert found.decode_alone.predicted > 0
+
+
+# ---------------------------------------------------------------- the speed correction
+
+
+def samples(ratio: float, count: int, rows: int = 1) -> list[StepSample]:
+    return [StepSample(rows, 0.01 * ratio, 0.01) for _ in range(count)]
+
+
+def test_the_factor_is_the_median_ratio_and_robust_to_outliers() -> None:
+    found = estimate(samples(2.0, 20) + samples(50.0, 5))
+    assert found is not None
+    assert found.factor == pytest.approx(2.0)
+    assert found.samples == 25
+
+
+def test_too_few_steps_give_no_factor_and_extremes_are_clamped() -> None:
+    assert estimate(samples(2.0, MIN_SAMPLES - 1)) is None
+    assert estimate(samples(1000.0, MIN_SAMPLES)).factor == FACTOR_MAX  # type: ignore[union-attr]
+    assert estimate(samples(0.001, MIN_SAMPLES)).factor == FACTOR_MIN  # type: ignore[union-attr]
+
+
+def test_a_factor_changes_only_past_the_threshold() -> None:
+    assert not should_publish(0.0, 1.1)  # none published counts as 1
+    assert should_publish(0.0, 1.5)
+    assert not should_publish(2.0, 2.3)
+    assert not should_publish(2.0, 1.7)
+    assert should_publish(2.0, 3.0)
+    assert should_publish(2.0, 1.2)
+
+
+def test_the_predictor_prices_this_nodes_stage_from_the_uncorrected_profile() -> None:
+    plan = two_node_plan()
+    stage = plan.stages[0]
+    node = stage.nodes[0]
+    slow = StepPredictor(model(), plan, node, 20e9, 2 * GB)
+    fast = StepPredictor(model(), plan, node, 40e9, 4 * GB)
+    assert slow.applies and slow.step_s(1) > 0
+    assert slow.step_s(1) == pytest.approx(plan.prediction.stage_decode_s[0], rel=0.25)
+    assert fast.step_s(1) == pytest.approx(slow.step_s(1) / 2, rel=0.25)
+    assert not StepPredictor(model(), plan, "not-a-member", 20e9, 2 * GB).applies
+    steps = [(plan.plan_id, 1, 0.5), ("another plan", 1, 9.0)]
+    assert [s.measured_s for s in slow.samples(steps)] == [0.5]
+
+
+def test_the_corrector_publishes_a_slow_nodes_factor_once() -> None:
+    plan = two_node_plan()
+    node = plan.stages[0].nodes[0]
+    corrector = SpeedCorrector(node)
+    predicted = StepPredictor(model(), plan, node, 20e9, 2 * GB).step_s(1)
+    steps = [(plan.plan_id, 1, 3 * predicted)] * MIN_SAMPLES
+    found = corrector.update(model(), plan, 20e9, 2 * GB, steps, 1.0)
+    assert found is not None and found.factor == pytest.approx(3.0, rel=0.01)
+    assert corrector.update(model(), plan, 20e9, 2 * GB, steps, found.factor) is None
+
+
+def test_planning_divides_a_nodes_speed_by_its_published_factor() -> None:
+    profile = pb.NodeProfile(node_id="a", memory_budget=GB, flops=100e9, mem_bandwidth=10e9)
+    plain = pb.NodeState(profile=profile)
+    slowed = pb.NodeState(profile=profile, speed_correction=pb.SpeedCorrection(factor=2.0))
+    assert effective_flops(plain) == 100e9 and effective_bandwidth(plain) == 10e9
+    assert effective_flops(slowed) == 50e9 and effective_bandwidth(slowed) == 5e9
+    graph = mesh_graph([slowed])
+    assert graph.nodes["a"]["flops"] == 50e9
+
+
+def test_a_correction_changes_the_planning_digest() -> None:
+    from meshd.agreement.service import state_digest
+
+    profile = pb.NodeProfile(node_id="a", memory_budget=GB, flops=100e9, mem_bandwidth=10e9)
+    plain = pb.NodeState(profile=profile)
+    slowed = pb.NodeState(profile=profile, speed_correction=pb.SpeedCorrection(factor=2.0))
+    assert state_digest(plain) != state_digest(slowed)
+
+
+def test_waits_and_rates_read_as_people_say_them() -> None:
+    assert format_wait(0.57) == "0.57 s"
+    assert format_wait(56.791) == "57 s"
+    assert format_wait(5.2) == "5.2 s"
+    assert format_wait(0.045) == "45 ms"
+    assert format_token_rate(6.54) == "6.5 tokens/s"
+    assert format_token_rate(123.4) == "123 tokens/s"
