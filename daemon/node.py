@@ -609,7 +609,7 @@ class Node:
             self.gate.check()  # who knocked on the peer port without the mesh's certificate
             self._publish_hub_state()
             ticks += 1
-            if ticks % SPEED_CORRECTION_EVERY_S == 0:
+            if self.config.speed_correction and ticks % SPEED_CORRECTION_EVERY_S == 0:
                 self._correct_speed()
             if ticks % 10 == 0:
                 self.membership.forget_old()
