@@ -63,6 +63,14 @@ hops, and m of them take turns at the slowest stage, so the time between two tok
 sequence is max(round, m x slowest step); aggregate tokens/s = C / that. The `speed` strategy
 minimises this time per token (for C = 1 simply the decode time).
 
+Rows a node measured: on a CPU a decode step of r rows costs far more than the roofline says
+(SmolLM2 float32 on one core: 16 rows ~2.3x one row where max(bytes / bandwidth, r x FLOPs /
+compute) with the profile's large-matrix FLOP/s gives 1.0x): small-row matrix products,
+attention over each row's cache and per-row work do not overlap the weight reads. A node that
+measured this from its own steps reports `row_flops` (meshd.mesh.speed_correction); its step
+of r rows then costs the roofline plus (r - 1) x FLOPs / row_flops. Nodes that do not report
+it (and prefill, and tensor-parallel groups) keep the roofline alone.
+
 Time to first token for a prompt of P tokens = sum over stages of max(weight bytes / bandwidth,
 P x FLOPs / compute) + hops carrying P hidden states (the quadratic attention term is left out).
 """
@@ -116,6 +124,8 @@ class Unit:
     expert_counts: routed experts each member holds (they sum to the model's num_experts;
         empty for one node, which holds them all).
     collective_overhead_s: the slowest member's cost of one collective (groups only).
+    row_flops: FLOP/s of each row a batched decode step adds beyond the first (one node only;
+        inf when the node does not report it: see CostModel.stage_step_s).
     """
 
     nodes: tuple[str, ...]
@@ -129,6 +139,7 @@ class Unit:
     member_bandwidth: tuple[float, ...] = ()
     expert_counts: tuple[int, ...] = ()
     collective_overhead_s: float = 0.0
+    row_flops: float = math.inf
     degree: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -435,8 +446,16 @@ class CostModel:
         return self._stage_s(unit, start, end, last=last, tokens=1)
 
     def stage_step_s(self, unit: Unit, start: int, end: int, *, last: bool, rows: int) -> float:
-        """Seconds for one stage's decode step of ``rows`` sequences batched together."""
-        return self._stage_s(unit, start, end, last=last, tokens=rows)
+        """Seconds for one stage's decode step of ``rows`` sequences batched together: the
+        roofline of the module docstring, plus, where the node reports its `row_flops`, each
+        row beyond the first at that rate (module docstring, "Rows a node measured")."""
+        seconds = self._stage_s(unit, start, end, last=last, tokens=rows)
+        if rows > 1 and unit.row_flops < math.inf and unit.degree == 1:
+            flops = self._prefix_flops[end] - self._prefix_flops[start]
+            if last:
+                flops += self.head_flops
+            seconds += (rows - 1) * flops / unit.row_flops
+        return seconds
 
     def stage_prefill_s(self, unit: Unit, start: int, end: int, *, last: bool) -> float:
         """Seconds for one stage to process the prompt of `prompt_len` tokens."""

@@ -4,7 +4,9 @@ Input contract (networkx.DiGraph):
 - node key: node id (str); attributes `memory_budget` (int bytes the daemon may use for a
   model), `flops` (FLOP/s at the dtype in use), `mem_bandwidth` (bytes/s), optional `name`,
   optional `collective_overhead_s` (seconds the node adds to each collective of a
-  tensor-parallel group: device synchronisation; partitioner.cost has the default).
+  tensor-parallel group: device synchronisation; partitioner.cost has the default), optional
+  `row_flops` (FLOP/s of each row a batched decode step adds, measured by the node from its
+  own steps; partitioner.cost: absent, a row adds only its share of the roofline).
 - edge u->v: `latency_s` (one-way seconds) and `bandwidth` (bytes/s); links may be asymmetric.
   Optional `trusted` (bool, default False): the link is point-to-point (a Thunderbolt bridge,
   a direct cable) or the user marked it trusted. Tensor-parallel collectives travel in clear
@@ -48,6 +50,14 @@ class NodeProfile:
     flops_bucket: int
     mem_bandwidth_bucket: int
     collective_overhead_bucket: int | None = None
+    row_flops_bucket: int | None = None
+
+    @property
+    def row_flops(self) -> float:
+        """FLOP/s of each row a batched decode step adds; inf when not reported."""
+        if self.row_flops_bucket is None:
+            return math.inf
+        return bucket_value(self.row_flops_bucket)
 
     @property
     def flops(self) -> float:
@@ -146,6 +156,7 @@ class MeshView:
                     n.flops_bucket,
                     n.mem_bandwidth_bucket,
                     n.collective_overhead_bucket,
+                    n.row_flops_bucket,
                 ]
                 for n in self.nodes.values()
             ],
@@ -258,6 +269,11 @@ def _node_profile(node_id: str, data: dict[str, Any]) -> NodeProfile:
             node_id, "mem_bandwidth", data.get("mem_bandwidth"), "bytes/s"
         ),
         collective_overhead_bucket=_overhead_bucket(node_id, data.get("collective_overhead_s")),
+        row_flops_bucket=(
+            None
+            if data.get("row_flops") is None
+            else _positive_bucket(node_id, "row_flops", data.get("row_flops"), "FLOP/s")
+        ),
     )
 
 

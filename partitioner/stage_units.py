@@ -43,7 +43,9 @@ def single_units(view: MeshView, reserve_bytes: int) -> list[Unit]:
     for node_id, node in view.nodes.items():
         usable = usable_bytes(view, node_id, reserve_bytes)
         if usable > 0:
-            units.append(Unit((node_id,), usable, node.flops, node.mem_bandwidth))
+            units.append(
+                Unit((node_id,), usable, node.flops, node.mem_bandwidth, row_flops=node.row_flops)
+            )
     return units
 
 
