@@ -639,6 +639,8 @@ class Node:
             profile.mem_bandwidth,
             plane.stage.decode_steps,
             published.factor if published is not None else 1.0,
+            published.row_flops if published is not None else 0.0,
+            trio.current_time(),
         )
         if found is None:
             return
@@ -651,15 +653,18 @@ class Node:
                 predicted_step_s=found.predicted_step_s,
                 updated_at=time.time(),
                 plan_id=plan.plan_id,
+                row_flops=found.row_flops,
             )
         )
+        rows = f", each batched row {format_flops(found.row_flops)}" if found.row_flops else ""
         self.events.add(
             "speed correction %.2fx: decode steps took %s, the profile predicts %s "
-            "(median of %d steps); plans now use it",
+            "(median of %d steps)%s; plans now use it",
             found.factor,
             format_seconds(found.measured_step_s),
             format_seconds(found.predicted_step_s),
             found.samples,
+            rows,
         )
 
     async def _rotate_log(self, log_file: Path) -> None:

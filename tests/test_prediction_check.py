@@ -227,3 +227,82 @@ def test_waits_and_rates_read_as_people_say_them() -> None:
     assert format_wait(0.045) == "45 ms"
     assert format_token_rate(6.54) == "6.5 tokens/s"
     assert format_token_rate(123.4) == "123 tokens/s"
+
+
+def test_batched_steps_give_the_flops_of_each_added_row() -> None:
+    # One row: 2x the roofline. Four rows: the corrected roofline + 3 rows at 1 GFLOP/s.
+    flops = 1e8  # per row
+    single = [StepSample(1, 0.02, 0.01, flops) for _ in range(MIN_SAMPLES)]
+    batched = [StepSample(4, 0.02 + 3 * flops / 1e9, 0.01, flops) for _ in range(MIN_SAMPLES)]
+    found = estimate(single + batched)
+    assert found is not None
+    assert found.factor == pytest.approx(2.0)
+    assert found.samples == MIN_SAMPLES  # the factor comes from the steps of one row
+    assert found.row_flops == pytest.approx(1e9, rel=0.01)
+    # Rows that add nothing beyond the roofline report no row FLOP/s.
+    flat = [StepSample(4, 0.02, 0.01, flops) for _ in range(MIN_SAMPLES)]
+    assert estimate(single + flat).row_flops == 0.0  # type: ignore[union-attr]
+
+
+def test_the_cost_model_adds_each_batched_row_at_the_nodes_row_flops() -> None:
+    from partitioner.cost import CostModel, Unit
+
+    cost = CostModel(model(), PlanOptions(concurrency=16, context_length=256))
+    plain = Unit(("a",), 1, 20e9, 2 * GB)
+    measured = Unit(("a",), 1, 20e9, 2 * GB, row_flops=1e9)
+    per_row = cost.stage_flops(0, 4) / 1e9
+    assert cost.stage_step_s(measured, 0, 4, last=False, rows=1) == pytest.approx(
+        cost.stage_step_s(plain, 0, 4, last=False, rows=1)
+    )
+    assert cost.stage_step_s(measured, 0, 4, last=False, rows=16) == pytest.approx(
+        cost.stage_step_s(plain, 0, 4, last=False, rows=16) + 15 * per_row
+    )
+
+
+def test_a_nodes_row_flops_reach_the_planner_and_its_digest() -> None:
+    from meshd.agreement.service import state_digest
+
+    profile = pb.NodeProfile(node_id="a", memory_budget=GB, flops=100e9, mem_bandwidth=10e9)
+    rows = pb.NodeState(profile=profile, speed_correction=pb.SpeedCorrection(row_flops=5e9))
+    assert mesh_graph([rows]).nodes["a"]["row_flops"] == 5e9
+    assert "row_flops" not in mesh_graph([pb.NodeState(profile=profile)]).nodes["a"]
+    assert state_digest(rows) != state_digest(pb.NodeState(profile=profile))
+
+
+def test_only_moved_row_flops_republish_with_the_factor_kept() -> None:
+    plan = two_node_plan(concurrency=4)
+    node = plan.stages[0].nodes[0]
+    predictor = StepPredictor(model(), plan, node, 20e9, 2 * GB)
+    one, four = predictor.step_s(1), predictor.step_s(4)
+    extra = 3 * predictor.flops_per_row / 1e9
+    steps = [(plan.plan_id, 1, 1.1 * one)] * MIN_SAMPLES
+    steps += [(plan.plan_id, 4, 1.1 * four + extra)] * MIN_SAMPLES
+    found = SpeedCorrector(node).update(model(), plan, 20e9, 2 * GB, steps, 1.0, 0.0)
+    assert found is not None
+    assert found.factor == 1.0  # 1.1 is within the threshold: kept
+    assert found.row_flops == pytest.approx(1e9, rel=0.05)
+    again = SpeedCorrector(node).update(model(), plan, 20e9, 2 * GB, steps, 1.0, found.row_flops)
+    assert again is None
+    # A plan of one sequence has no batched steps: the row FLOP/s measured before are kept.
+    alone = steps[:MIN_SAMPLES]
+    assert SpeedCorrector(node).update(model(), plan, 20e9, 2 * GB, alone, 1.0, 1e9) is None
+
+
+def test_a_correction_changes_at_most_once_in_the_interval() -> None:
+    from meshd.mesh.speed_correction import MIN_INTERVAL_S
+
+    plan = two_node_plan()
+    node = plan.stages[0].nodes[0]
+    predicted = StepPredictor(model(), plan, node, 20e9, 2 * GB).step_s(1)
+    corrector = SpeedCorrector(node)
+    slow = [(plan.plan_id, 1, 3 * predicted)] * MIN_SAMPLES
+    slower = [(plan.plan_id, 1, 6 * predicted)] * MIN_SAMPLES
+    first = corrector.update(model(), plan, 20e9, 2 * GB, slow, 1.0, 0.0, now=100.0)
+    assert first is not None
+    assert (
+        corrector.update(model(), plan, 20e9, 2 * GB, slower, first.factor, 0.0, now=110.0) is None
+    )
+    later = corrector.update(
+        model(), plan, 20e9, 2 * GB, slower, first.factor, 0.0, now=100.0 + MIN_INTERVAL_S
+    )
+    assert later is not None and later.factor == pytest.approx(6.0, rel=0.01)

@@ -107,6 +107,8 @@ def state_digest(state: pb.NodeState) -> str:
         links,
         int(state.tensor_parallel_port),
     ]
+    if state.speed_correction.row_flops > 0:  # measured by the node: meshd.mesh.graph
+        payload.append(bucket_index(state.speed_correction.row_flops))
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 

@@ -262,11 +262,16 @@ def prediction_text(status: pb.MeshStatus) -> str:
                 continue
             lines.append(f"  {label:<14} {figure_text(figure, show)}")
     for correction in status.speed_corrections:
+        rows = (
+            f"; each batched row {format_flops(correction.row_flops)}"
+            if correction.row_flops
+            else ""
+        )
         lines.append(
             f"speed correction {correction.node_id}: {correction.factor:.2f}x "
             f"(decode step {format_seconds(correction.measured_step_s)} measured, "
             f"{format_seconds(correction.predicted_step_s)} predicted, "
-            f"median of {correction.samples})"
+            f"median of {correction.samples}{rows})"
         )
     return "\n".join(lines)
 

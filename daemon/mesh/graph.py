@@ -7,7 +7,8 @@ attribute. Links to or from nodes that are not alive are left out.
 
 Node attributes: memory_budget (bytes), flops (FLOP/s), mem_bandwidth (bytes/s), name. FLOP/s
 and bandwidth are the profile's divided by the node's published speed correction
-(`meshd.mesh.speed_correction`: how much slower its decode steps ran than predicted).
+(`meshd.mesh.speed_correction`: how much slower its decode steps ran than predicted);
+row_flops, where the node measured it: FLOP/s of each row a batched decode step adds.
 Edge attributes (directed src -> dst): latency_s and bandwidth (bytes/s) as planning uses
 them (the measurer's bucket, with hysteresis), measured_latency_s and measured_bandwidth
 (the last raw sample), tcp_rtt_s, grpc_rtt_s, measured_at, and trusted: whether the link may
@@ -40,6 +41,8 @@ def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
             flops=effective_flops(state),
             mem_bandwidth=effective_bandwidth(state),
         )
+        if state.speed_correction.row_flops > 0:
+            graph.nodes[profile.node_id]["row_flops"] = state.speed_correction.row_flops
     published = {
         (link.src, link.dst): link
         for state in states

@@ -10,15 +10,24 @@ and publishes
 
     factor = median(measured / predicted) over its last WINDOW decode steps,
 
-clamped to [FACTOR_MIN, FACTOR_MAX]. Planning divides the node's FLOP/s and memory bandwidth
-by the factor (:func:`meshd.mesh.graph.effective_flops`), so a node that runs twice as slow as
-its profile says is planned as half as fast. The prediction is taken from the uncorrected
-profile, not from the plan (which already used the factor), so the estimate does not feed on
-itself.
+clamped to [FACTOR_MIN, FACTOR_MAX], over its steps of one row where it has MIN_SAMPLES of
+them (else over all). Planning divides the node's FLOP/s and memory bandwidth by the factor
+(:func:`meshd.mesh.graph.effective_flops`), so a node that runs twice as slow as its profile
+says is planned as half as fast. The prediction is taken from the uncorrected profile, not
+from the plan (which already used the factor), so the estimate does not feed on itself.
 
-Stability: a new factor is published only when at least MIN_SAMPLES steps were measured and
-it differs from the published one by more than CHANGE_THRESHOLD (relative, either way): a
-factor is an input of the state digest, so every change may re-plan the mesh; noise must not.
+Batched steps: one factor cannot fit both a step of one row and one of sixteen, since on a
+CPU each added row costs far more than the cost model's roofline says (partitioner.cost,
+"Rows a node measured"). So from its steps of r > 1 rows the node also takes what each row
+beyond the first added to the corrected roofline, (measured - factor x predicted) / (r - 1),
+and publishes `row_flops` = the stage's FLOPs per row / the median of that (0 while it has
+fewer than MIN_SAMPLES such steps, or when rows add nothing beyond the roofline). The planner
+adds (r - 1) x FLOPs / row_flops to the node's batched steps.
+
+Stability: a new factor is published only when at least MIN_SAMPLES steps were measured, it
+differs from the published one by more than CHANGE_THRESHOLD (relative, either way), and the
+last change is at least MIN_INTERVAL_S old: a factor is an input of the state digest, so every
+change may re-plan the mesh; noise on a busy machine must not.
 Stages of a tensor-parallel group are not corrected (their steps include the collectives).
 
 Pure: no clock, no I/O; the node feeds it its recent steps.
@@ -26,6 +35,7 @@ Pure: no clock, no I/O; the node feeds it its recent steps.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
@@ -42,46 +52,77 @@ FACTOR_MAX = 10.0
 MIN_SAMPLES = 8
 WINDOW = 64
 CHANGE_THRESHOLD = 0.25
+MIN_INTERVAL_S = 30.0  # between two changes of a node's published correction
 
 
 @dataclass(frozen=True)
 class StepSample:
-    """One decode step of this node's stage: its rows, measured and predicted seconds."""
+    """One decode step of this node's stage: its rows, measured and predicted seconds (the
+    roofline, from the uncorrected profile) and the stage's FLOPs per row."""
 
     rows: int
     measured_s: float
     predicted_s: float
+    flops_per_row: float = 0.0
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """A factor estimated from ``samples`` steps, with their median times."""
+    """A factor estimated from ``samples`` steps, with their median times, and the FLOP/s of
+    each row batched steps added (0: not measured)."""
 
     factor: float
     samples: int
     measured_step_s: float
     predicted_step_s: float
+    row_flops: float = 0.0
+    batched_samples: int = 0  # steps of several rows the row FLOP/s were taken from
 
 
 def estimate(samples: Sequence[StepSample]) -> Estimate | None:
-    """The factor of the last WINDOW valid steps; None when fewer than MIN_SAMPLES."""
+    """The factor (and row FLOP/s) of the last WINDOW valid steps; None when fewer than
+    MIN_SAMPLES."""
     valid = [s for s in samples if s.measured_s > 0 and s.predicted_s > 0][-WINDOW:]
     if len(valid) < MIN_SAMPLES:
         return None
-    ratio = statistics.median(s.measured_s / s.predicted_s for s in valid)
+    single = [s for s in valid if s.rows == 1]
+    basis = single if len(single) >= MIN_SAMPLES else valid
+    ratio = statistics.median(s.measured_s / s.predicted_s for s in basis)
+    factor = round(min(FACTOR_MAX, max(FACTOR_MIN, ratio)), 3)
+    batched = [s for s in valid if s.rows > 1]
     return Estimate(
-        factor=round(min(FACTOR_MAX, max(FACTOR_MIN, ratio)), 3),
-        samples=len(valid),
-        measured_step_s=statistics.median(s.measured_s for s in valid),
-        predicted_step_s=statistics.median(s.predicted_s for s in valid),
+        factor=factor,
+        samples=len(basis),
+        measured_step_s=statistics.median(s.measured_s for s in basis),
+        predicted_step_s=statistics.median(s.predicted_s for s in basis),
+        row_flops=_row_flops(batched, factor),
+        batched_samples=len(batched),
     )
 
 
+def _row_flops(batched: Sequence[StepSample], factor: float) -> float:
+    """FLOP/s of each row beyond the first in ``batched`` steps, beyond the corrected
+    roofline; 0 when too few steps or rows add nothing beyond it."""
+    if len(batched) < MIN_SAMPLES or not all(s.flops_per_row > 0 for s in batched):
+        return 0.0
+    extra = statistics.median(
+        (s.measured_s - factor * s.predicted_s) / ((s.rows - 1) * s.flops_per_row) for s in batched
+    )  # seconds per FLOP of an added row
+    return float(f"{1.0 / extra:.3g}") if extra > 0 else 0.0
+
+
 def should_publish(published: float, estimated: float) -> bool:
-    """Whether ``estimated`` moved far enough from the ``published`` factor (0 or less:
-    none published, which counts as 1) to be published instead."""
+    """Whether ``estimated`` moved far enough from the ``published`` value (0 or less: none
+    published, which counts as 1 for a factor) to be published instead."""
     current = published if published > 0 else 1.0
     return abs(math.log(estimated / current)) > math.log(1.0 + CHANGE_THRESHOLD)
+
+
+def rows_moved(published: float, estimated: float) -> bool:
+    """Whether the row FLOP/s (0: none) appeared, vanished or moved past the threshold."""
+    if published <= 0 or estimated <= 0:
+        return (published > 0) != (estimated > 0)
+    return should_publish(published, estimated)
 
 
 class StepPredictor:
@@ -105,9 +146,13 @@ class StepPredictor:
             cache_sequences=plan.cache_sequences,
         )
         self._cost = CostModel(spec, options)
-        # What planning reads of the profile: the bucket's representative.
+        # What planning reads of the profile: the bucket's representative (the roofline
+        # alone: no row FLOP/s, which this node measures here).
         self._unit = Unit((node_id,), 1, quantize(flops), quantize(mem_bandwidth))
         self._range = (stage.layer_start, stage.layer_end, stage.has_head)
+        self.flops_per_row = float(self._cost.stage_flops(stage.layer_start, stage.layer_end))
+        if stage.has_head:
+            self.flops_per_row += self._cost.head_flops
 
     @property
     def applies(self) -> bool:
@@ -127,7 +172,7 @@ class StepPredictor:
         if self._range is None:
             return []
         return [
-            StepSample(rows, seconds, self.step_s(rows))
+            StepSample(rows, seconds, self.step_s(rows), self.flops_per_row)
             for plan_id, rows, seconds in steps
             if plan_id == self.plan_id
         ]
@@ -141,6 +186,7 @@ class SpeedCorrector:
         self.node_id = node_id
         self._predictor: StepPredictor | None = None
         self._key: tuple[str, float, float] | None = None
+        self._changed_at: float | None = None
 
     def update(
         self,
@@ -150,14 +196,28 @@ class SpeedCorrector:
         mem_bandwidth: float,
         steps: Sequence[tuple[str, int, float]],
         published: float,
+        published_row_flops: float = 0.0,
+        now: float = 0.0,
     ) -> Estimate | None:
         """A new factor to publish for the plan's recent ``steps``, or None (too few steps,
-        a tensor-parallel share, or no move past the threshold from ``published``)."""
+        a tensor-parallel share, or neither the factor nor the row FLOP/s moved past the
+        threshold from what is ``published``, or it changed less than MIN_INTERVAL_S before
+        ``now``, a monotonic time)."""
+        if self._changed_at is not None and now - self._changed_at < MIN_INTERVAL_S:
+            return None
         key = (plan.plan_id, flops, mem_bandwidth)
         if self._predictor is None or self._key != key:
             self._predictor = StepPredictor(spec, plan, self.node_id, flops, mem_bandwidth)
             self._key = key
         found = estimate(self._predictor.samples(steps))
-        if found is None or not should_publish(published, found.factor):
+        if found is None:
             return None
-        return found
+        if found.batched_samples < MIN_SAMPLES:  # no news of batched rows: keep what was
+            found = dataclasses.replace(found, row_flops=published_row_flops)
+        if should_publish(published, found.factor):
+            self._changed_at = now
+            return found
+        if rows_moved(published_row_flops, found.row_flops):  # the factor stays as it was
+            self._changed_at = now
+            return dataclasses.replace(found, factor=published if published > 0 else 1.0)
+        return None

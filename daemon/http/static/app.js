@@ -57,7 +57,8 @@ function predictionLines(status, plan) {
   lines.push(`first token: ${figure(check.ttft, wait)}`);
   for (const c of status.speed_corrections || [])
     lines.push(`speed correction ${nameOf(status, c.node_id)}: ${num(c.factor).toFixed(2)}× ` +
-      `(median of ${c.samples} decode steps)`);
+      `(median of ${c.samples} decode steps` +
+      (num(c.row_flops) > 0 ? `; each batched row ${(num(c.row_flops) / 1e9).toFixed(1)} GFLOP/s)` : ")"));
   return lines;
 }
 function el(tag, attrs = {}, ...children) {
