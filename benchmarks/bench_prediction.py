@@ -17,9 +17,10 @@ prompt of about ``--prompt-tokens`` tokens). Each row compares, with the daemon'
 
 with the error, (measured - predicted) / predicted. Two passes per layout: **before**, daemons
 with ``--no-speed-correction`` (plans from the measured profile alone), and **after**, fresh
-daemons that first serve ``--settle-requests`` requests alone, so each node's correction
-(:mod:`meshd.mesh.speed_correction`) is published and the mesh re-plans with it; each "after"
-row also lists the nodes' factors. Goal: within 25 % on a quiet machine.
+daemons that first serve ``--settle-requests`` requests alone and one round at the highest
+concurrency, so each node's correction (:mod:`meshd.mesh.speed_correction`: its factor, and
+the FLOP/s of each row a batched step adds) is published and the mesh re-plans with it; each
+"after" row also lists the nodes' factors. Goal: within 25 % on a quiet machine.
 
     .venv/bin/python benchmarks/bench_prediction.py [--nodes 1 2 3] [--layouts pipeline tensor]
         [--concurrency 1 4 16] [--rounds 3] [--max-tokens 64] [--prompt-tokens 256]
@@ -57,7 +58,7 @@ from bench_batching import (
     wait_for_stages,
 )
 
-from meshd.api import client
+from meshd.api import client, render
 from meshd.api.launcher import DaemonProcess
 from meshd.inference.prediction_check import FinishedRequest, PredictionComparison, compare
 from meshd.mesh import security
@@ -217,11 +218,18 @@ def measure_row(
 
 
 def settle(daemons: list[DaemonProcess], model: Path, layout: Layout, args) -> None:
-    """Requests alone until the nodes' corrections are published and the mesh re-planned."""
+    """Requests alone, then a round at the highest concurrency (the steps of several rows
+    give each node's row FLOP/s), until the nodes' corrections are published and the mesh
+    re-planned with them."""
     serve_at(daemons, model, layout, 1)
     url = daemons[0].status().http_url
     asyncio.run(run_rounds(url, 1, args.settle_requests, args.max_tokens, 8))
     time.sleep(6)  # one more correction tick (meshd.node.SPEED_CORRECTION_EVERY_S)
+    most = max(args.concurrency)
+    if most > 1:
+        serve_at(daemons, model, layout, most)
+        asyncio.run(run_rounds(url, most, 1, args.max_tokens, 8))
+        time.sleep(6)
     for daemon in daemons:
         daemon.wait_for(
             lambda s: s.agreement.converged and s.transitions.active_plan_loaded, 300, "re-plan"
@@ -250,8 +258,10 @@ def print_row(
     assert decode is not None
     total = decode.measured * concurrency
     factors = ", ".join(
-        f"{c.node_id[:6]} {c.factor:.2f}x" for c in status.speed_corrections
-    )  # fmt: skip
+        f"{c.node_id[:6]} {c.factor:.2f}x"
+        + (f" rows {c.row_flops / 1e9:.0f} GFLOP/s" if c.row_flops else "")
+        for c in status.speed_corrections
+    )
     print(
         f"{label:<18} {phase:<6} C={concurrency:<3} "
         f"decode {cell(decode.predicted, decode.measured, format_token_rate)}  "
@@ -321,6 +331,9 @@ def main() -> int:
                         print_row(layout.label, phase, concurrency, found, status)
                         if changed:
                             print(f"  {changed.strip()}", flush=True)
+                    own = render.prediction_text(daemons[0].status())
+                    print("  what `meshd status` shows on the first node now:", flush=True)
+                    print("\n".join("    " + line for line in own.splitlines()), flush=True)
     return 0
 
 
