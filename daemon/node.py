@@ -39,7 +39,7 @@ from meshd.mesh.gate import ConnectionGate
 from meshd.mesh.identity import Identity, load_or_create_node_id
 from meshd.mesh.membership import PROTOCOL_VERSION, Membership
 from meshd.mesh.peer_service import PeerService
-from meshd.mesh.speed_correction import SpeedCorrector
+from meshd.mesh.speed_correction import Published, SpeedCorrector
 from meshd.models.hub_share import DownloadBoard, HubDownloads, HubFileServer
 from meshd.models.share import PartExporter
 from meshd.node_models import (
@@ -625,21 +625,21 @@ class Node:
         if plane is None or active is None or selection is None:
             return
         plan = self.agreement.plan_for(active.proposal)
-        if plan is None or not plane.stage.decode_steps:
+        if plan is None or not (plane.stage.decode_steps or plane.stage.prompt_chunks):
             return
         spec = partitioner.ModelSpec.from_dict(json.loads(selection.spec_json))
         if spec.name != plan.model_name:
             return
         profile = self.membership.profile
-        published = self.membership.speed_correction
+        current = self.membership.speed_correction or pb.SpeedCorrection()
         found = self.speed_corrector.update(
             spec,
             plan,
             profile.flops,
             profile.mem_bandwidth,
             plane.stage.decode_steps,
-            published.factor if published is not None else 1.0,
-            published.row_flops if published is not None else 0.0,
+            plane.stage.prompt_chunks,
+            Published(current.factor, current.row_flops, current.compute_factor),
             trio.current_time(),
         )
         if found is None:
@@ -648,22 +648,25 @@ class Node:
             pb.SpeedCorrection(
                 node_id=self.identity.node_id,
                 factor=found.factor,
-                samples=found.samples,
-                measured_step_s=found.measured_step_s,
-                predicted_step_s=found.predicted_step_s,
+                samples=found.samples or current.samples,
+                measured_step_s=found.measured_step_s or current.measured_step_s,
+                predicted_step_s=found.predicted_step_s or current.predicted_step_s,
                 updated_at=time.time(),
                 plan_id=plan.plan_id,
                 row_flops=found.row_flops,
+                compute_factor=found.compute_factor,
+                prompt_samples=found.prompt_samples or current.prompt_samples,
             )
         )
         rows = f", each batched row {format_flops(found.row_flops)}" if found.row_flops else ""
+        compute = f", prompts {found.compute_factor:.2f}x" if found.compute_factor else ""
         self.events.add(
-            "speed correction %.2fx: decode steps took %s, the profile predicts %s "
-            "(median of %d steps)%s; plans now use it",
+            "speed correction %.2fx: decode steps took %s, the profile predicts %s%s%s; "
+            "plans now use it",
             found.factor,
-            format_seconds(found.measured_step_s),
-            format_seconds(found.predicted_step_s),
-            found.samples,
+            format_seconds(found.measured_step_s or current.measured_step_s),
+            format_seconds(found.predicted_step_s or current.predicted_step_s),
+            compute,
             rows,
         )
 

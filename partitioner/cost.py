@@ -72,7 +72,8 @@ of r rows then costs the roofline plus (r - 1) x FLOPs / row_flops. Nodes that d
 it (and prefill, and tensor-parallel groups) keep the roofline alone.
 
 Time to first token for a prompt of P tokens = sum over stages of max(weight bytes / bandwidth,
-P x FLOPs / compute) + hops carrying P hidden states (the quadratic attention term is left out).
+P x FLOPs / compute) + hops carrying P hidden states (the quadratic attention term is left out);
+the head's FLOPs count once, for the last position (the stages compute no other logits).
 """
 
 from __future__ import annotations
@@ -458,10 +459,27 @@ class CostModel:
         return seconds
 
     def stage_prefill_s(self, unit: Unit, start: int, end: int, *, last: bool) -> float:
-        """Seconds for one stage to process the prompt of `prompt_len` tokens."""
-        return self._stage_s(unit, start, end, last=last, tokens=self.prompt_len)
+        """Seconds for one stage to process the prompt of `prompt_len` tokens (the head, on
+        the last stage, for the last position only: the stages compute no other logits)."""
+        return self.stage_chunk_s(unit, start, end, last=last, tokens=self.prompt_len)
 
-    def _stage_s(self, unit: Unit, start: int, end: int, *, last: bool, tokens: int) -> float:
+    def stage_chunk_s(self, unit: Unit, start: int, end: int, *, last: bool, tokens: int) -> float:
+        """Seconds for one stage to process ``tokens`` prompt positions in one pass."""
+        return self._stage_s(unit, start, end, last=last, tokens=tokens, head_tokens=1)
+
+    def _stage_s(
+        self,
+        unit: Unit,
+        start: int,
+        end: int,
+        *,
+        last: bool,
+        tokens: int,
+        head_tokens: int | None = None,
+    ) -> float:
+        """``head_tokens``: positions whose logits the last stage computes (default: all)."""
+        if head_tokens is None:
+            head_tokens = tokens
         read = self._prefix_active[end] - self._prefix_active[start]
         touch = self.expert_touch(tokens) if self._expert_fraction else 1.0
         flops = self._prefix_flops[end] - self._prefix_flops[start]
@@ -469,14 +487,26 @@ class CostModel:
         if degree == 1:
             if touch > 1.0:
                 read = self._touched_read(start, end, touch)
+            work = tokens * flops
             if last:
                 read += self._head_matrix_bytes
-                flops += self.head_flops
+                work += head_tokens * self.head_flops
             memory_s = read / unit.mem_bandwidth
-            compute_s = tokens * flops / unit.flops
+            compute_s = work / unit.flops
             return memory_s if memory_s > compute_s else compute_s
         seconds = max(
-            self._member_s(unit, m, start, end, read, flops, last=last, tokens=tokens, touch=touch)
+            self._member_s(
+                unit,
+                m,
+                start,
+                end,
+                read,
+                flops,
+                last=last,
+                tokens=tokens,
+                touch=touch,
+                head_tokens=head_tokens,
+            )
             for m in range(degree)
         )
         return seconds + self._collectives_s(unit, end - start, tokens)
@@ -493,6 +523,7 @@ class CostModel:
         last: bool,
         tokens: int,
         touch: float = 1.0,
+        head_tokens: int | None = None,
     ) -> float:
         replicated = self._prefix_replicated[end] - self._prefix_replicated[start]
         experts = self._prefix_active_expert[end] - self._prefix_active_expert[start]
@@ -506,12 +537,13 @@ class CostModel:
         if touch > 1.0:  # several tokens touch more of the member's experts (FLOPs do not grow)
             held = self.expert_bytes(start, end) * (expert_share / experts if experts else 0.0)
             member_read += min(expert_share * (touch - 1.0), max(0.0, held - expert_share))
+        work = tokens * member_flops
         if last:
             member_read += self.model.head_matrix_bytes
-            member_flops += self.head_flops
+            work += (tokens if head_tokens is None else head_tokens) * self.head_flops
         return max(
             member_read / unit.member_bandwidth[member],
-            tokens * member_flops / unit.member_flops[member],
+            work / unit.member_flops[member],
         )
 
     def _collectives_s(self, unit: Unit, layers: int, tokens: int) -> float:

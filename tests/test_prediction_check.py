@@ -18,7 +18,10 @@ from meshd.mesh.graph import effective_bandwidth, effective_flops, mesh_graph
 from meshd.mesh.speed_correction import (
     FACTOR_MAX,
     FACTOR_MIN,
+    MIN_PROMPT_SAMPLES,
     MIN_SAMPLES,
+    Correction,
+    Published,
     SpeedCorrector,
     StepPredictor,
     StepSample,
@@ -150,6 +153,21 @@ def test_no_request_yet_shows_the_prediction_and_nothing_measured() -> None:
 # ---------------------------------------------------------------- the speed correction
 
 
+def update(
+    corrector: SpeedCorrector,
+    plan: Plan,
+    steps: list[tuple[str, int, float]],
+    published: Published | None = None,
+    *,
+    chunks: list[tuple[str, int, float]] | None = None,
+    now: float = 0.0,
+) -> Correction | None:
+    """The corrector's update for a node whose profile says 20 GFLOP/s and 2 GB/s."""
+    return corrector.update(
+        model(), plan, 20e9, 2 * GB, steps, chunks or [], published or Published(), now
+    )
+
+
 def samples(ratio: float, count: int, rows: int = 1) -> list[StepSample]:
     return [StepSample(rows, 0.01 * ratio, 0.01) for _ in range(count)]
 
@@ -196,9 +214,10 @@ def test_the_corrector_publishes_a_slow_nodes_factor_once() -> None:
     corrector = SpeedCorrector(node)
     predicted = StepPredictor(model(), plan, node, 20e9, 2 * GB).step_s(1)
     steps = [(plan.plan_id, 1, 3 * predicted)] * MIN_SAMPLES
-    found = corrector.update(model(), plan, 20e9, 2 * GB, steps, 1.0)
+    found = update(corrector, plan, steps)
     assert found is not None and found.factor == pytest.approx(3.0, rel=0.01)
-    assert corrector.update(model(), plan, 20e9, 2 * GB, steps, found.factor) is None
+    assert found.compute_factor == 0 and found.row_flops == 0  # no news of either
+    assert update(SpeedCorrector(node), plan, steps, Published(found.factor)) is None
 
 
 def test_planning_divides_a_nodes_speed_by_its_published_factor() -> None:
@@ -277,15 +296,15 @@ def test_only_moved_row_flops_republish_with_the_factor_kept() -> None:
     extra = 3 * predictor.flops_per_row / 1e9
     steps = [(plan.plan_id, 1, 1.1 * one)] * MIN_SAMPLES
     steps += [(plan.plan_id, 4, 1.1 * four + extra)] * MIN_SAMPLES
-    found = SpeedCorrector(node).update(model(), plan, 20e9, 2 * GB, steps, 1.0, 0.0)
+    found = update(SpeedCorrector(node), plan, steps)
     assert found is not None
     assert found.factor == 1.0  # 1.1 is within the threshold: kept
     assert found.row_flops == pytest.approx(1e9, rel=0.05)
-    again = SpeedCorrector(node).update(model(), plan, 20e9, 2 * GB, steps, 1.0, found.row_flops)
+    again = update(SpeedCorrector(node), plan, steps, Published(1.0, found.row_flops))
     assert again is None
     # A plan of one sequence has no batched steps: the row FLOP/s measured before are kept.
     alone = steps[:MIN_SAMPLES]
-    assert SpeedCorrector(node).update(model(), plan, 20e9, 2 * GB, alone, 1.0, 1e9) is None
+    assert update(SpeedCorrector(node), plan, alone, Published(1.0, 1e9)) is None
 
 
 def test_a_correction_changes_at_most_once_in_the_interval() -> None:
@@ -297,12 +316,36 @@ def test_a_correction_changes_at_most_once_in_the_interval() -> None:
     corrector = SpeedCorrector(node)
     slow = [(plan.plan_id, 1, 3 * predicted)] * MIN_SAMPLES
     slower = [(plan.plan_id, 1, 6 * predicted)] * MIN_SAMPLES
-    first = corrector.update(model(), plan, 20e9, 2 * GB, slow, 1.0, 0.0, now=100.0)
+    first = update(corrector, plan, slow, now=100.0)
     assert first is not None
-    assert (
-        corrector.update(model(), plan, 20e9, 2 * GB, slower, first.factor, 0.0, now=110.0) is None
-    )
-    later = corrector.update(
-        model(), plan, 20e9, 2 * GB, slower, first.factor, 0.0, now=100.0 + MIN_INTERVAL_S
-    )
+    assert update(corrector, plan, slower, Published(first.factor), now=110.0) is None
+    later = update(corrector, plan, slower, Published(first.factor), now=100.0 + MIN_INTERVAL_S)
     assert later is not None and later.factor == pytest.approx(6.0, rel=0.01)
+
+
+def test_prompt_chunks_give_the_compute_factor_apart_from_decode() -> None:
+    plan = two_node_plan()
+    node = plan.stages[0].nodes[0]
+    predictor = StepPredictor(model(), plan, node, 20e9, 2 * GB)
+    steps = [(plan.plan_id, 1, 1.0 * predictor.step_s(1))] * MIN_SAMPLES  # decode as predicted
+    chunks = [(plan.plan_id, 256, 4.0 * predictor.chunk_s(256))] * MIN_PROMPT_SAMPLES
+    found = update(SpeedCorrector(node), plan, steps, chunks=chunks)
+    assert found is not None
+    assert found.factor == 1.0 and found.compute_factor == pytest.approx(4.0, rel=0.01)
+    assert found.prompt_samples == MIN_PROMPT_SAMPLES
+    assert update(SpeedCorrector(node), plan, steps[:1], chunks=chunks[:1]) is None  # too few
+    # Planning divides FLOP/s by the compute factor, bandwidth by the decode factor.
+    profile = pb.NodeProfile(node_id="a", memory_budget=GB, flops=100e9, mem_bandwidth=10e9)
+    both = pb.SpeedCorrection(factor=2.0, compute_factor=4.0)
+    state = pb.NodeState(profile=profile, speed_correction=both)
+    assert effective_flops(state) == 25e9 and effective_bandwidth(state) == 5e9
+
+
+def test_the_chunk_prediction_counts_the_head_once() -> None:
+    from partitioner.cost import CostModel, Unit
+
+    cost = CostModel(model(), PlanOptions(context_length=256))
+    unit = Unit(("a",), 1, 1e9, 1e15)  # compute-bound
+    layers = cost.stage_flops(0, 8)
+    seconds = cost.stage_chunk_s(unit, 0, 8, last=True, tokens=100)
+    assert seconds == pytest.approx((100 * layers + cost.head_flops) / 1e9)

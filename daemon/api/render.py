@@ -267,11 +267,17 @@ def prediction_text(status: pb.MeshStatus) -> str:
             if correction.row_flops
             else ""
         )
+        prompts = (
+            f"; prompts {correction.compute_factor:.2f}x (median of {correction.prompt_samples} "
+            "chunks)"
+            if correction.compute_factor
+            else ""
+        )
         lines.append(
             f"speed correction {correction.node_id}: {correction.factor:.2f}x "
             f"(decode step {format_seconds(correction.measured_step_s)} measured, "
             f"{format_seconds(correction.predicted_step_s)} predicted, "
-            f"median of {correction.samples}{rows})"
+            f"median of {correction.samples}{rows}{prompts})"
         )
     return "\n".join(lines)
 

@@ -7,7 +7,8 @@ attribute. Links to or from nodes that are not alive are left out.
 
 Node attributes: memory_budget (bytes), flops (FLOP/s), mem_bandwidth (bytes/s), name. FLOP/s
 and bandwidth are the profile's divided by the node's published speed correction
-(`meshd.mesh.speed_correction`: how much slower its decode steps ran than predicted);
+(`meshd.mesh.speed_correction`: how much slower its decode steps ran than predicted; FLOP/s by
+its compute factor instead where it measured its prompt chunks);
 row_flops, where the node measured it: FLOP/s of each row a batched decode step adds.
 Edge attributes (directed src -> dst): latency_s and bandwidth (bytes/s) as planning uses
 them (the measurer's bucket, with hysteresis), measured_latency_s and measured_bandwidth
@@ -76,8 +77,10 @@ def speed_factor(state: pb.NodeState) -> float:
 
 
 def effective_flops(state: pb.NodeState) -> float:
-    """The FLOP/s planning uses: the profile's, divided by the node's speed correction."""
-    return float(state.profile.flops) / speed_factor(state)
+    """The FLOP/s planning uses: the profile's, divided by the node's compute factor where it
+    measured its prompts, else by its speed correction."""
+    compute = state.speed_correction.compute_factor
+    return float(state.profile.flops) / (compute if compute > 0 else speed_factor(state))
 
 
 def effective_bandwidth(state: pb.NodeState) -> float:

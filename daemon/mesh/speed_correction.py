@@ -28,6 +28,13 @@ Stability: a new factor is published only when at least MIN_SAMPLES steps were m
 differs from the published one by more than CHANGE_THRESHOLD (relative, either way), and the
 last change is at least MIN_INTERVAL_S old: a factor is an input of the state digest, so every
 change may re-plan the mesh; noise on a busy machine must not.
+Prompt chunks: a prompt's chunks are compute-bound where decode steps read weights, and a
+profile's FLOP/s (a large square matrix product) is not what a chunk of a model's shapes
+achieves, nor is its contention the memory's. So the node also times its prompt chunks of at
+least 32 positions and publishes `compute_factor` = median(measured / predicted) over them
+(from MIN_PROMPT_SAMPLES chunks on, same clamp and threshold): planning then divides the
+node's FLOP/s by the compute factor and only its bandwidth by the decode factor.
+
 Stages of a tensor-parallel group are not corrected (their steps include the collectives).
 
 Pure: no clock, no I/O; the node feeds it its recent steps.
@@ -35,7 +42,6 @@ Pure: no clock, no I/O; the node feeds it its recent steps.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
@@ -50,6 +56,7 @@ from partitioner.quantize import quantize
 FACTOR_MIN = 0.1
 FACTOR_MAX = 10.0
 MIN_SAMPLES = 8
+MIN_PROMPT_SAMPLES = 4  # prompt chunks (fewer than decode steps: a prompt is a few chunks)
 WINDOW = 64
 CHANGE_THRESHOLD = 0.25
 MIN_INTERVAL_S = 30.0  # between two changes of a node's published correction
@@ -111,6 +118,16 @@ def _row_flops(batched: Sequence[StepSample], factor: float) -> float:
     return float(f"{1.0 / extra:.3g}") if extra > 0 else 0.0
 
 
+def compute_estimate(chunks: Sequence[StepSample]) -> tuple[float, int] | None:
+    """The compute factor of the last WINDOW prompt chunks (measured / predicted, clamped)
+    and how many; None when fewer than MIN_PROMPT_SAMPLES."""
+    valid = [s for s in chunks if s.measured_s > 0 and s.predicted_s > 0][-WINDOW:]
+    if len(valid) < MIN_PROMPT_SAMPLES:
+        return None
+    ratio = statistics.median(s.measured_s / s.predicted_s for s in valid)
+    return round(min(FACTOR_MAX, max(FACTOR_MIN, ratio)), 3), len(valid)
+
+
 def should_publish(published: float, estimated: float) -> bool:
     """Whether ``estimated`` moved far enough from the ``published`` value (0 or less: none
     published, which counts as 1 for a factor) to be published instead."""
@@ -166,6 +183,24 @@ class StepPredictor:
         start, end, last = self._range
         return self._cost.stage_step_s(self._unit, start, end, last=last, rows=max(1, rows))
 
+    def chunk_s(self, positions: int) -> float:
+        """Predicted seconds of a prompt chunk of ``positions`` (0 when it does not apply)."""
+        if self._range is None:
+            return 0.0
+        start, end, last = self._range
+        return self._cost.stage_chunk_s(self._unit, start, end, last=last, tokens=positions)
+
+    def chunk_samples(self, chunks: Sequence[tuple[str, int, float]]) -> list[StepSample]:
+        """The plan's prompt chunks among ``chunks`` ((plan id, positions, seconds)), each
+        with its prediction."""
+        if self._range is None:
+            return []
+        return [
+            StepSample(positions, seconds, self.chunk_s(positions))
+            for plan_id, positions, seconds in chunks
+            if plan_id == self.plan_id
+        ]
+
     def samples(self, steps: Sequence[tuple[str, int, float]]) -> list[StepSample]:
         """The plan's steps among ``steps`` ((plan id, rows, seconds), as the stage runtime
         records them), each with its prediction."""
@@ -178,9 +213,35 @@ class StepPredictor:
         ]
 
 
+class Published:
+    """What a node publishes: decode factor, row FLOP/s (0: none), compute factor (0: none,
+    its FLOP/s follow the decode factor)."""
+
+    def __init__(self, factor: float = 1.0, row_flops: float = 0.0, compute_factor: float = 0.0):
+        self.factor = factor if factor > 0 else 1.0
+        self.row_flops = row_flops
+        self.compute_factor = compute_factor
+
+    def as_tuple(self) -> tuple[float, float, float]:
+        return (self.factor, self.row_flops, self.compute_factor)
+
+
+@dataclass(frozen=True)
+class Correction:
+    """A node's new correction, to publish: the three values, and what they were taken from."""
+
+    factor: float
+    row_flops: float
+    compute_factor: float
+    samples: int  # decode steps
+    measured_step_s: float
+    predicted_step_s: float
+    prompt_samples: int  # prompt chunks
+
+
 class SpeedCorrector:
-    """This node's factor over time: a predictor per plan (and profile), and the rule for
-    when a new estimate replaces the published factor."""
+    """This node's correction over time: a predictor per plan (and profile), and the rules
+    for when new estimates replace what it published."""
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
@@ -195,29 +256,43 @@ class SpeedCorrector:
         flops: float,
         mem_bandwidth: float,
         steps: Sequence[tuple[str, int, float]],
-        published: float,
-        published_row_flops: float = 0.0,
-        now: float = 0.0,
-    ) -> Estimate | None:
-        """A new factor to publish for the plan's recent ``steps``, or None (too few steps,
-        a tensor-parallel share, or neither the factor nor the row FLOP/s moved past the
-        threshold from what is ``published``, or it changed less than MIN_INTERVAL_S before
-        ``now``, a monotonic time)."""
+        chunks: Sequence[tuple[str, int, float]],
+        published: Published,
+        now: float,
+    ) -> Correction | None:
+        """A new correction for the plan's recent decode ``steps`` and prompt ``chunks``, or
+        None: too few of them, a tensor-parallel share, nothing moved past the threshold from
+        what is ``published``, or the last change is less than MIN_INTERVAL_S before ``now``
+        (a monotonic time). A value with no news (no batched steps, too few chunks) stays as
+        published."""
         if self._changed_at is not None and now - self._changed_at < MIN_INTERVAL_S:
             return None
         key = (plan.plan_id, flops, mem_bandwidth)
         if self._predictor is None or self._key != key:
             self._predictor = StepPredictor(spec, plan, self.node_id, flops, mem_bandwidth)
             self._key = key
-        found = estimate(self._predictor.samples(steps))
-        if found is None:
+        decode = estimate(self._predictor.samples(steps))
+        compute = compute_estimate(self._predictor.chunk_samples(chunks))
+        factor, row_flops, compute_factor = published.as_tuple()
+        if decode is not None and should_publish(factor, decode.factor):
+            factor = decode.factor
+        if (
+            decode is not None
+            and decode.batched_samples >= MIN_SAMPLES
+            and rows_moved(row_flops, decode.row_flops)
+        ):
+            row_flops = decode.row_flops
+        if compute is not None and should_publish(compute_factor or factor, compute[0]):
+            compute_factor = compute[0]
+        if (factor, row_flops, compute_factor) == published.as_tuple():
             return None
-        if found.batched_samples < MIN_SAMPLES:  # no news of batched rows: keep what was
-            found = dataclasses.replace(found, row_flops=published_row_flops)
-        if should_publish(published, found.factor):
-            self._changed_at = now
-            return found
-        if rows_moved(published_row_flops, found.row_flops):  # the factor stays as it was
-            self._changed_at = now
-            return dataclasses.replace(found, factor=published if published > 0 else 1.0)
-        return None
+        self._changed_at = now
+        return Correction(
+            factor=factor,
+            row_flops=row_flops,
+            compute_factor=compute_factor,
+            samples=decode.samples if decode else 0,
+            measured_step_s=decode.measured_step_s if decode else 0.0,
+            predicted_step_s=decode.predicted_step_s if decode else 0.0,
+            prompt_samples=compute[1] if compute else 0,
+        )

@@ -58,7 +58,8 @@ function predictionLines(status, plan) {
   for (const c of status.speed_corrections || [])
     lines.push(`speed correction ${nameOf(status, c.node_id)}: ${num(c.factor).toFixed(2)}× ` +
       `(median of ${c.samples} decode steps` +
-      (num(c.row_flops) > 0 ? `; each batched row ${(num(c.row_flops) / 1e9).toFixed(1)} GFLOP/s)` : ")"));
+      (num(c.row_flops) > 0 ? `; each batched row ${(num(c.row_flops) / 1e9).toFixed(1)} GFLOP/s` : "") +
+      (num(c.compute_factor) > 0 ? `; prompts ${num(c.compute_factor).toFixed(2)}×)` : ")"));
   return lines;
 }
 function el(tag, attrs = {}, ...children) {

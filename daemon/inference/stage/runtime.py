@@ -94,6 +94,8 @@ QUEUED_STEPS = 2
 
 # Decode steps kept for the speed correction (meshd.mesh.speed_correction reads a window).
 DECODE_STEPS_KEPT = 128
+# Prompt chunks of fewer positions are not timed for it (a short chunk is not compute-bound).
+MIN_TIMED_CHUNK = 32
 
 
 @dataclass(eq=False)
@@ -152,6 +154,11 @@ class StageRuntime:
         # changed) after each decode step, read by any thread.
         self.decode_steps: tuple[tuple[str, int, float], ...] = ()
         self._decode_steps: collections.deque[tuple[str, int, float]] = collections.deque(
+            maxlen=DECODE_STEPS_KEPT
+        )
+        # ...and its recent prompt chunks, (plan id, positions, seconds): compute-bound steps.
+        self.prompt_chunks: tuple[tuple[str, int, float], ...] = ()
+        self._prompt_chunks: collections.deque[tuple[str, int, float]] = collections.deque(
             maxlen=DECODE_STEPS_KEPT
         )
 
@@ -487,7 +494,7 @@ class StageRuntime:
         else:
             results, sent, step_s = outcome.result()
             if step_s is not None:
-                self._record_decode_step(job[0].plan_id, len(job), step_s)
+                self._record_step(job, step_s)
         actions: list[Action] = []
         now = time.monotonic()
         for row, (work, result) in enumerate(zip(job, results, strict=True)):
@@ -511,9 +518,15 @@ class StageRuntime:
         else:
             self._carry_out(actions)
 
-    def _record_decode_step(self, plan_id: str, rows: int, seconds: float) -> None:
-        self._decode_steps.append((plan_id, rows, seconds))
-        self.decode_steps = tuple(self._decode_steps)
+    def _record_step(self, job: list[Work], seconds: float) -> None:
+        """Keep a decode step's or a prompt chunk's time (for the speed correction)."""
+        plan_id = job[0].plan_id
+        if is_decode_step(job[0]):
+            self._decode_steps.append((plan_id, len(job), seconds))
+            self.decode_steps = tuple(self._decode_steps)
+        else:
+            self._prompt_chunks.append((plan_id, prompt_positions(job[0]), seconds))
+            self.prompt_chunks = tuple(self._prompt_chunks)
 
     # ------------------------------------------------------------ housekeeping
 
@@ -566,15 +579,29 @@ def _steps_job(
     else:
         results = run_steps(engine, job, cores_share)
     step_s: float | None = time.perf_counter() - started
-    if not all(is_decode_step(work) for work in job) or not all(
-        isinstance(result, Hidden | Advanced | Sampled) for result in results
-    ):
+    timed = all(is_decode_step(work) for work in job) or (
+        len(job) == 1 and prompt_positions(job[0]) >= MIN_TIMED_CHUNK
+    )
+    if not timed or not all(isinstance(r, Hidden | Advanced | Sampled) for r in results):
         step_s = None
     with_frames = [_with_frame(work, result) for work, result in zip(job, results, strict=True)]
     if hoptrace.enabled:
         hoptrace.mark("step_done")
     sent = _send_now(job, with_frames, lanes) if lanes is not None else None
     return with_frames, sent, step_s
+
+
+def prompt_positions(work: Work) -> int:
+    """Positions of a plain prompt chunk (0 for any other step: decode, speculative, a first
+    step on a kept prefix)."""
+    if work.follows or work.drafts or work.draft_limit or work.rollback:
+        return 0
+    if work.slot_use is not None:
+        return 0
+    if work.tokens is not None:
+        return len(work.tokens) if len(work.tokens) > 1 else 0
+    shape = getattr(work.payload, "shape", ())
+    return int(shape[1]) if len(shape) == 3 and shape[1] > 1 else 0
 
 
 def _send_now(job: list[Work], results: list[StepResult], lanes: dict[str, Lane]) -> list[bool]:
