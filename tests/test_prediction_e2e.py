@@ -84,8 +84,9 @@ def test_status_shows_measured_next_to_predicted_and_a_correction(mesh) -> None:
     assert alone.requests >= 1 and alone.measured > 0 and alone.predicted > 0
     assert alone.ratio == pytest.approx(alone.measured / alone.predicted)
     assert check.ttft.measured > 0 and check.prefill.measured > 0
-    # The profiles overstate this machine's speed: the requests ran slower than predicted.
-    assert alone.ratio < 0.8
+    # The profiles overstate this machine's speed: the requests ran slower than the first plan
+    # predicted (the status compares with the newest prediction, which may be corrected).
+    assert alone.measured < before.prediction.tokens_per_s / 2
 
     def corrected(s: pb.MeshStatus) -> bool:
         return len(s.speed_corrections) == 2 and s.agreement.converged
