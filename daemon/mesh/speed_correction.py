@@ -213,17 +213,17 @@ class StepPredictor:
         ]
 
 
+@dataclass(frozen=True)
 class Published:
-    """What a node publishes: decode factor, row FLOP/s (0: none), compute factor (0: none,
-    its FLOP/s follow the decode factor)."""
+    """What a node publishes: decode factor (0 or less: none, which counts as 1), row FLOP/s
+    (0: none), compute factor (0: none, its FLOP/s follow the decode factor)."""
 
-    def __init__(self, factor: float = 1.0, row_flops: float = 0.0, compute_factor: float = 0.0):
-        self.factor = factor if factor > 0 else 1.0
-        self.row_flops = row_flops
-        self.compute_factor = compute_factor
+    factor: float = 1.0
+    row_flops: float = 0.0
+    compute_factor: float = 0.0
 
     def as_tuple(self) -> tuple[float, float, float]:
-        return (self.factor, self.row_flops, self.compute_factor)
+        return (self.factor if self.factor > 0 else 1.0, self.row_flops, self.compute_factor)
 
 
 @dataclass(frozen=True)
