@@ -639,7 +639,12 @@ class Node:
             profile.mem_bandwidth,
             plane.stage.decode_steps,
             plane.stage.prompt_chunks,
-            Published(current.factor, current.row_flops, current.compute_factor),
+            Published(
+                current.factor,
+                current.row_flops,
+                current.compute_factor,
+                current.collective_overhead_s,
+            ),
             trio.current_time(),
         )
         if found is None:
@@ -656,10 +661,13 @@ class Node:
                 row_flops=found.row_flops,
                 compute_factor=found.compute_factor,
                 prompt_samples=found.prompt_samples or current.prompt_samples,
+                collective_overhead_s=found.collective_overhead_s,
             )
         )
         rows = f", each batched row {format_flops(found.row_flops)}" if found.row_flops else ""
         compute = f", prompts {found.compute_factor:.2f}x" if found.compute_factor else ""
+        if found.collective_overhead_s:
+            compute += f", collectives {format_seconds(found.collective_overhead_s)} each"
         self.events.add(
             "speed correction %.2fx: decode steps took %s, the profile predicts %s%s%s; "
             "plans now use it",

@@ -349,3 +349,34 @@ def test_the_chunk_prediction_counts_the_head_once() -> None:
     layers = cost.stage_flops(0, 8)
     seconds = cost.stage_chunk_s(unit, 0, 8, last=True, tokens=100)
     assert seconds == pytest.approx((100 * layers + cost.head_flops) / 1e9)
+
+
+def test_a_group_leader_measures_what_each_collective_costs() -> None:
+    graph = nx.DiGraph()
+    for node in ("a", "b"):
+        graph.add_node(node, memory_budget=170 * MiB, flops=20e9, mem_bandwidth=2 * GB)
+    for src, dst in (("a", "b"), ("b", "a")):
+        graph.add_edge(src, dst, latency_s=1e-4, bandwidth=1e9, trusted=True)
+    spec = dataclasses.replace(model(), supports_tensor_parallel=True)
+    options = PlanOptions(parallelism="tensor", context_length=256)
+    plan = plan_model(graph, spec, options)
+    stage = plan.stages[0]
+    assert stage.tensor_parallel
+    leader, member = stage.nodes
+    predictor = StepPredictor(spec, plan, leader, 20e9, 2 * GB)
+    assert predictor.leads_group and not predictor.applies  # no factor from a group's steps
+    assert not StepPredictor(spec, plan, member, 20e9, 2 * GB).leads_group
+    collectives = 2 * stage.num_layers + 1
+    compute = predictor.collective_samples([(plan.plan_id, 1, 0.0)])[0] * -collectives
+    steps = [(plan.plan_id, 1, compute + collectives * 2e-3)] * MIN_SAMPLES  # 2 ms each
+    corrector = SpeedCorrector(leader)
+    found = corrector.update(spec, plan, 20e9, 2 * GB, steps, [], Published(), 0.0)
+    assert found is not None
+    assert found.collective_overhead_s == pytest.approx(2e-3, rel=0.01)
+    assert found.factor == 1.0 and found.row_flops == 0
+    # The planner prices the group's collectives with it.
+    profile = pb.NodeProfile(node_id=leader, memory_budget=GB, flops=100e9, mem_bandwidth=10e9)
+    timed = pb.SpeedCorrection(collective_overhead_s=2e-3)
+    assert mesh_graph([pb.NodeState(profile=profile, speed_correction=timed)]).nodes[leader][
+        "collective_overhead_s"
+    ] == pytest.approx(2e-3)

@@ -109,6 +109,10 @@ def state_digest(state: pb.NodeState) -> str:
     ]
     if state.speed_correction.row_flops > 0:  # measured by the node: meshd.mesh.graph
         payload.append(bucket_index(state.speed_correction.row_flops))
+    if state.speed_correction.collective_overhead_s > 0:
+        payload.append(
+            ["collectives", latency_bucket_index(state.speed_correction.collective_overhead_s)]
+        )
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 

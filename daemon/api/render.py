@@ -273,6 +273,8 @@ def prediction_text(status: pb.MeshStatus) -> str:
             if correction.compute_factor
             else ""
         )
+        if correction.collective_overhead_s:
+            prompts += f"; collectives {format_seconds(correction.collective_overhead_s)} each"
         lines.append(
             f"speed correction {correction.node_id}: {correction.factor:.2f}x "
             f"(decode step {format_seconds(correction.measured_step_s)} measured, "

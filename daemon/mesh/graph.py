@@ -9,7 +9,8 @@ Node attributes: memory_budget (bytes), flops (FLOP/s), mem_bandwidth (bytes/s),
 and bandwidth are the profile's divided by the node's published speed correction
 (`meshd.mesh.speed_correction`: how much slower its decode steps ran than predicted; FLOP/s by
 its compute factor instead where it measured its prompt chunks);
-row_flops, where the node measured it: FLOP/s of each row a batched decode step adds.
+row_flops, where the node measured it: FLOP/s of each row a batched decode step adds;
+collective_overhead_s, where it led a tensor-parallel group: what each collective cost.
 Edge attributes (directed src -> dst): latency_s and bandwidth (bytes/s) as planning uses
 them (the measurer's bucket, with hysteresis), measured_latency_s and measured_bandwidth
 (the last raw sample), tcp_rtt_s, grpc_rtt_s, measured_at, and trusted: whether the link may
@@ -44,6 +45,9 @@ def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
         )
         if state.speed_correction.row_flops > 0:
             graph.nodes[profile.node_id]["row_flops"] = state.speed_correction.row_flops
+        if state.speed_correction.collective_overhead_s > 0:
+            overhead = state.speed_correction.collective_overhead_s
+            graph.nodes[profile.node_id]["collective_overhead_s"] = overhead
     published = {
         (link.src, link.dst): link
         for state in states

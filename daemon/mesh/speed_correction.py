@@ -35,7 +35,16 @@ least 32 positions and publishes `compute_factor` = median(measured / predicted)
 (from MIN_PROMPT_SAMPLES chunks on, same clamp and threshold): planning then divides the
 node's FLOP/s by the compute factor and only its bandwidth by the decode factor.
 
-Stages of a tensor-parallel group are not corrected (their steps include the collectives).
+Tensor-parallel groups: their steps include two all-reduces per layer and a broadcast, whose
+cost on a real machine (waking a waiting process, the device's synchronisation, the loop that
+carries them) is the cost model's `collective_overhead_s`, by default 60 us, which a CPU mesh
+on loopback exceeds many times. So the group's leader (rank 0, whose stage runtime times the
+group's steps) takes (measured - the members' predicted compute) / the stage's collectives,
+its median over the last WINDOW decode steps, and publishes it as its collective overhead
+(from MIN_SAMPLES steps on, same threshold); the planner prices the group's collectives with
+the largest of its members'. The members' compute is predicted from the leader's profile for
+every member, and the links' own time is left in the overhead. The factors are not taken
+from a group's steps.
 
 Pure: no clock, no I/O; the node feeds it its recent steps.
 """
@@ -59,6 +68,7 @@ MIN_SAMPLES = 8
 MIN_PROMPT_SAMPLES = 4  # prompt chunks (fewer than decode steps: a prompt is a few chunks)
 WINDOW = 64
 CHANGE_THRESHOLD = 0.25
+MAX_COLLECTIVE_S = 0.1  # a collective's measured overhead, at most
 MIN_INTERVAL_S = 30.0  # between two changes of a node's published correction
 
 
@@ -128,6 +138,15 @@ def compute_estimate(chunks: Sequence[StepSample]) -> tuple[float, int] | None:
     return round(min(FACTOR_MAX, max(FACTOR_MIN, ratio)), 3), len(valid)
 
 
+def overhead_estimate(per_collective: Sequence[float]) -> float | None:
+    """The median seconds per collective of the last WINDOW group steps (at least 0, at most
+    MAX_COLLECTIVE_S); None when fewer than MIN_SAMPLES."""
+    recent = list(per_collective)[-WINDOW:]
+    if len(recent) < MIN_SAMPLES:
+        return None
+    return float(f"{min(MAX_COLLECTIVE_S, max(0.0, statistics.median(recent))):.3g}")
+
+
 def should_publish(published: float, estimated: float) -> bool:
     """Whether ``estimated`` moved far enough from the ``published`` value (0 or less: none
     published, which counts as 1 for a factor) to be published instead."""
@@ -151,18 +170,32 @@ class StepPredictor:
     ) -> None:
         self.plan_id = plan.plan_id
         self._range: tuple[int, int, bool] | None = None
+        self._group: tuple[Unit, int, int, bool] | None = None  # a leader's group stage
         index = plan.stage_of(node_id)
         if index is None or flops <= 0 or mem_bandwidth <= 0:
             return
         stage = plan.stages[index]
-        if stage.tensor_parallel:
-            return
         options = PlanOptions(
             context_length=plan.context_length,
             concurrency=plan.concurrency,
             cache_sequences=plan.cache_sequences,
         )
         self._cost = CostModel(spec, options)
+        if stage.tensor_parallel:
+            if stage.nodes[0] == node_id:  # the leader times the group's steps
+                degree = len(stage.nodes)
+                members = (quantize(flops),) * degree, (quantize(mem_bandwidth),) * degree
+                group = Unit(
+                    stage.nodes,
+                    degree,
+                    members[0][0],
+                    members[1][0],
+                    member_usable=(1,) * degree,
+                    member_flops=members[0],
+                    member_bandwidth=members[1],
+                )  # no link time, no overhead: the members' compute alone
+                self._group = (group, stage.layer_start, stage.layer_end, stage.has_head)
+            return
         # What planning reads of the profile: the bucket's representative (the roofline
         # alone: no row FLOP/s, which this node measures here).
         self._unit = Unit((node_id,), 1, quantize(flops), quantize(mem_bandwidth))
@@ -182,6 +215,25 @@ class StepPredictor:
             return 0.0
         start, end, last = self._range
         return self._cost.stage_step_s(self._unit, start, end, last=last, rows=max(1, rows))
+
+    @property
+    def leads_group(self) -> bool:
+        """Whether this node leads a tensor-parallel stage of the plan (times its steps)."""
+        return self._group is not None
+
+    def collective_samples(self, steps: Sequence[tuple[str, int, float]]) -> list[float]:
+        """Seconds per collective in the plan's group steps among ``steps``: (measured - the
+        members' predicted compute) / the step's collectives (two per layer, a broadcast)."""
+        if self._group is None:
+            return []
+        unit, start, end, last = self._group
+        collectives = 2 * (end - start) + 1
+        return [
+            (seconds - self._cost.stage_step_s(unit, start, end, last=last, rows=rows))
+            / collectives
+            for plan_id, rows, seconds in steps
+            if plan_id == self.plan_id
+        ]
 
     def chunk_s(self, positions: int) -> float:
         """Predicted seconds of a prompt chunk of ``positions`` (0 when it does not apply)."""
@@ -221,9 +273,11 @@ class Published:
     factor: float = 1.0
     row_flops: float = 0.0
     compute_factor: float = 0.0
+    collective_overhead_s: float = 0.0
 
-    def as_tuple(self) -> tuple[float, float, float]:
-        return (self.factor if self.factor > 0 else 1.0, self.row_flops, self.compute_factor)
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        factor = self.factor if self.factor > 0 else 1.0
+        return (factor, self.row_flops, self.compute_factor, self.collective_overhead_s)
 
 
 @dataclass(frozen=True)
@@ -237,6 +291,7 @@ class Correction:
     measured_step_s: float
     predicted_step_s: float
     prompt_samples: int  # prompt chunks
+    collective_overhead_s: float = 0.0
 
 
 class SpeedCorrector:
@@ -273,7 +328,10 @@ class SpeedCorrector:
             self._key = key
         decode = estimate(self._predictor.samples(steps))
         compute = compute_estimate(self._predictor.chunk_samples(chunks))
-        factor, row_flops, compute_factor = published.as_tuple()
+        factor, row_flops, compute_factor, overhead = published.as_tuple()
+        measured = overhead_estimate(self._predictor.collective_samples(steps))
+        if measured is not None and rows_moved(overhead, measured):
+            overhead = measured
         if decode is not None and should_publish(factor, decode.factor):
             factor = decode.factor
         if (
@@ -284,7 +342,7 @@ class SpeedCorrector:
             row_flops = decode.row_flops
         if compute is not None and should_publish(compute_factor or factor, compute[0]):
             compute_factor = compute[0]
-        if (factor, row_flops, compute_factor) == published.as_tuple():
+        if (factor, row_flops, compute_factor, overhead) == published.as_tuple():
             return None
         self._changed_at = now
         return Correction(
@@ -295,4 +353,5 @@ class SpeedCorrector:
             measured_step_s=decode.measured_step_s if decode else 0.0,
             predicted_step_s=decode.predicted_step_s if decode else 0.0,
             prompt_samples=compute[1] if compute else 0,
+            collective_overhead_s=overhead,
         )

@@ -124,7 +124,7 @@ class NodeState(_message.Message):
     def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., version: _Optional[int] = ..., instance_id: _Optional[str] = ..., alive_peers: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelSelection, _Mapping]] = ..., leaving: _Optional[bool] = ..., tensor_parallel_port: _Optional[int] = ..., loaded_plans: _Optional[_Iterable[str]] = ..., hub_access: _Optional[bool] = ..., downloads: _Optional[_Iterable[_Union[Download, _Mapping]]] = ..., speed_correction: _Optional[_Union[SpeedCorrection, _Mapping]] = ...) -> None: ...
 
 class SpeedCorrection(_message.Message):
-    __slots__ = ("node_id", "factor", "samples", "measured_step_s", "predicted_step_s", "updated_at", "plan_id", "row_flops", "compute_factor", "prompt_samples")
+    __slots__ = ("node_id", "factor", "samples", "measured_step_s", "predicted_step_s", "updated_at", "plan_id", "row_flops", "compute_factor", "prompt_samples", "collective_overhead_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FACTOR_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class SpeedCorrection(_message.Message):
     ROW_FLOPS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FACTOR_FIELD_NUMBER: _ClassVar[int]
     PROMPT_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     factor: float
     samples: int
@@ -145,7 +146,8 @@ class SpeedCorrection(_message.Message):
     row_flops: float
     compute_factor: float
     prompt_samples: int
-    def __init__(self, node_id: _Optional[str] = ..., factor: _Optional[float] = ..., samples: _Optional[int] = ..., measured_step_s: _Optional[float] = ..., predicted_step_s: _Optional[float] = ..., updated_at: _Optional[float] = ..., plan_id: _Optional[str] = ..., row_flops: _Optional[float] = ..., compute_factor: _Optional[float] = ..., prompt_samples: _Optional[int] = ...) -> None: ...
+    collective_overhead_s: float
+    def __init__(self, node_id: _Optional[str] = ..., factor: _Optional[float] = ..., samples: _Optional[int] = ..., measured_step_s: _Optional[float] = ..., predicted_step_s: _Optional[float] = ..., updated_at: _Optional[float] = ..., plan_id: _Optional[str] = ..., row_flops: _Optional[float] = ..., compute_factor: _Optional[float] = ..., prompt_samples: _Optional[int] = ..., collective_overhead_s: _Optional[float] = ...) -> None: ...
 
 class Download(_message.Message):
     __slots__ = ("node", "repo", "file", "done_bytes", "total_bytes", "rate_bytes_per_s", "seconds_left", "source")

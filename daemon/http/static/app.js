@@ -59,7 +59,8 @@ function predictionLines(status, plan) {
     lines.push(`speed correction ${nameOf(status, c.node_id)}: ${num(c.factor).toFixed(2)}× ` +
       `(median of ${c.samples} decode steps` +
       (num(c.row_flops) > 0 ? `; each batched row ${(num(c.row_flops) / 1e9).toFixed(1)} GFLOP/s` : "") +
-      (num(c.compute_factor) > 0 ? `; prompts ${num(c.compute_factor).toFixed(2)}×)` : ")"));
+      (num(c.compute_factor) > 0 ? `; prompts ${num(c.compute_factor).toFixed(2)}×` : "") +
+      (num(c.collective_overhead_s) > 0 ? `; collectives ${(num(c.collective_overhead_s) * 1e3).toFixed(2)} ms each)` : ")"));
   return lines;
 }
 function el(tag, attrs = {}, ...children) {
