@@ -380,3 +380,25 @@ def test_a_group_leader_measures_what_each_collective_costs() -> None:
     assert mesh_graph([pb.NodeState(profile=profile, speed_correction=timed)]).nodes[leader][
         "collective_overhead_s"
     ] == pytest.approx(2e-3)
+
+
+def test_status_text_shows_predicted_measured_and_each_correction() -> None:
+    from meshd.api import render
+
+    figure = pb.PredictedMeasured(predicted=6.5, measured=6.9, requests=12, ratio=6.9 / 6.5)
+    ttft = pb.PredictedMeasured(predicted=0.57, measured=56.791, requests=1, ratio=99.6)
+    status = pb.MeshStatus(
+        prediction_check=pb.PredictionCheck(
+            plan_id="abc", concurrency=1, decode_alone=figure, prefill=figure, ttft=ttft
+        ),
+        speed_corrections=[
+            pb.SpeedCorrection(node_id="n1", factor=1.5, samples=9, measured_step_s=0.06),
+            pb.SpeedCorrection(node_id="n2", factor=1.0, collective_overhead_s=0.0097),
+        ],
+    )
+    text = render.prediction_text(status)
+    assert "decode alone   predicted 6.5 tokens/s, measured 6.9 tokens/s (1.06x" in text
+    assert "first token    predicted 0.57 s, measured 57 s" in text
+    assert "decode at" not in text  # a plan for one sequence
+    assert "speed correction n1: 1.50x (decode step 60.0 ms measured" in text
+    assert "speed correction n2: 1.00x (collectives 9.7 ms each)" in text

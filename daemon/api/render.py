@@ -261,27 +261,31 @@ def prediction_text(status: pb.MeshStatus) -> str:
             if label.startswith("decode at") and not check.HasField("decode_concurrent"):
                 continue
             lines.append(f"  {label:<14} {figure_text(figure, show)}")
-    for correction in status.speed_corrections:
-        rows = (
-            f"; each batched row {format_flops(correction.row_flops)}"
-            if correction.row_flops
-            else ""
-        )
-        prompts = (
-            f"; prompts {correction.compute_factor:.2f}x (median of {correction.prompt_samples} "
-            "chunks)"
-            if correction.compute_factor
-            else ""
-        )
-        if correction.collective_overhead_s:
-            prompts += f"; collectives {format_seconds(correction.collective_overhead_s)} each"
-        lines.append(
-            f"speed correction {correction.node_id}: {correction.factor:.2f}x "
-            f"(decode step {format_seconds(correction.measured_step_s)} measured, "
-            f"{format_seconds(correction.predicted_step_s)} predicted, "
-            f"median of {correction.samples}{rows}{prompts})"
-        )
+    lines += [correction_text(correction) for correction in status.speed_corrections]
     return "\n".join(lines)
+
+
+def correction_text(correction: pb.SpeedCorrection) -> str:
+    """'speed correction NODE: 1.32x (decode step 41.2 ms measured, 31.2 ms predicted, median
+    of 64; each batched row 46.2 GFLOP/s; prompts 0.20x ...; collectives 9.7 ms each)'."""
+    parts = []
+    if correction.samples:
+        parts.append(
+            f"decode step {format_seconds(correction.measured_step_s)} measured, "
+            f"{format_seconds(correction.predicted_step_s)} predicted, "
+            f"median of {correction.samples}"
+        )
+    if correction.row_flops:
+        parts.append(f"each batched row {format_flops(correction.row_flops)}")
+    if correction.compute_factor:
+        parts.append(
+            f"prompts {correction.compute_factor:.2f}x (median of "
+            f"{correction.prompt_samples} chunks)"
+        )
+    if correction.collective_overhead_s:
+        parts.append(f"collectives {format_seconds(correction.collective_overhead_s)} each")
+    detail = f" ({'; '.join(parts)})" if parts else ""
+    return f"speed correction {correction.node_id}: {correction.factor:.2f}x{detail}"
 
 
 def figure_text(figure: pb.PredictedMeasured, show: Callable[[float], str]) -> str:

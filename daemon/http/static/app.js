@@ -55,12 +55,16 @@ function predictionLines(status, plan) {
     lines.push(`decode at ${check.concurrency}: ${figure(check.decode_concurrent, tokenRate)} per request`);
   lines.push(`prefill: ${figure(check.prefill, tokenRate)}`);
   lines.push(`first token: ${figure(check.ttft, wait)}`);
-  for (const c of status.speed_corrections || [])
-    lines.push(`speed correction ${nameOf(status, c.node_id)}: ${num(c.factor).toFixed(2)}× ` +
-      `(median of ${c.samples} decode steps` +
-      (num(c.row_flops) > 0 ? `; each batched row ${(num(c.row_flops) / 1e9).toFixed(1)} GFLOP/s` : "") +
-      (num(c.compute_factor) > 0 ? `; prompts ${num(c.compute_factor).toFixed(2)}×` : "") +
-      (num(c.collective_overhead_s) > 0 ? `; collectives ${(num(c.collective_overhead_s) * 1e3).toFixed(2)} ms each)` : ")"));
+  for (const c of status.speed_corrections || []) {
+    const parts = [];
+    if (num(c.samples) > 0) parts.push(`median of ${c.samples} decode steps`);
+    if (num(c.row_flops) > 0) parts.push(`each batched row ${(num(c.row_flops) / 1e9).toFixed(1)} GFLOP/s`);
+    if (num(c.compute_factor) > 0) parts.push(`prompts ${num(c.compute_factor).toFixed(2)}×`);
+    if (num(c.collective_overhead_s) > 0)
+      parts.push(`collectives ${(num(c.collective_overhead_s) * 1e3).toFixed(2)} ms each`);
+    lines.push(`speed correction ${nameOf(status, c.node_id)}: ${num(c.factor || 1).toFixed(2)}×` +
+      (parts.length ? ` (${parts.join("; ")})` : ""));
+  }
   return lines;
 }
 function el(tag, attrs = {}, ...children) {
