@@ -11,10 +11,11 @@ and publishes
     factor = median(measured / predicted) over its last WINDOW decode steps,
 
 clamped to [FACTOR_MIN, FACTOR_MAX], over its steps of one row where it has MIN_SAMPLES of
-them (else over all). Planning divides the node's FLOP/s and memory bandwidth by the factor
-(:func:`meshd.mesh.graph.effective_flops`), so a node that runs twice as slow as its profile
-says is planned as half as fast. The prediction is taken from the uncorrected profile, not
-from the plan (which already used the factor), so the estimate does not feed on itself.
+them (else over all). Planning divides the node's memory bandwidth (and its FLOP/s, unless it
+published a compute factor, below) by the factor (:func:`meshd.mesh.graph.effective_flops`),
+so a node that runs twice as slow as its profile says is planned as half as fast. The
+prediction is taken from the uncorrected profile, not from the plan (which already used the
+factor), so the estimate does not feed on itself.
 
 Batched steps: one factor cannot fit both a step of one row and one of sixteen, since on a
 CPU each added row costs far more than the cost model's roofline says (partitioner.cost,
@@ -28,6 +29,7 @@ Stability: a new factor is published only when at least MIN_SAMPLES steps were m
 differs from the published one by more than CHANGE_THRESHOLD (relative, either way), and the
 last change is at least MIN_INTERVAL_S old: a factor is an input of the state digest, so every
 change may re-plan the mesh; noise on a busy machine must not.
+
 Prompt chunks: a prompt's chunks are compute-bound where decode steps read weights, and a
 profile's FLOP/s (a large square matrix product) is not what a chunk of a model's shapes
 achieves, nor is its contention the memory's. So the node also times its prompt chunks of at
@@ -46,7 +48,9 @@ the largest of its members'. The members' compute is predicted from the leader's
 every member, and the links' own time is left in the overhead. The factors are not taken
 from a group's steps.
 
-Pure: no clock, no I/O; the node feeds it its recent steps.
+Pure: no clock, no I/O; the node feeds it its recent steps and the time. A correction is not
+kept across restarts (a node learns it again from its first requests), and it outlives a
+change of model until the new model's steps move it.
 """
 
 from __future__ import annotations
