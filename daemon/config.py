@@ -402,6 +402,13 @@ class Config:
         "it lives in the KV memory the plan reserves (--no-prefix-cache: off)",
         read=_flag,
     )
+    speed_correction: bool = setting(
+        True,
+        "compare this node's decode steps with what its profile predicts and publish the "
+        "ratio, so that plans use the speed it shows rather than the one it measured "
+        "(--no-speed-correction: plan from the profile alone)",
+        read=_flag,
+    )
     prefix_cache_sequences: int = setting(
         0,
         "sequences of KV cache a plan this node selects reserves beyond --concurrency for the "

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -38,6 +40,7 @@ from meshd.mesh.gate import ConnectionGate
 from meshd.mesh.identity import Identity, load_or_create_node_id
 from meshd.mesh.membership import PROTOCOL_VERSION, Membership
 from meshd.mesh.peer_service import PeerService
+from meshd.mesh.speed_correction import Published, SpeedCorrector
 from meshd.models.hub_share import DownloadBoard, HubDownloads, HubFileServer
 from meshd.models.share import PartExporter
 from meshd.node_models import (
@@ -65,7 +68,7 @@ from meshd.service.supervision import (
 from meshd.state_lock import hold_state_dir
 from meshd.wire import dataplane_pb2_grpc as dataplane_rpc
 from meshd.wire import pb, rpc
-from partitioner.humanize import format_bytes, format_flops, format_rate
+from partitioner.humanize import format_bytes, format_flops, format_rate, format_seconds
 
 if TYPE_CHECKING:
     from meshd.mesh.discovery_follow import FollowingDiscovery
@@ -77,6 +80,8 @@ LEAVE_POLL_S = 0.05
 LEAVE_HAND_OVER_RESERVE_S = 2.0  # of the grace, kept for the hand-over (replays) at the end
 PARTS_DIR = "parts"  # model parts fetched from peers: per node, in the state directory
 DISCOVERY_PEER_SOURCE = "mdns"
+# How often (in housekeeping seconds) this node compares its decode steps with the cost model.
+SPEED_CORRECTION_EVERY_S = 5
 MOVED_PEER_WAIT_S = 10.0  # a moved peer's old session ends within peer_timeout_s; a bound
 # A profile measured under load is measured again later: at most this many times, the first
 # after PROFILE_RETRY_FIRST_S, then twice as long each time (with jitter, so daemons that
@@ -172,6 +177,7 @@ class Node:
         self._remembered_overhead = self.overhead.remembered()
         self._mlx_cache_limit: int | None = None
         self._profile_ready = trio.Event()  # set once the first profile is published
+        self.speed_corrector = SpeedCorrector(self.identity.node_id)
         # Files of Hub repositories arriving here (status), and the Hub downloads shared by
         # the plan installer and the peers that ask this node for a file.
         self.hub_downloads = HubDownloads(DownloadBoard(self.identity.node_id))
@@ -725,10 +731,74 @@ class Node:
             ticks += 1
             if ticks % OVERHEAD_CHECK_S == 0:
                 await self._check_process_memory()
+            if self.config.speed_correction and ticks % SPEED_CORRECTION_EVERY_S == 0:
+                self._correct_speed()
             if ticks % 10 == 0:
                 self.membership.forget_old()
             if log_file is not None and ticks % logrotate.ROTATE_CHECK_S == 0:
                 await self._rotate_log(log_file)
+
+    def _correct_speed(self) -> None:
+        """Publish this node's speed correction when its decode steps on the active plan
+        moved it past the threshold (meshd.mesh.speed_correction); every node plans with it."""
+        plane = getattr(self, "plane", None)  # created once the asyncio thread runs
+        active = self.agreement.core.active
+        selection = self.agreement.selection
+        if plane is None or active is None or selection is None:
+            return
+        plan = self.agreement.plan_for(active.proposal)
+        if plan is None or not (plane.stage.decode_steps or plane.stage.prompt_chunks):
+            return
+        spec = partitioner.ModelSpec.from_dict(json.loads(selection.spec_json))
+        if spec.name != plan.model_name:
+            return
+        profile = self.membership.profile
+        current = self.membership.speed_correction or pb.SpeedCorrection()
+        found = self.speed_corrector.update(
+            spec,
+            plan,
+            profile.flops,
+            profile.mem_bandwidth,
+            plane.stage.decode_steps,
+            plane.stage.prompt_chunks,
+            Published(
+                current.factor,
+                current.row_flops,
+                current.compute_factor,
+                current.collective_overhead_s,
+            ),
+            trio.current_time(),
+        )
+        if found is None:
+            return
+        self.membership.set_speed_correction(
+            pb.SpeedCorrection(
+                node_id=self.identity.node_id,
+                factor=found.factor,
+                samples=found.samples or current.samples,
+                measured_step_s=found.measured_step_s or current.measured_step_s,
+                predicted_step_s=found.predicted_step_s or current.predicted_step_s,
+                updated_at=time.time(),
+                plan_id=plan.plan_id,
+                row_flops=found.row_flops,
+                compute_factor=found.compute_factor,
+                prompt_samples=found.prompt_samples or current.prompt_samples,
+                collective_overhead_s=found.collective_overhead_s,
+            )
+        )
+        rows = f", each batched row {format_flops(found.row_flops)}" if found.row_flops else ""
+        compute = f", prompts {found.compute_factor:.2f}x" if found.compute_factor else ""
+        if found.collective_overhead_s:
+            compute += f", collectives {format_seconds(found.collective_overhead_s)} each"
+        self.events.add(
+            "speed correction %.2fx: decode steps took %s, the profile predicts %s%s%s; "
+            "plans now use it",
+            found.factor,
+            format_seconds(found.measured_step_s or current.measured_step_s),
+            format_seconds(found.predicted_step_s or current.predicted_step_s),
+            compute,
+            rows,
+        )
 
     async def _rotate_log(self, log_file: Path) -> None:
         try:

@@ -35,6 +35,7 @@ def mesh_status(node: Node) -> pb.MeshStatus:
         )
     ]
     links = list(me.own_state.links)
+    corrections = [me.speed_correction] if me.speed_correction is not None else []
     downloads = list(node.hub_downloads.board.snapshot())
     for rec in sorted(me.peers.values(), key=lambda r: r.node_id):
         profile = rec.state.profile if rec.state else pb.NodeProfile(node_id=rec.node_id)
@@ -53,6 +54,8 @@ def mesh_status(node: Node) -> pb.MeshStatus:
         if rec.alive and rec.state is not None:
             links.extend(m for m in rec.state.links if m.src == rec.node_id)
             downloads.extend(rec.state.downloads)
+            if rec.state.HasField("speed_correction"):
+                corrections.append(rec.state.speed_correction)
     return pb.MeshStatus(
         node_id=node.identity.node_id,
         mesh_name=node.secret.mesh_name,
@@ -62,6 +65,8 @@ def mesh_status(node: Node) -> pb.MeshStatus:
         lane_address=f"{node.config.peer_host}:{node.lane_port}" if node.lane_port else "",
         loop_crossings=node.bridge.crossings(),
         prefix_cache=_prefix_cache(node),
+        prediction_check=_prediction_check(node),
+        speed_corrections=corrections,
         nodes=nodes,
         links=links,
         events=node.events.lines(),
@@ -84,6 +89,39 @@ def mesh_status(node: Node) -> pb.MeshStatus:
         tensor_parallel_runners=_tensor_parallel_runners(node),
         transitions=_transitions(node),
         downloads=downloads,
+    )
+
+
+def _prediction_check(node: Node) -> pb.PredictionCheck | None:
+    """The active plan's predictions next to what this node's requests measured on it."""
+    from meshd.inference.prediction_check import Figure, compare
+
+    active = node.agreement.core.active
+    router = getattr(node, "router", None)  # created once the asyncio thread runs
+    plan = node.agreement.plan_for(active.proposal) if active else None
+    if plan is None or router is None:
+        return None
+    found = compare(plan, router.finished)
+
+    def figure(value: Figure | None) -> pb.PredictedMeasured | None:
+        if value is None:
+            return None
+        return pb.PredictedMeasured(
+            predicted=value.predicted,
+            measured=value.measured,
+            requests=value.requests,
+            ratio=value.ratio,
+        )
+
+    return pb.PredictionCheck(
+        plan_id=found.plan_id,
+        concurrency=found.concurrency,
+        prompt_len=found.prompt_len,
+        decode_alone=figure(found.decode_alone),
+        decode_concurrent=figure(found.decode_concurrent),
+        prefill=figure(found.prefill),
+        ttft=figure(found.ttft),
+        requests=found.requests,
     )
 
 

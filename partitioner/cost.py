@@ -67,8 +67,17 @@ hops, and m of them take turns at the slowest stage, so the time between two tok
 sequence is max(round, m x slowest step); aggregate tokens/s = C / that. The `speed` strategy
 minimises this time per token (for C = 1 simply the decode time).
 
+Rows a node measured: on a CPU a decode step of r rows costs far more than the roofline says
+(SmolLM2 float32 on one core: 16 rows ~2.3x one row where max(bytes / bandwidth, r x FLOPs /
+compute) with the profile's large-matrix FLOP/s gives 1.0x): small-row matrix products,
+attention over each row's cache and per-row work do not overlap the weight reads. A node that
+measured this from its own steps reports `row_flops` (meshd.mesh.speed_correction); its step
+of r rows then costs the roofline plus (r - 1) x FLOPs / row_flops. Nodes that do not report
+it (and prefill, and tensor-parallel groups) keep the roofline alone.
+
 Time to first token for a prompt of P tokens = sum over stages of max(weight bytes / bandwidth,
-P x FLOPs / compute) + hops carrying P hidden states (the quadratic attention term is left out).
+P x FLOPs / compute) + hops carrying P hidden states (the quadratic attention term is left out);
+the head's FLOPs count once, for the last position (the stages compute no other logits).
 """
 
 from __future__ import annotations
@@ -121,6 +130,8 @@ class Unit:
         empty for one node, which holds them all).
     collective_overhead_s: the slowest member's cost of one collective (groups only).
     layer_overhead_s: fixed seconds per layer and step (the slowest member's for a group).
+    row_flops: FLOP/s of each row a batched decode step adds beyond the first (one node only;
+        inf when the node does not report it: see CostModel.stage_step_s).
     """
 
     nodes: tuple[str, ...]
@@ -135,6 +146,7 @@ class Unit:
     expert_counts: tuple[int, ...] = ()
     collective_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
+    row_flops: float = math.inf
     degree: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -442,14 +454,39 @@ class CostModel:
         return self._stage_s(unit, start, end, last=last, tokens=1)
 
     def stage_step_s(self, unit: Unit, start: int, end: int, *, last: bool, rows: int) -> float:
-        """Seconds for one stage's decode step of ``rows`` sequences batched together."""
-        return self._stage_s(unit, start, end, last=last, tokens=rows)
+        """Seconds for one stage's decode step of ``rows`` sequences batched together: the
+        roofline of the module docstring, plus, where the node reports its `row_flops`, each
+        row beyond the first at that rate (module docstring, "Rows a node measured")."""
+        seconds = self._stage_s(unit, start, end, last=last, tokens=rows)
+        if rows > 1 and unit.row_flops < math.inf and unit.degree == 1:
+            flops = self._prefix_flops[end] - self._prefix_flops[start]
+            if last:
+                flops += self.head_flops
+            seconds += (rows - 1) * flops / unit.row_flops
+        return seconds
 
     def stage_prefill_s(self, unit: Unit, start: int, end: int, *, last: bool) -> float:
-        """Seconds for one stage to process the prompt of `prompt_len` tokens."""
-        return self._stage_s(unit, start, end, last=last, tokens=self.prompt_len)
+        """Seconds for one stage to process the prompt of `prompt_len` tokens (the head, on
+        the last stage, for the last position only: the stages compute no other logits)."""
+        return self.stage_chunk_s(unit, start, end, last=last, tokens=self.prompt_len)
 
-    def _stage_s(self, unit: Unit, start: int, end: int, *, last: bool, tokens: int) -> float:
+    def stage_chunk_s(self, unit: Unit, start: int, end: int, *, last: bool, tokens: int) -> float:
+        """Seconds for one stage to process ``tokens`` prompt positions in one pass."""
+        return self._stage_s(unit, start, end, last=last, tokens=tokens, head_tokens=1)
+
+    def _stage_s(
+        self,
+        unit: Unit,
+        start: int,
+        end: int,
+        *,
+        last: bool,
+        tokens: int,
+        head_tokens: int | None = None,
+    ) -> float:
+        """``head_tokens``: positions whose logits the last stage computes (default: all)."""
+        if head_tokens is None:
+            head_tokens = tokens
         read = self._prefix_active[end] - self._prefix_active[start]
         touch = self.expert_touch(tokens) if self._expert_fraction else 1.0
         flops = self._prefix_flops[end] - self._prefix_flops[start]
@@ -457,15 +494,27 @@ class CostModel:
         if degree == 1:
             if touch > 1.0:
                 read = self._touched_read(start, end, touch)
+            work = tokens * flops
             if last:
                 read += self._head_matrix_bytes
-                flops += self.head_flops
+                work += head_tokens * self.head_flops
             memory_s = read / unit.mem_bandwidth
-            compute_s = tokens * flops / unit.flops
+            compute_s = work / unit.flops
             fixed_s = (end - start) * unit.layer_overhead_s
             return fixed_s + (memory_s if memory_s > compute_s else compute_s)
         seconds = max(
-            self._member_s(unit, m, start, end, read, flops, last=last, tokens=tokens, touch=touch)
+            self._member_s(
+                unit,
+                m,
+                start,
+                end,
+                read,
+                flops,
+                last=last,
+                tokens=tokens,
+                touch=touch,
+                head_tokens=head_tokens,
+            )
             for m in range(degree)
         )
         fixed_s = (end - start) * unit.layer_overhead_s
@@ -483,6 +532,7 @@ class CostModel:
         last: bool,
         tokens: int,
         touch: float = 1.0,
+        head_tokens: int | None = None,
     ) -> float:
         replicated = self._prefix_replicated[end] - self._prefix_replicated[start]
         experts = self._prefix_active_expert[end] - self._prefix_active_expert[start]
@@ -496,12 +546,13 @@ class CostModel:
         if touch > 1.0:  # several tokens touch more of the member's experts (FLOPs do not grow)
             held = self.expert_bytes(start, end) * (expert_share / experts if experts else 0.0)
             member_read += min(expert_share * (touch - 1.0), max(0.0, held - expert_share))
+        work = tokens * member_flops
         if last:
             member_read += self.model.head_matrix_bytes
-            member_flops += self.head_flops
+            work += (tokens if head_tokens is None else head_tokens) * self.head_flops
         return max(
             member_read / unit.member_bandwidth[member],
-            tokens * member_flops / unit.member_flops[member],
+            work / unit.member_flops[member],
         )
 
     def _collectives_s(self, unit: Unit, layers: int, tokens: int) -> float:

@@ -152,6 +152,25 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds:.1f} s"
 
 
+def format_wait(seconds: float) -> str:
+    """A wait as a person reads it: '45 ms' below 0.1 s, else seconds with two significant
+    decimals: '0.57 s', '5.7 s', '57 s' (a time to first token, never '56791 ms')."""
+    if seconds != seconds or seconds == float("inf"):
+        return "inf"
+    if seconds < 0.1:
+        return f"{seconds * 1e3:.0f} ms"
+    if seconds < 10:
+        return f"{seconds:.2f} s" if seconds < 1 else f"{seconds:.1f} s"
+    return f"{seconds:.0f} s"
+
+
+def format_token_rate(tokens_per_s: float) -> str:
+    """'6.5 tokens/s', '123 tokens/s' (one decimal below 100)."""
+    if tokens_per_s < 100:
+        return f"{tokens_per_s:.1f} tokens/s"
+    return f"{tokens_per_s:.0f} tokens/s"
+
+
 def _prefix_factor(prefix: str) -> int:
     return _BINARY_PREFIXES[prefix] if prefix.endswith("i") else _PREFIXES[prefix]
 

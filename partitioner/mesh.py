@@ -5,6 +5,8 @@ Input contract (networkx.DiGraph):
   model), `flops` (float32 matmul FLOP/s), `mem_bandwidth` (bytes/s), optional `name`,
   optional `collective_overhead_s` (seconds the node adds to each collective of a
   tensor-parallel group: device synchronisation; partitioner.cost has the default),
+  optional `row_flops` (FLOP/s of each row a batched decode step adds, measured by the node from
+  its own steps; partitioner.cost: absent, a row adds only its share of the roofline),
   optional `layer_overhead_s` (fixed seconds per layer and decode step: kernel launches and
   synchronisation that do not shrink with the bytes read; 0 when not given).
   Optional `dtype_flops` / `dtype_bandwidth`: {compute key: rate} measured per compute dtype
@@ -63,6 +65,15 @@ class NodeProfile:
         if self.layer_overhead_bucket is None:
             return 0.0
         return bucket_value(self.layer_overhead_bucket)
+
+    row_flops_bucket: int | None = None
+
+    @property
+    def row_flops(self) -> float:
+        """FLOP/s of each row a batched decode step adds; inf when not reported."""
+        if self.row_flops_bucket is None:
+            return math.inf
+        return bucket_value(self.row_flops_bucket)
 
     priced_as: str = field(default="flops", compare=False)  # which measurement (module doc)
 
@@ -165,8 +176,18 @@ class MeshView:
                     n.flops_bucket,
                     n.mem_bandwidth_bucket,
                     n.collective_overhead_bucket,
-                    # only when given: the hashes of meshes without it stay what they were
-                    *([n.layer_overhead_bucket] if n.layer_overhead_bucket is not None else []),
+                    # only when given, and named: the hashes of meshes without them stay
+                    # what they were, and one cannot pass for the other
+                    *(
+                        [["layer_overhead", n.layer_overhead_bucket]]
+                        if n.layer_overhead_bucket is not None
+                        else []
+                    ),
+                    *(
+                        [["row_flops", n.row_flops_bucket]]
+                        if n.row_flops_bucket is not None
+                        else []
+                    ),
                 ]
                 for n in self.nodes.values()
             ],
@@ -293,6 +314,11 @@ def _node_profile(node_id: str, data: dict[str, Any], compute_key: str = "") -> 
             node_id, data.get("layer_overhead_s"), "layer_overhead_s"
         ),
         priced_as=flops_key if flops is not None else "flops",
+        row_flops_bucket=(
+            None
+            if data.get("row_flops") is None
+            else _positive_bucket(node_id, "row_flops", data.get("row_flops"), "FLOP/s")
+        ),
     )
 
 

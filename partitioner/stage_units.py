@@ -50,6 +50,7 @@ def single_units(view: MeshView, reserve_bytes: int) -> list[Unit]:
                     node.flops,
                     node.mem_bandwidth,
                     layer_overhead_s=node.layer_overhead_s,
+                    row_flops=node.row_flops,
                 )
             )
     return units

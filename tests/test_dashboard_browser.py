@@ -8,6 +8,7 @@ pictures)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -134,6 +135,13 @@ def test_dashboard_shows_the_mesh_live_and_chats(
         )
         answer = wait_until(lambda: script(answered), 90, "an answer")
         assert "Paris" in answer, answer
+        # The plan's prediction next to what requests measured, in units a person reads
+        # (seconds to the first token, never a raw count of milliseconds).
+        prediction = "return document.getElementById('plan-prediction').textContent"
+        shown = wait_until(lambda: script(prediction), 15, "the plan's prediction")
+        assert re.search(r"decode alone: predicted [\d.]+ tokens/s", shown), shown
+        assert re.search(r"first token: predicted [\d.]+ m?s", shown), shown
+        assert not re.search(r"\d{4,} ms", shown), shown
         time.sleep(1.5)  # a tokens/s sample or two in the chart
         shoot(browser, shots, "dashboard.png", 1400)
 

@@ -330,9 +330,11 @@ def test_prediction_follows_the_stated_cost_model() -> None:
     plan = plan_model(make_mesh({"a": (GiB, flops, bandwidth)}), model, PlanOptions(prompt_len=64))
     q_flops, q_bw = quantize(flops), quantize(bandwidth)
     read = 300 * MiB + 4 * MiB
-    work = 2 * (300 * MiB // 2) + 2 * 256 * 64
+    head = 2 * 256 * 64
+    work = 2 * (300 * MiB // 2) + head
     assert plan.prediction.decode_s_per_token == pytest.approx(max(read / q_bw, work / q_flops))
-    assert plan.prediction.ttft_s == pytest.approx(max(read / q_bw, 64 * work / q_flops))
+    prompt_work = 64 * (work - head) + head  # the head runs for the last position only
+    assert plan.prediction.ttft_s == pytest.approx(max(read / q_bw, prompt_work / q_flops))
     assert plan.prediction.tokens_per_s == pytest.approx(1 / plan.prediction.decode_s_per_token)
 
 

@@ -58,6 +58,8 @@ from meshd.agreement.protocol import AgreementNode
 from meshd.agreement.remembered import RememberedSelection, write_remembered
 from meshd.mesh.graph import (
     dtype_rates,
+    effective_bandwidth,
+    effective_flops,
     mesh_graph,
     plannable_budget,
     planning_bandwidth,
@@ -107,14 +109,20 @@ def state_digest(state: pb.NodeState) -> str:
     payload = [
         profile.node_id,
         plannable_budget(profile),
-        bucket_index(profile.flops),
-        bucket_index(profile.mem_bandwidth),
+        bucket_index(effective_flops(state)),
+        bucket_index(effective_bandwidth(state)),
         links,
         int(state.tensor_parallel_port),
     ]
-    rates = dtype_rates(profile)  # per-dtype rates, bucketed; absent from older profiles
+    rates = dtype_rates(state)  # per-dtype rates, bucketed; absent from older profiles
     if rates:
         payload.append(rates)
+    if state.speed_correction.row_flops > 0:  # measured by the node: meshd.mesh.graph
+        payload.append(bucket_index(state.speed_correction.row_flops))
+    if state.speed_correction.collective_overhead_s > 0:
+        payload.append(
+            ["collectives", latency_bucket_index(state.speed_correction.collective_overhead_s)]
+        )
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 

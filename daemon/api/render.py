@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
 from meshd.wire import pb
-from partitioner.humanize import format_bytes, format_flops, format_rate
+from partitioner.humanize import (
+    format_bytes,
+    format_flops,
+    format_rate,
+    format_seconds,
+    format_token_rate,
+    format_wait,
+)
 
 
 def _seen(peer: pb.PeerStatus) -> str:
@@ -248,6 +255,9 @@ def status_text(status: pb.MeshStatus) -> str:
     plan += "\n" + transitions_text(status.transitions)
     if status.prefix_cache:
         plan += "\n" + prefix_cache_text(status.prefix_cache)
+    prediction = prediction_text(status)
+    if prediction:
+        plan += "\n" + prediction
     downloads = downloads_text(status)
     if downloads:
         plan += "\n" + downloads
@@ -314,6 +324,64 @@ def downloads_text(status: pb.MeshStatus) -> str:
             f"{left}, from {item.source}"
         )
     return "\n".join(lines)
+
+
+def prediction_text(status: pb.MeshStatus) -> str:
+    """The active plan's predicted speed next to what this node's requests measured (medians),
+    and each node's speed correction."""
+    lines = []
+    if status.HasField("prediction_check"):
+        check = status.prediction_check
+        lines.append(
+            f"predicted vs measured (plan {check.plan_id[:12]}, concurrency {check.concurrency}, "
+            f"{check.requests} finished request(s) here):"
+        )
+        rows = [
+            ("decode alone", check.decode_alone, format_token_rate),
+            (f"decode at {check.concurrency}", check.decode_concurrent, format_token_rate),
+            ("prefill", check.prefill, format_token_rate),
+            ("first token", check.ttft, format_wait),
+        ]
+        for label, figure, show in rows:
+            if label.startswith("decode at") and not check.HasField("decode_concurrent"):
+                continue
+            lines.append(f"  {label:<14} {figure_text(figure, show)}")
+    lines += [correction_text(correction) for correction in status.speed_corrections]
+    return "\n".join(lines)
+
+
+def correction_text(correction: pb.SpeedCorrection) -> str:
+    """'speed correction NODE: 1.32x (decode step 41.2 ms measured, 31.2 ms predicted, median
+    of 64; each batched row 46.2 GFLOP/s; prompts 0.20x ...; collectives 9.7 ms each)'."""
+    parts = []
+    if correction.samples:
+        parts.append(
+            f"decode step {format_seconds(correction.measured_step_s)} measured, "
+            f"{format_seconds(correction.predicted_step_s)} predicted, "
+            f"median of {correction.samples}"
+        )
+    if correction.row_flops:
+        parts.append(f"each batched row {format_flops(correction.row_flops)}")
+    if correction.compute_factor:
+        parts.append(
+            f"prompts {correction.compute_factor:.2f}x (median of "
+            f"{correction.prompt_samples} chunks)"
+        )
+    if correction.collective_overhead_s:
+        parts.append(f"collectives {format_seconds(correction.collective_overhead_s)} each")
+    detail = f" ({'; '.join(parts)})" if parts else ""
+    return f"speed correction {correction.node_id}: {correction.factor:.2f}x{detail}"
+
+
+def figure_text(figure: pb.PredictedMeasured, show: Callable[[float], str]) -> str:
+    """'predicted 6.5 tokens/s, measured 6.9 tokens/s (1.06x, 12 requests)'."""
+    predicted = f"predicted {show(figure.predicted)}" if figure.predicted > 0 else "no prediction"
+    if not figure.requests:
+        return f"{predicted}, not measured yet"
+    return (
+        f"{predicted}, measured {show(figure.measured)} "
+        f"({figure.ratio:.2f}x, {figure.requests} request(s))"
+    )
 
 
 def prefix_cache_text(caches: Iterable[pb.PrefixCacheStatus]) -> str:

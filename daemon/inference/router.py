@@ -43,6 +43,7 @@ from meshd.inference.generation_events import (
     TokenEvent,
 )
 from meshd.inference.install.installer import InstallProgress, ServingSnapshot
+from meshd.inference.prediction_check import FinishedRequest
 from meshd.inference.sampling import SamplingParams
 from meshd.inference.serving.dataplane import DataPlane
 
@@ -58,6 +59,7 @@ PLAN_WAIT_S = 60.0  # the longest a new request waits for the mesh to commit a p
 # grace is 3 s): until then "no model selected" is not an answer yet.
 STARTUP_HEARING_S = 15.0
 ROLES = ("system", "user", "assistant", "tool")
+FINISHED_KEPT = 128  # finished requests kept for the prediction check (a window per plan)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,10 @@ class RequestRouter:
         # Published whole on every change (the trio side's status reads it, see
         # docs/architecture.md "published immutable values").
         self.in_flight: tuple[RequestInfo, ...] = ()
+        # The requests this node finished last, newest last, for the comparison of each plan's
+        # predictions with what its requests measured (meshd.inference.prediction_check):
+        # replaced, never changed, when a request finishes.
+        self.finished: tuple[FinishedRequest, ...] = ()
 
     async def stop_taking_requests(self, reason: str) -> None:
         """From now on every new request is refused with ``reason`` (UNAVAILABLE: a client or
@@ -158,6 +164,7 @@ class RequestRouter:
                     continue
                 if isinstance(event, FinalEvent):
                     outcome = _outcome(event)
+                    self._finished(event)
                 yield event
         except InferenceError as error:
             outcome = f"failed ({error.kind.grpc_status}): {error}"
@@ -168,6 +175,24 @@ class RequestRouter:
                 log.info("request %s %s", client_id, outcome)
             else:
                 log.info("request %s refused before it started: %s", client_id, outcome)
+
+    def _finished(self, final: FinalEvent) -> None:
+        """Keep a finished request's timing (the last FINISHED_KEPT) for the prediction check."""
+        usage = final.usage
+        if not usage.plan_id or usage.resumes:  # a request that moved measured two plans
+            return
+        ended = time.monotonic()
+        started = ended - usage.total_s
+        request = FinishedRequest(
+            plan_id=usage.plan_id,
+            started_at=started,
+            first_token_at=started + usage.ttft_s,
+            ended_at=started + usage.ttft_s + usage.decode_s,
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens,
+            completion_tokens=usage.completion_tokens,
+        )
+        self.finished = (*self.finished[-(FINISHED_KEPT - 1) :], request)
 
     async def stream(self, **request: Any) -> AsyncIterator[ClientEvent]:
         """:meth:`generate` (same arguments) as every API shows it to a client: Routed (again

@@ -7,7 +7,12 @@ attribute. Links to or from nodes that are not alive are left out.
 
 Node attributes: memory_budget (bytes: the node's budget less its process overhead, see
 `plannable_budget`), flops (FLOP/s), mem_bandwidth (bytes/s), name, and where the profile
-measured them dtype_flops / dtype_bandwidth ({compute key: rate}).
+measured them dtype_flops / dtype_bandwidth ({compute key: rate}). FLOP/s and bandwidth (per
+dtype too) are the profile's divided by the node's published speed correction
+(`meshd.mesh.speed_correction`: how much slower its decode steps ran than predicted; FLOP/s by
+its compute factor instead where it measured its prompt chunks);
+row_flops, where the node measured it: FLOP/s of each row a batched decode step adds;
+collective_overhead_s, where it led a tensor-parallel group: what each collective cost.
 Edge attributes (directed src -> dst): latency_s and bandwidth (bytes/s) as planning uses
 them (the measurer's bucket, with hysteresis), measured_latency_s and measured_bandwidth
 (the last raw sample), tcp_rtt_s, grpc_rtt_s, measured_at, and trusted: whether the link may
@@ -37,10 +42,15 @@ def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
             profile.node_id,
             name=profile.name,
             memory_budget=plannable_budget(profile),
-            flops=float(profile.flops),
-            mem_bandwidth=float(profile.mem_bandwidth),
-            **dtype_rates(profile),
+            flops=effective_flops(state),
+            mem_bandwidth=effective_bandwidth(state),
+            **dtype_rates(state),
         )
+        if state.speed_correction.row_flops > 0:
+            graph.nodes[profile.node_id]["row_flops"] = state.speed_correction.row_flops
+        if state.speed_correction.collective_overhead_s > 0:
+            overhead = state.speed_correction.collective_overhead_s
+            graph.nodes[profile.node_id]["collective_overhead_s"] = overhead
     published = {
         (link.src, link.dst): link
         for state in states
@@ -73,20 +83,44 @@ def plannable_budget(profile: pb.NodeProfile) -> int:
     return max(0, int(profile.memory_budget) - int(profile.process_overhead))
 
 
-def dtype_rates(profile: pb.NodeProfile) -> dict[str, dict[str, float]]:
-    """The profile's per-dtype rates as the partitioner reads them (partitioner.mesh), each
-    rate at its bucket's value, as `flops` is priced: every node builds the same graph from
+def dtype_rates(state: pb.NodeState) -> dict[str, dict[str, float]]:
+    """The profile's per-dtype rates as the partitioner reads them (partitioner.mesh), corrected
+    as `flops` and `mem_bandwidth` are (the correction was measured against whichever rate the
+    model was priced at), each at its bucket's value: every node builds the same graph from
     the same states, and noise inside a bucket changes no plan. Empty for older profiles."""
+    divisors = {"dtype_flops": _compute_divisor(state), "dtype_bandwidth": speed_factor(state)}
     rates = {}
-    for name in ("dtype_flops", "dtype_bandwidth"):
-        measured = getattr(profile, name)
+    for name, divisor in divisors.items():
+        measured = getattr(state.profile, name)
         if measured:
             rates[name] = {
-                key: bucket_value(bucket_index(rate))
+                key: bucket_value(bucket_index(rate / divisor))
                 for key, rate in sorted(measured.items())
                 if rate > 0
             }
     return rates
+
+
+def speed_factor(state: pb.NodeState) -> float:
+    """The node's published speed correction (1 when it published none)."""
+    factor = state.speed_correction.factor if state.HasField("speed_correction") else 0.0
+    return factor if factor > 0 else 1.0
+
+
+def _compute_divisor(state: pb.NodeState) -> float:
+    compute = state.speed_correction.compute_factor
+    return compute if compute > 0 else speed_factor(state)
+
+
+def effective_flops(state: pb.NodeState) -> float:
+    """The FLOP/s planning uses: the profile's, divided by the node's compute factor where it
+    measured its prompts, else by its speed correction."""
+    return float(state.profile.flops) / _compute_divisor(state)
+
+
+def effective_bandwidth(state: pb.NodeState) -> float:
+    """The memory bandwidth planning uses: the profile's, divided by the speed correction."""
+    return float(state.profile.mem_bandwidth) / speed_factor(state)
 
 
 def planning_bandwidth(link: pb.LinkMeasurement) -> float:
@@ -105,10 +139,12 @@ def planning_latency(link: pb.LinkMeasurement) -> float:
 def graph_from_status(status: pb.MeshStatus) -> nx.DiGraph:
     """The live view as the local API reports it (for `meshd plan` and tools)."""
     alive = {n.profile.node_id for n in status.nodes if n.alive}
+    corrections = {c.node_id: c for c in status.speed_corrections}
     states = [
         pb.NodeState(
             profile=n.profile,
             links=[m for m in status.links if m.src == n.profile.node_id and m.dst in alive],
+            speed_correction=corrections.get(n.profile.node_id),
         )
         for n in status.nodes
         if n.alive

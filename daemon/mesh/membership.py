@@ -124,6 +124,8 @@ class Membership:
         self.loaded_plans: tuple[str, ...] = ()  # plans whose stage is loaded here
         self.hub_access: bool | None = None  # unknown until this node asked the Hub once
         self.downloads: tuple[pb.Download, ...] = ()  # files arriving here now
+        # How much slower than its profile predicts this node's stage runs (None: not known).
+        self.speed_correction: pb.SpeedCorrection | None = None
         self.version = 1
         # Wakes each peer's beat sender when this node's own state changes (trio thread).
         self._version_watchers: set[Callable[[], None]] = set()
@@ -202,6 +204,13 @@ class Membership:
             self.downloads = downloads
             self._publish()
 
+    def set_speed_correction(self, correction: pb.SpeedCorrection) -> None:
+        """Publish this node's speed correction (every node then plans with it; the caller
+        changes it only past a threshold, see meshd.mesh.speed_correction)."""
+        if correction != self.speed_correction:
+            self.speed_correction = correction
+            self._publish()
+
     def set_leaving(self) -> None:
         """Announce that this node is stopping: peers plan without it from now on."""
         if not self.leaving:
@@ -228,6 +237,7 @@ class Membership:
             loaded_plans=self.loaded_plans,
             hub_access=self.hub_access,
             downloads=self.downloads,
+            speed_correction=self.speed_correction,
         )
 
     def _publish(self) -> None:

@@ -132,7 +132,7 @@ class LinkMeasurement(_message.Message):
     def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., tcp_rtt_s: _Optional[float] = ..., grpc_rtt_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., bandwidth: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., measured_at: _Optional[float] = ..., latency_bucket: _Optional[int] = ..., bandwidth_bucket: _Optional[int] = ..., trusted: _Optional[bool] = ..., trust_reason: _Optional[str] = ..., src_address: _Optional[str] = ..., dst_address: _Optional[str] = ...) -> None: ...
 
 class NodeState(_message.Message):
-    __slots__ = ("profile", "links", "version", "instance_id", "alive_peers", "model", "leaving", "tensor_parallel_port", "loaded_plans", "hub_access", "downloads")
+    __slots__ = ("profile", "links", "version", "instance_id", "alive_peers", "model", "leaving", "tensor_parallel_port", "loaded_plans", "hub_access", "downloads", "speed_correction")
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class NodeState(_message.Message):
     LOADED_PLANS_FIELD_NUMBER: _ClassVar[int]
     HUB_ACCESS_FIELD_NUMBER: _ClassVar[int]
     DOWNLOADS_FIELD_NUMBER: _ClassVar[int]
+    SPEED_CORRECTION_FIELD_NUMBER: _ClassVar[int]
     profile: NodeProfile
     links: _containers.RepeatedCompositeFieldContainer[LinkMeasurement]
     version: int
@@ -155,7 +156,34 @@ class NodeState(_message.Message):
     loaded_plans: _containers.RepeatedScalarFieldContainer[str]
     hub_access: bool
     downloads: _containers.RepeatedCompositeFieldContainer[Download]
-    def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., version: _Optional[int] = ..., instance_id: _Optional[str] = ..., alive_peers: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelSelection, _Mapping]] = ..., leaving: _Optional[bool] = ..., tensor_parallel_port: _Optional[int] = ..., loaded_plans: _Optional[_Iterable[str]] = ..., hub_access: _Optional[bool] = ..., downloads: _Optional[_Iterable[_Union[Download, _Mapping]]] = ...) -> None: ...
+    speed_correction: SpeedCorrection
+    def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., version: _Optional[int] = ..., instance_id: _Optional[str] = ..., alive_peers: _Optional[_Iterable[str]] = ..., model: _Optional[_Union[ModelSelection, _Mapping]] = ..., leaving: _Optional[bool] = ..., tensor_parallel_port: _Optional[int] = ..., loaded_plans: _Optional[_Iterable[str]] = ..., hub_access: _Optional[bool] = ..., downloads: _Optional[_Iterable[_Union[Download, _Mapping]]] = ..., speed_correction: _Optional[_Union[SpeedCorrection, _Mapping]] = ...) -> None: ...
+
+class SpeedCorrection(_message.Message):
+    __slots__ = ("node_id", "factor", "samples", "measured_step_s", "predicted_step_s", "updated_at", "plan_id", "row_flops", "compute_factor", "prompt_samples", "collective_overhead_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROW_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    factor: float
+    samples: int
+    measured_step_s: float
+    predicted_step_s: float
+    updated_at: float
+    plan_id: str
+    row_flops: float
+    compute_factor: float
+    prompt_samples: int
+    collective_overhead_s: float
+    def __init__(self, node_id: _Optional[str] = ..., factor: _Optional[float] = ..., samples: _Optional[int] = ..., measured_step_s: _Optional[float] = ..., predicted_step_s: _Optional[float] = ..., updated_at: _Optional[float] = ..., plan_id: _Optional[str] = ..., row_flops: _Optional[float] = ..., compute_factor: _Optional[float] = ..., prompt_samples: _Optional[int] = ..., collective_overhead_s: _Optional[float] = ...) -> None: ...
 
 class Download(_message.Message):
     __slots__ = ("node", "repo", "file", "done_bytes", "total_bytes", "rate_bytes_per_s", "seconds_left", "source")
@@ -404,7 +432,7 @@ class PeerStatus(_message.Message):
     def __init__(self, profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., joined_at: _Optional[float] = ..., source: _Optional[str] = ..., instance_id: _Optional[str] = ..., clock_offset_s: _Optional[float] = ...) -> None: ...
 
 class MeshStatus(_message.Message):
-    __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at", "agreement", "memory", "http_url", "requests", "transitions", "tensor_parallel_groups", "tensor_parallel_runners", "lane_address", "downloads", "loop_crossings", "prefix_cache")
+    __slots__ = ("node_id", "mesh_name", "mesh_fingerprint", "protocol_version", "peer_address", "nodes", "links", "events", "blas", "generated_at", "agreement", "memory", "http_url", "requests", "transitions", "tensor_parallel_groups", "tensor_parallel_runners", "lane_address", "downloads", "loop_crossings", "prefix_cache", "prediction_check", "speed_corrections")
     class LoopCrossingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -433,6 +461,8 @@ class MeshStatus(_message.Message):
     DOWNLOADS_FIELD_NUMBER: _ClassVar[int]
     LOOP_CROSSINGS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_CHECK_FIELD_NUMBER: _ClassVar[int]
+    SPEED_CORRECTIONS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     mesh_name: str
     mesh_fingerprint: str
@@ -454,7 +484,41 @@ class MeshStatus(_message.Message):
     downloads: _containers.RepeatedCompositeFieldContainer[Download]
     loop_crossings: _containers.ScalarMap[str, int]
     prefix_cache: _containers.RepeatedCompositeFieldContainer[PrefixCacheStatus]
-    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ..., agreement: _Optional[_Union[AgreementStatus, _Mapping]] = ..., memory: _Optional[_Union[RuntimeMemory, _Mapping]] = ..., http_url: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., transitions: _Optional[_Union[PlanTransitions, _Mapping]] = ..., tensor_parallel_groups: _Optional[_Iterable[_Union[TensorParallelGroup, _Mapping]]] = ..., tensor_parallel_runners: _Optional[_Iterable[_Union[TensorParallelRunner, _Mapping]]] = ..., lane_address: _Optional[str] = ..., downloads: _Optional[_Iterable[_Union[Download, _Mapping]]] = ..., loop_crossings: _Optional[_Mapping[str, int]] = ..., prefix_cache: _Optional[_Iterable[_Union[PrefixCacheStatus, _Mapping]]] = ...) -> None: ...
+    prediction_check: PredictionCheck
+    speed_corrections: _containers.RepeatedCompositeFieldContainer[SpeedCorrection]
+    def __init__(self, node_id: _Optional[str] = ..., mesh_name: _Optional[str] = ..., mesh_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., blas: _Optional[str] = ..., generated_at: _Optional[float] = ..., agreement: _Optional[_Union[AgreementStatus, _Mapping]] = ..., memory: _Optional[_Union[RuntimeMemory, _Mapping]] = ..., http_url: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., transitions: _Optional[_Union[PlanTransitions, _Mapping]] = ..., tensor_parallel_groups: _Optional[_Iterable[_Union[TensorParallelGroup, _Mapping]]] = ..., tensor_parallel_runners: _Optional[_Iterable[_Union[TensorParallelRunner, _Mapping]]] = ..., lane_address: _Optional[str] = ..., downloads: _Optional[_Iterable[_Union[Download, _Mapping]]] = ..., loop_crossings: _Optional[_Mapping[str, int]] = ..., prefix_cache: _Optional[_Iterable[_Union[PrefixCacheStatus, _Mapping]]] = ..., prediction_check: _Optional[_Union[PredictionCheck, _Mapping]] = ..., speed_corrections: _Optional[_Iterable[_Union[SpeedCorrection, _Mapping]]] = ...) -> None: ...
+
+class PredictedMeasured(_message.Message):
+    __slots__ = ("predicted", "measured", "requests", "ratio")
+    PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    predicted: float
+    measured: float
+    requests: int
+    ratio: float
+    def __init__(self, predicted: _Optional[float] = ..., measured: _Optional[float] = ..., requests: _Optional[int] = ..., ratio: _Optional[float] = ...) -> None: ...
+
+class PredictionCheck(_message.Message):
+    __slots__ = ("plan_id", "concurrency", "prompt_len", "decode_alone", "decode_concurrent", "prefill", "ttft", "requests")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ALONE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CONCURRENT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    TTFT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    concurrency: int
+    prompt_len: int
+    decode_alone: PredictedMeasured
+    decode_concurrent: PredictedMeasured
+    prefill: PredictedMeasured
+    ttft: PredictedMeasured
+    requests: int
+    def __init__(self, plan_id: _Optional[str] = ..., concurrency: _Optional[int] = ..., prompt_len: _Optional[int] = ..., decode_alone: _Optional[_Union[PredictedMeasured, _Mapping]] = ..., decode_concurrent: _Optional[_Union[PredictedMeasured, _Mapping]] = ..., prefill: _Optional[_Union[PredictedMeasured, _Mapping]] = ..., ttft: _Optional[_Union[PredictedMeasured, _Mapping]] = ..., requests: _Optional[int] = ...) -> None: ...
 
 class RequestStatus(_message.Message):
     __slots__ = ("request_id", "plan_id", "prompt_tokens", "max_tokens", "started_at")

@@ -23,6 +23,50 @@ function ms(seconds) {
   const v = num(seconds) * 1e3;
   return (v < 1 ? v.toFixed(3) : v.toFixed(1)) + " ms";
 }
+// Mirrors partitioner.humanize.format_wait and format_token_rate: "0.57 s", "6.5 tokens/s".
+function wait(seconds) {
+  const v = num(seconds);
+  if (v < 0.1) return (v * 1e3).toFixed(0) + " ms";
+  if (v < 10) return v < 1 ? v.toFixed(2) + " s" : v.toFixed(1) + " s";
+  return v.toFixed(0) + " s";
+}
+function tokenRate(perS) {
+  const v = num(perS);
+  return (v < 100 ? v.toFixed(1) : v.toFixed(0)) + " tokens/s";
+}
+// One predicted figure and what this node's requests measured: "predicted 6.5 tokens/s,
+// measured 6.9 tokens/s (1.06×, 12 requests)".
+function figure(f, show) {
+  if (!f) return "";
+  const predicted = num(f.predicted) > 0 ? `predicted ${show(f.predicted)}` : "no prediction";
+  if (!num(f.requests)) return `${predicted}, not measured yet`;
+  return `${predicted}, measured ${show(f.measured)} (${num(f.ratio).toFixed(2)}×, ` +
+    `${f.requests} request${num(f.requests) === 1 ? "" : "s"})`;
+}
+function predictionLines(status, plan) {
+  const check = status.prediction_check;
+  const p = plan.prediction;
+  if (!check || !check.plan_id) {
+    return p ? [`predicted ${tokenRate(p.tokens_per_s)}, first token ${wait(p.ttft_s)} ` +
+      `for ${p.prompt_len} prompt tokens`] : [];
+  }
+  const lines = [`decode alone: ${figure(check.decode_alone, tokenRate)}`];
+  if (check.decode_concurrent && num(check.concurrency) > 1)
+    lines.push(`decode at ${check.concurrency}: ${figure(check.decode_concurrent, tokenRate)} per request`);
+  lines.push(`prefill: ${figure(check.prefill, tokenRate)}`);
+  lines.push(`first token: ${figure(check.ttft, wait)}`);
+  for (const c of status.speed_corrections || []) {
+    const parts = [];
+    if (num(c.samples) > 0) parts.push(`median of ${c.samples} decode steps`);
+    if (num(c.row_flops) > 0) parts.push(`each batched row ${(num(c.row_flops) / 1e9).toFixed(1)} GFLOP/s`);
+    if (num(c.compute_factor) > 0) parts.push(`prompts ${num(c.compute_factor).toFixed(2)}×`);
+    if (num(c.collective_overhead_s) > 0)
+      parts.push(`collectives ${(num(c.collective_overhead_s) * 1e3).toFixed(2)} ms each`);
+    lines.push(`speed correction ${nameOf(status, c.node_id)}: ${num(c.factor || 1).toFixed(2)}×` +
+      (parts.length ? ` (${parts.join("; ")})` : ""));
+  }
+  return lines;
+}
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs)) {
@@ -253,9 +297,8 @@ function drawPlan(status) {
         el("span", { className: "used", style: `width:${Math.min(100, 100 * num(m.total_bytes) / Math.max(1, budget))}%;background:${STAGE_COLORS[m.stage % STAGE_COLORS.length]}` })),
       el("span", { className: "muted" }, `${mb(m.total_bytes)} of ${gb(budget)}`)));
   }
-  const p = plan.prediction;
-  if (p) $("plan-prediction").textContent = `predicted ${num(p.tokens_per_s).toFixed(1)} tokens/s, ` +
-    `first token ${(num(p.ttft_s) * 1e3).toFixed(0)} ms for ${p.prompt_len} prompt tokens`;
+  $("plan-prediction").replaceChildren(
+    ...predictionLines(status, plan).map((line) => el("div", {}, line)));
 }
 
 // Tensor-parallel groups of the plan (ranks, backend, the link and why it may carry them),

@@ -30,6 +30,7 @@ requests in flight they compute at the same time, and each then uses its share.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -48,6 +49,7 @@ from meshd.inference.stage.prefix import PrefixCacheView
 from meshd.inference.stage_events import (
     Action,
     ActivationFrame,
+    Advanced,
     ComputeFailed,
     DropSlots,
     EndFrame,
@@ -89,6 +91,11 @@ LOOP_SENDS_ENV = "MESHD_LOOP_SENDS"
 # one waits there, so the thread goes on without waiting for this loop to hand it out, and the
 # choice of what runs next is still made no more than one step ahead.
 QUEUED_STEPS = 2
+
+# Decode steps kept for the speed correction (meshd.mesh.speed_correction reads a window).
+DECODE_STEPS_KEPT = 128
+# Prompt chunks of fewer positions are not timed for it (a short chunk is not compute-bound).
+MIN_TIMED_CHUNK = 32
 
 
 @dataclass(eq=False)
@@ -142,6 +149,18 @@ class StageRuntime:
         # The prefix caches as status shows them: replaced (never changed) by this loop when a
         # request ends or a plan comes or goes, read by any thread (the status, the dashboard).
         self.prefix_view: tuple[PrefixCacheView, ...] = ()
+        # This node's recent decode steps, (plan id, rows, seconds of the forward pass), newest
+        # last: what its speed correction compares with the cost model. Replaced (never
+        # changed) after each decode step, read by any thread.
+        self.decode_steps: tuple[tuple[str, int, float], ...] = ()
+        self._decode_steps: collections.deque[tuple[str, int, float]] = collections.deque(
+            maxlen=DECODE_STEPS_KEPT
+        )
+        # ...and its recent prompt chunks, (plan id, positions, seconds): compute-bound steps.
+        self.prompt_chunks: tuple[tuple[str, int, float], ...] = ()
+        self._prompt_chunks: collections.deque[tuple[str, int, float]] = collections.deque(
+            maxlen=DECODE_STEPS_KEPT
+        )
 
     # ------------------------------------------------------------ plans
 
@@ -473,7 +492,9 @@ class StageRuntime:
             failed = ComputeFailed(FailureKind.INTERNAL, describe_error(outcome.error))
             results = [failed] * len(job)
         else:
-            results, sent = outcome.result()
+            results, sent, step_s = outcome.result()
+            if step_s is not None:
+                self._record_step(job, step_s)
         actions: list[Action] = []
         now = time.monotonic()
         for row, (work, result) in enumerate(zip(job, results, strict=True)):
@@ -496,6 +517,16 @@ class StageRuntime:
             self._carry_out_bundled(actions)
         else:
             self._carry_out(actions)
+
+    def _record_step(self, job: list[Work], seconds: float) -> None:
+        """Keep a decode step's or a prompt chunk's time (for the speed correction)."""
+        plan_id = job[0].plan_id
+        if is_decode_step(job[0]):
+            self._decode_steps.append((plan_id, len(job), seconds))
+            self.decode_steps = tuple(self._decode_steps)
+        else:
+            self._prompt_chunks.append((plan_id, prompt_positions(job[0]), seconds))
+            self.prompt_chunks = tuple(self._prompt_chunks)
 
     # ------------------------------------------------------------ housekeeping
 
@@ -525,9 +556,10 @@ def _log_failure(what: str, future: asyncio.Future[None]) -> None:
         log.error("%s failed", what, exc_info=future.exception())
 
 
-# A job's results, and for a job whose hidden states the compute thread sent itself, whether
-# each row's went (None: the loop sends them all).
-_JobResult = tuple[list[StepResult], list[bool] | None]
+# A job's results; for a job whose hidden states the compute thread sent itself, whether
+# each row's went (None: the loop sends them all); for a decode step that every row ran, the
+# seconds of its forward pass (None otherwise: a prompt chunk, a speculative or failed step).
+_JobResult = tuple[list[StepResult], list[bool] | None, float | None]
 
 
 def _steps_job(
@@ -541,15 +573,35 @@ def _steps_job(
     bookkeeping) runs while the next stage already computes."""
     if hoptrace.enabled:
         hoptrace.mark("step_start")
+    started = time.perf_counter()
     if len(job) == 1:
         results = [run_step(engine, job[0], cores_share)]
     else:
         results = run_steps(engine, job, cores_share)
+    step_s: float | None = time.perf_counter() - started
+    timed = all(is_decode_step(work) for work in job) or (
+        len(job) == 1 and prompt_positions(job[0]) >= MIN_TIMED_CHUNK
+    )
+    if not timed or not all(isinstance(r, Hidden | Advanced | Sampled) for r in results):
+        step_s = None
     with_frames = [_with_frame(work, result) for work, result in zip(job, results, strict=True)]
     if hoptrace.enabled:
         hoptrace.mark("step_done")
     sent = _send_now(job, with_frames, lanes) if lanes is not None else None
-    return with_frames, sent
+    return with_frames, sent, step_s
+
+
+def prompt_positions(work: Work) -> int:
+    """Positions of a plain prompt chunk (0 for any other step: decode, speculative, a first
+    step on a kept prefix)."""
+    if work.follows or work.drafts or work.draft_limit or work.rollback:
+        return 0
+    if work.slot_use is not None:
+        return 0
+    if work.tokens is not None:
+        return len(work.tokens) if len(work.tokens) > 1 else 0
+    shape = getattr(work.payload, "shape", ())
+    return int(shape[1]) if len(shape) == 3 and shape[1] > 1 else 0
 
 
 def _send_now(job: list[Work], results: list[StepResult], lanes: dict[str, Lane]) -> list[bool]:
