@@ -109,9 +109,10 @@ def test_three_hosts_answer_paris(mesh_of_three) -> None:
     # and not below zero by more than a hop. The last stage sends each token to the first stage
     # and to the origin at once, so the next step may start a moment before the origin stamps
     # the token's arrival; on a busy host that overlap exceeded the cheap loopback hops once
-    # (-0.085 ms a token in a clean-clone CI run).
+    # (-0.085 ms a token in a clean-clone CI run, -1.3 ms on a host at load 6). The bound
+    # below still catches compute counted twice (a token here takes ~90 ms).
     assert done.completion_tokens > 1
-    assert -1e-3 < done.transport_s_per_token < 1 / done.decode_tokens_per_s, done
+    assert -1e-2 < done.transport_s_per_token < 1 / done.decode_tokens_per_s, done
 
 
 def test_the_os_sees_each_daemon_thread_by_its_job(mesh_of_three) -> None:
