@@ -29,6 +29,10 @@ PROFILE_FILE = "profile.json"
 # beside a model: their daemons plan the whole budget for the model, as the planner's tests
 # expect. Tests of the process overhead itself give their daemons MESHD_PROCESS_OVERHEAD="".
 os.environ.setdefault("MESHD_PROCESS_OVERHEAD", "0")
+# Many meshes share this machine's few cores at once, so a node's decode steps say more about
+# its neighbours than about itself: a speed correction from them would re-plan a test's mesh
+# at a moment the test does not choose. Tests of the correction pass --speed-correction.
+os.environ.setdefault("MESHD_SPEED_CORRECTION", "0")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -50,7 +50,7 @@ def mesh(
         overstated_profile(profile_template, state / "profile.json")
         args = [*LOOPBACK, "--join", token, "--name", f"p{i}", "--model",
                 str(default_model_entry.path), "--strategy", "memory", "--context-length", "512",
-                "--no-prefix-cache"]  # fmt: skip
+                "--no-prefix-cache", "--speed-correction"]  # fmt: skip
         daemons.append(DaemonProcess(state, args).start())
     try:
         for daemon in daemons:
