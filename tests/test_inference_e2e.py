@@ -109,10 +109,12 @@ def test_three_hosts_answer_paris(mesh_of_three) -> None:
     # and not below zero by more than a hop. The last stage sends each token to the first stage
     # and to the origin at once, so the next step may start a moment before the origin stamps
     # the token's arrival; on a busy host that overlap exceeded the cheap loopback hops once
-    # (-0.085 ms a token in a clean-clone CI run, -1.3 ms on a host at load 6). The bound
-    # below still catches compute counted twice (a token here takes ~90 ms).
+    # (-0.085 ms a token in a clean-clone CI run; -1.3 and -14 ms while the suite's other
+    # process kept the second core busy: a stage's compute time counts its waits for a core).
+    # A quarter of a token still tells that from compute counted twice.
     assert done.completion_tokens > 1
-    assert -1e-2 < done.transport_s_per_token < 1 / done.decode_tokens_per_s, done
+    token_s = 1 / done.decode_tokens_per_s
+    assert -0.25 * token_s < done.transport_s_per_token < token_s, done
 
 
 def test_the_os_sees_each_daemon_thread_by_its_job(mesh_of_three) -> None:

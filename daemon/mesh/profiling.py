@@ -207,6 +207,10 @@ def measure_node_profile(
     bandwidth = measure_memory_bandwidth_samples(total)
     busy_cores = watch.stop()
     cores = usable_cores()
+    # The careful measurement (many samples, their spread, the load check) is the rate of the
+    # profile's own dtype too: one figure for it, whichever of the two the planner reads.
+    device["dtype_flops"] = {**device["dtype_flops"], dtype: flops.value}
+    device["dtype_bandwidth"] = {**device["dtype_bandwidth"], dtype: bandwidth.value}
     return NodeProfile(
         total_memory=total,
         available_memory=int(psutil.virtual_memory().available),
