@@ -232,6 +232,11 @@ def test_the_tracker_grows_on_evidence_and_never_shrinks_while_running() -> None
     assert not tracker.observe(150 * MIB, stage_loaded=True)
     assert tracker.planned == planned_overhead(400 * MIB, loaded_before=True)
     assert tracker.remembered() == Remembered(400 * MIB, True)
+    # A new mark inside the planned amount uses the headroom: no new plan, none squeezed.
+    inside = tracker.planned - MIB
+    assert inside > 400 * MIB and not tracker.observe(inside, stage_loaded=True)
+    assert tracker.planned == planned_overhead(400 * MIB, loaded_before=True)
+    assert tracker.remembered() == Remembered(inside, True)  # the next start plans from it
 
 
 def test_a_remembered_mark_is_planned_from_the_start() -> None:

@@ -140,9 +140,11 @@ def write_remembered(state_dir: Path, remembered: Remembered) -> None:
 class OverheadTracker:
     """The high-water mark of this process's memory beside MLX, and the overhead to plan.
 
-    ``observe`` takes a reading and says whether the planned overhead must grow (the reading,
-    with headroom, no longer fits in it). The planned overhead never shrinks while the daemon
-    runs: the next start plans with the remembered mark.
+    ``observe`` takes a reading and says whether the planned overhead must grow: only when the
+    reading no longer fits in what is planned (its headroom used up), and then to the new mark
+    with headroom again. A new mark within the planned amount changes nothing, so a mesh is not
+    re-planned, and squeezed, at every small rise. The planned overhead never shrinks while the
+    daemon runs: the next start plans with the remembered mark.
     """
 
     def __init__(self, remembered: Remembered, fixed: int | None = None) -> None:
@@ -157,6 +159,8 @@ class OverheadTracker:
         """Whether this reading would make the planned overhead grow (before taking it)."""
         if self.fixed is not None:
             return False
+        if self.planned and reading <= self.planned:
+            return False
         high_water = max(self.high_water, reading)
         loaded_before = self.loaded_before or stage_loaded
         at_start = self.at_start or reading
@@ -169,7 +173,7 @@ class OverheadTracker:
         self.at_start = self.at_start or reading
         self.high_water = max(self.high_water, reading)
         self.loaded_before = self.loaded_before or stage_loaded
-        if self.fixed is not None:
+        if self.fixed is not None or (self.planned and reading <= self.planned):
             return False
         wanted = planned_overhead(
             self.high_water, loaded_before=self.loaded_before, at_start=self.at_start
