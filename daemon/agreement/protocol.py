@@ -429,16 +429,15 @@ class AgreementNode:
 
     def _holds(self, member: NodeId, proposal: Proposal) -> bool:
         message = self._latest.get(member)
-        if message is None:
-            return False
-        return message.proposal is proposal or message.proposal == proposal
+        return message is not None and message.proposal == proposal
 
     def _interned(self, message: ProposalMessage) -> ProposalMessage:
         """`message`, holding this node's own proposal object where it carries an equal one.
 
         A proposal compares its whole member list: checking every member's confirmation on
         every message costs O(members) per member. Equal proposals shared as one object
-        compare by identity, which keeps a large mesh's commit checks linear.
+        compare by identity (``Proposal.__eq__`` checks it first), which keeps a large mesh's
+        commit checks linear.
         """
         own = self._proposal
         if own is None or message.proposal is None or message.proposal is own:

@@ -169,19 +169,16 @@ class OverheadTracker:
 
     def observe(self, reading: int, *, stage_loaded: bool) -> bool:
         """Take a reading; True when the planned overhead grew (re-publish the profile)."""
+        grows = self.outgrows(reading, stage_loaded=stage_loaded)
         self.last = reading
         self.at_start = self.at_start or reading
         self.high_water = max(self.high_water, reading)
         self.loaded_before = self.loaded_before or stage_loaded
-        if self.fixed is not None or (self.planned and reading <= self.planned):
-            return False
-        wanted = planned_overhead(
-            self.high_water, loaded_before=self.loaded_before, at_start=self.at_start
-        )
-        if wanted > self.planned:
-            self.planned = wanted
-            return True
-        return False
+        if grows:
+            self.planned = planned_overhead(
+                self.high_water, loaded_before=self.loaded_before, at_start=self.at_start
+            )
+        return grows
 
     def refusal(self, budget: int | None) -> str | None:
         """Why ``--memory-budget`` cannot run this daemon (None: it can, or none was given).
