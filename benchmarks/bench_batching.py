@@ -69,7 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -207,21 +207,33 @@ def start_mesh(
     return daemons
 
 
-async def one_request(client, url: str, messages, max_tokens: int, sent: float) -> tuple:
+async def chat_chunks(client, url: str, messages, max_tokens: int) -> AsyncIterator[tuple]:
+    """One greedy streaming chat request through the OpenAI API: (arrival time, chunk) for
+    each chunk, the usage in the last one."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    times: list[float] = []
-    tokens = 0
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as reply:
         reply.raise_for_status()
         async for line in reply.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                times.append(time.perf_counter())
+            yield time.perf_counter(), chunk
+
+
+def has_text(chunk: dict) -> bool:
+    """Whether a streamed chat chunk carries generated text."""
+    return bool(chunk.get("choices") and chunk["choices"][0]["delta"].get("content"))
+
+
+async def one_request(client, url: str, messages, max_tokens: int, sent: float) -> tuple:
+    times: list[float] = []
+    tokens = 0
+    async for arrived, chunk in chat_chunks(client, url, messages, max_tokens):
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if has_text(chunk):
+            times.append(arrived)
     ttft = times[0] - sent if times else float("nan")
     return tokens, ttft, [b - a for a, b in itertools.pairwise(times)], times[-1]
 

@@ -53,6 +53,8 @@ from bench_batching import (
     TOPICS,
     PinnedDaemon,
     bench_root,
+    chat_chunks,
+    has_text,
     loopback_networks,
     node_layouts,
     wait_for_stages,
@@ -95,21 +97,14 @@ def prompt(index: int, words: int) -> list[dict[str, str]]:
 
 async def timed_request(http, url: str, messages, max_tokens: int) -> FinishedRequest:
     """One streaming chat request, timed as the origin times it (sent, first token, last)."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
     started = time.perf_counter()
     first = last = 0.0
     usage: dict = {}
-    async with http.stream("POST", url + "/v1/chat/completions", json=body) as reply:
-        reply.raise_for_status()
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                last = time.perf_counter()
-                first = first or last
+    async for arrived, chunk in chat_chunks(http, url, messages, max_tokens):
+        usage = chunk.get("usage") or usage
+        if has_text(chunk):
+            last = arrived
+            first = first or last
     details = usage.get("prompt_tokens_details") or {}
     return FinishedRequest(
         plan_id="",  # filled in once the row knows its plan
