@@ -3,6 +3,12 @@ stops it at start-up with what to install."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from meshd.api.render import status_text
@@ -41,8 +47,6 @@ def test_forced_gpu_without_one_refuses_to_start(daemons, mesh_token: str) -> No
 
 def test_meshd_profile_measures_on_the_configured_device(tmp_path) -> None:
     import json
-    import subprocess
-    import sys
 
     command = [sys.executable, "-m", "meshd.api.cli", "profile", "--state-dir", str(tmp_path)]
     done = subprocess.run(
@@ -57,3 +61,31 @@ def test_meshd_profile_measures_on_the_configured_device(tmp_path) -> None:
             [*command, "--device", "gpu"], capture_output=True, text=True, timeout=120
         )
         assert refused.returncode == 2 and "reports no GPU" in refused.stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MLX's backend is a wheel of its own on Linux")
+def test_an_mlx_without_its_backend_is_named_with_the_extra_to_install(tmp_path) -> None:
+    """On Linux the `mlx` wheel is the bindings alone and the backend (mlx-cpu, mlx-cuda-12...)
+    an extra: this is that install, MLX's own package without the backend's library folder,
+    found first on the path. Commands and the daemon stop with what to install, no traceback."""
+    import mlx
+
+    bindings = tmp_path / "site" / "mlx"
+    shutil.copytree(
+        Path(mlx.__path__[0]), bindings, ignore=shutil.ignore_patterns("lib", "include")
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(bindings.parent), os.environ.get("PYTHONPATH", "")]))}  # fmt: skip
+    state = tmp_path / "state"
+    commands = [
+        ["profile", "--state-dir", str(state)],
+        ["run", "--state-dir", str(state), "--http", "off", *LOOPBACK],
+    ]
+    for command in commands:
+        done = subprocess.run(
+            [sys.executable, "-m", "meshd.api.cli", *command],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert "MLX has no backend on this machine" in done.stderr, done.stderr
+        assert "pip install 'meshd[cpu]'" in done.stderr and "Traceback" not in done.stderr

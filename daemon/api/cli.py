@@ -528,6 +528,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BaseException as exc:
+        missing = _mlx_backend_missing(exc)
+        if missing is None:
+            raise
+        print(f"meshd: {MLX_BACKEND_HINT.format(error=missing)}", file=sys.stderr)
+        return 2
+
+
+MLX_BACKEND_HINT = (
+    "MLX has no backend on this machine ({error}): install one with "
+    "pip install 'meshd[cpu]' (or meshd[cuda12] / meshd[cuda13] for an NVIDIA GPU), or run "
+    "packaging/install.sh, which picks it"
+)
+
+
+def _mlx_backend_missing(exc: BaseException) -> ImportError | None:
+    """The ImportError of an MLX installed without its backend library (on Linux the backend is
+    an extra of its own), wherever it surfaced: a command, or a task of the daemon's."""
+    if isinstance(exc, BaseExceptionGroup):
+        return next(filter(None, map(_mlx_backend_missing, exc.exceptions)), None)
+    return exc if isinstance(exc, ImportError) and "libmlx" in str(exc) else None
 
 
 if __name__ == "__main__":
