@@ -5,7 +5,7 @@ PyGObject and GTK, and a D-Bus session bus) and, without them, through plain Xli
 menu; meshd.app.tray_backend picks the one this desktop has before pystray is imported
 (`PYSTRAY_BACKEND=appindicator|gtk|xorg` overrides it). pystray runs its loop on the main
 thread and its setters may be called from any thread, which is how the controller's threads
-redraw. This module only translates: what the menu holds is decided in menu_model.
+redraw (on xorg through meshd.app.xorg_icon, since pystray's own hand-over there can hang). This module only translates: what the menu holds is decided in menu_model.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from typing import Any
 
 from meshd.app.controller import AppController
@@ -30,7 +29,6 @@ log = logging.getLogger("meshd.app")
 
 PROGRAM_NAME = "meshd"  # the X window class of the icon (how a tray, or a test, finds it)
 ICON_SIZE = 64
-LOOP_START_TIMEOUT_S = 10.0
 
 
 class AppError(RuntimeError):
@@ -77,7 +75,7 @@ class Tray:
     ) -> None:
         self.pystray = pystray
         self.theme = theme
-        self.icon = pystray.Icon(
+        self.icon = _icon_class(pystray)(
             PROGRAM_NAME, icon_image(MeshState.UNREACHABLE, theme, ICON_SIZE), "meshd"
         )
         self.controller = AppController(api_address, self.redraw, service=service)
@@ -94,7 +92,6 @@ class Tray:
         """Show the icon until Quit; returns the exit status."""
 
         def setup(icon: Any) -> None:
-            _wait_for_the_loop_thread(icon)
             icon.visible = True
             self.controller.start()
             self.redraw()
@@ -170,16 +167,14 @@ def _fixed(value: bool, _item: Any) -> bool:
     return value
 
 
-def _wait_for_the_loop_thread(icon: Any) -> None:
-    """pystray's xorg backend marks itself ready before it records its loop thread, and every
-    setter called from another thread reads that record: a setup thread scheduled in between
-    (a busy machine) fails. Wait, bounded, until the record is there (other backends have none
-    and do not wait)."""
-    if os.environ.get("PYSTRAY_BACKEND") != "xorg":
-        return
-    deadline = time.monotonic() + LOOP_START_TIMEOUT_S
-    while getattr(icon, "_thread", None) is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+def _icon_class(pystray: Any) -> Any:
+    """pystray's Icon; for the xorg backend, one whose setters are safe from other threads
+    (see meshd.app.xorg_icon): the controller's threads redraw."""
+    if pystray.Icon.__module__ != "pystray._xorg":
+        return pystray.Icon
+    from meshd.app.xorg_icon import ThreadSafeXorgIcon
+
+    return ThreadSafeXorgIcon
 
 
 def _dump_stacks_on_sigusr1() -> None:
