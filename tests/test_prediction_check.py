@@ -263,6 +263,35 @@ def test_batched_steps_give_the_flops_of_each_added_row() -> None:
     assert estimate(single + flat).row_flops == 0.0  # type: ignore[union-attr]
 
 
+def test_the_factor_comes_from_one_row_steps_only_and_batched_load_leaves_it() -> None:
+    """Batched steps cost more per step the more rows they hold: a factor taken from them
+    moved with the load and re-planned a busy mesh. Busy spells leave the factor as it is."""
+    flops = 1e8
+    single = [StepSample(1, 0.02, 0.01, flops) for _ in range(MIN_SAMPLES)]
+    busy = [StepSample(16, 0.02 + 15 * flops / 1e9, 0.01, flops) for _ in range(3 * MIN_SAMPLES)]
+    found = estimate(single + busy)  # one-row steps older than many batched ones
+    assert found is not None and found.factor == pytest.approx(2.0)
+    assert found.row_flops == pytest.approx(1e9, rel=0.01)
+    only_busy = estimate(busy, published_factor=2.0)
+    assert only_busy is not None and only_busy.factor is None and only_busy.samples == 0
+    assert only_busy.row_flops == pytest.approx(1e9, rel=0.01)  # over the published factor
+
+
+def test_a_corrector_under_batched_load_keeps_its_factor_and_learns_the_rows() -> None:
+    plan = two_node_plan()
+    node = plan.stages[0].nodes[0]
+    predictor = StepPredictor(model(), plan, node, 20e9, 2 * GB)
+    alone = [(plan.plan_id, 1, 3 * predictor.step_s(1))] * MIN_SAMPLES
+    first = update(SpeedCorrector(node), plan, alone)
+    assert first is not None and first.factor == pytest.approx(3.0, rel=0.01)
+    # Sixteen rows at three times the one-row step each: far beyond the corrected roofline.
+    busy = [(plan.plan_id, 16, 9 * predictor.step_s(16))] * (2 * MIN_SAMPLES)
+    later = update(SpeedCorrector(node), plan, busy, Published(first.factor))
+    assert later is not None and later.factor == first.factor and later.row_flops > 0
+    rows = Published(later.factor, later.row_flops)
+    assert update(SpeedCorrector(node), plan, busy, rows) is None  # nothing new: no re-plan
+
+
 def test_the_cost_model_adds_each_batched_row_at_the_nodes_row_flops() -> None:
     from partitioner.cost import CostModel, Unit
 

@@ -8,22 +8,26 @@ then wrong for everyone. So each node times its own decode steps (the forward pa
 layers, in the stage runtime), predicts the same steps from its own *uncorrected* profile,
 and publishes
 
-    factor = median(measured / predicted) over its last WINDOW decode steps,
+    factor = median(measured / predicted) over its last WINDOW decode steps of one row,
 
-clamped to [FACTOR_MIN, FACTOR_MAX], over its steps of one row where it has MIN_SAMPLES of
-them (else over all). Planning divides the node's memory bandwidth (and its FLOP/s, unless it
-published a compute factor, below) by the factor (:func:`meshd.mesh.graph.effective_flops`),
-so a node that runs twice as slow as its profile says is planned as half as fast. The
-prediction is taken from the uncorrected profile, not from the plan (which already used the
-factor), so the estimate does not feed on itself.
+clamped to [FACTOR_MIN, FACTOR_MAX]. Only steps of one row: a batched step's time moves with
+its rows (below), so a factor taken from batched steps moved with the mesh's load (between 2.5x
+and 4x over runs of 1, 4 and 16 requests on a 2-node pipeline), and each move re-planned the
+mesh under load. A node with no recent steps of one row keeps the factor it published. Planning
+divides the node's memory bandwidth (and its FLOP/s, unless it published a compute factor,
+below) by the factor (:func:`meshd.mesh.graph.effective_flops`), so a node that runs twice as
+slow as its profile says is planned as half as fast. The prediction is taken from the
+uncorrected profile, not from the plan (which already used the factor), so the estimate does
+not feed on itself.
 
-Batched steps: one factor cannot fit both a step of one row and one of sixteen, since on a
-CPU each added row costs far more than the cost model's roofline says (partitioner.cost,
-"Rows a node measured"). So from its steps of r > 1 rows the node also takes what each row
-beyond the first added to the corrected roofline, (measured - factor x predicted) / (r - 1),
-and publishes `row_flops` = the stage's FLOPs per row / the median of that (0 while it has
-fewer than MIN_SAMPLES such steps, or when rows add nothing beyond the roofline). The planner
-adds (r - 1) x FLOPs / row_flops to the node's batched steps.
+Batched steps: one factor cannot fit both a step of one row and one of sixteen, since on a CPU
+each added row costs far more than the cost model's roofline says (partitioner.cost, "Rows a
+node measured"). So from its steps of r > 1 rows the node also takes what each row beyond the
+first added to the corrected roofline, (measured - factor x predicted) / (r - 1), with the
+factor of its one-row steps (else the published one), and publishes `row_flops` = the stage's
+FLOPs per row / the median of that (0 while it has fewer than MIN_SAMPLES such steps, or when
+rows add nothing beyond the roofline). The planner adds (r - 1) x FLOPs / row_flops to the
+node's batched steps.
 
 Stability: a new factor is published only when at least MIN_SAMPLES steps were measured, it
 differs from the published one by more than CHANGE_THRESHOLD (relative, either way), and the
@@ -89,10 +93,10 @@ class StepSample:
 
 @dataclass(frozen=True)
 class Estimate:
-    """A factor estimated from ``samples`` steps, with their median times, and the FLOP/s of
-    each row batched steps added (0: not measured)."""
+    """A factor estimated from ``samples`` steps of one row (None: too few of them), with
+    their median times, and the FLOP/s of each row batched steps added (0: not measured)."""
 
-    factor: float
+    factor: float | None
     samples: int
     measured_step_s: float
     predicted_step_s: float
@@ -100,25 +104,39 @@ class Estimate:
     batched_samples: int = 0  # steps of several rows the row FLOP/s were taken from
 
 
-def estimate(samples: Sequence[StepSample]) -> Estimate | None:
-    """The factor (and row FLOP/s) of the last WINDOW valid steps; None when fewer than
-    MIN_SAMPLES."""
-    valid = [s for s in samples if s.measured_s > 0 and s.predicted_s > 0][-WINDOW:]
-    if len(valid) < MIN_SAMPLES:
+def estimate(samples: Sequence[StepSample], published_factor: float = 1.0) -> Estimate | None:
+    """The factor of the last WINDOW valid steps of one row, and the row FLOP/s of the last
+    WINDOW batched ones over that factor (else over ``published_factor``); None when neither
+    kind has MIN_SAMPLES steps."""
+    valid = [s for s in samples if s.measured_s > 0 and s.predicted_s > 0]
+    single = [s for s in valid if s.rows == 1][-WINDOW:]
+    batched = [s for s in valid if s.rows > 1][-WINDOW:]
+    if len(single) < MIN_SAMPLES and len(batched) < MIN_SAMPLES:
         return None
-    single = [s for s in valid if s.rows == 1]
-    basis = single if len(single) >= MIN_SAMPLES else valid
-    ratio = statistics.median(s.measured_s / s.predicted_s for s in basis)
-    factor = round(min(FACTOR_MAX, max(FACTOR_MIN, ratio)), 3)
-    batched = [s for s in valid if s.rows > 1]
+    factor = None
+    if len(single) >= MIN_SAMPLES:
+        ratio = statistics.median(s.measured_s / s.predicted_s for s in single)
+        factor = round(min(FACTOR_MAX, max(FACTOR_MIN, ratio)), 3)
+        measured_s = statistics.median(s.measured_s for s in single)
+        predicted_s = statistics.median(s.predicted_s for s in single)
+    else:
+        single, measured_s, predicted_s = [], 0.0, 0.0
+    basis = factor if factor is not None else (published_factor if published_factor > 0 else 1.0)
     return Estimate(
         factor=factor,
-        samples=len(basis),
-        measured_step_s=statistics.median(s.measured_s for s in basis),
-        predicted_step_s=statistics.median(s.predicted_s for s in basis),
-        row_flops=_row_flops(batched, factor),
+        samples=len(single),
+        measured_step_s=measured_s,
+        predicted_step_s=predicted_s,
+        row_flops=_row_flops(batched, basis),
         batched_samples=len(batched),
     )
+
+
+def batched_row_flops(samples: Sequence[StepSample], factor: float) -> float:
+    """The row FLOP/s of the last WINDOW valid batched steps among ``samples``, over
+    ``factor`` (see :func:`_row_flops`)."""
+    batched = [s for s in samples if s.measured_s > 0 and s.predicted_s > 0 and s.rows > 1]
+    return _row_flops(batched[-WINDOW:], factor)
 
 
 def _row_flops(batched: Sequence[StepSample], factor: float) -> float:
@@ -330,20 +348,19 @@ class SpeedCorrector:
         if self._predictor is None or self._key != key:
             self._predictor = StepPredictor(spec, plan, self.node_id, flops, mem_bandwidth)
             self._key = key
-        decode = estimate(self._predictor.samples(steps))
-        compute = compute_estimate(self._predictor.chunk_samples(chunks))
         factor, row_flops, compute_factor, overhead = published.as_tuple()
+        decode_samples = self._predictor.samples(steps)
+        decode = estimate(decode_samples, factor)
+        compute = compute_estimate(self._predictor.chunk_samples(chunks))
         measured = overhead_estimate(self._predictor.collective_samples(steps))
         if measured is not None and rows_moved(overhead, measured):
             overhead = measured
-        if decode is not None and should_publish(factor, decode.factor):
+        if decode and decode.factor is not None and should_publish(factor, decode.factor):
             factor = decode.factor
-        if (
-            decode is not None
-            and decode.batched_samples >= MIN_SAMPLES
-            and rows_moved(row_flops, decode.row_flops)
-        ):
-            row_flops = decode.row_flops
+        if decode is not None and decode.batched_samples >= MIN_SAMPLES:
+            measured_rows = batched_row_flops(decode_samples, factor)  # over what is published
+            if rows_moved(row_flops, measured_rows):
+                row_flops = measured_rows
         if compute is not None and should_publish(compute_factor or factor, compute[0]):
             compute_factor = compute[0]
         if (factor, row_flops, compute_factor, overhead) == published.as_tuple():

@@ -150,10 +150,15 @@ class StageRuntime:
         # request ends or a plan comes or goes, read by any thread (the status, the dashboard).
         self.prefix_view: tuple[PrefixCacheView, ...] = ()
         # This node's recent decode steps, (plan id, rows, seconds of the forward pass), newest
-        # last: what its speed correction compares with the cost model. Replaced (never
-        # changed) after each decode step, read by any thread.
+        # last: what its speed correction compares with the cost model. Steps of one row and
+        # batched steps are kept apart, DECODE_STEPS_KEPT of each, so that the one-row steps
+        # its factor is taken from outlive a long busy spell. Replaced (never changed) after
+        # each decode step, read by any thread.
         self.decode_steps: tuple[tuple[str, int, float], ...] = ()
-        self._decode_steps: collections.deque[tuple[str, int, float]] = collections.deque(
+        self._single_steps: collections.deque[tuple[str, int, float]] = collections.deque(
+            maxlen=DECODE_STEPS_KEPT
+        )
+        self._batched_steps: collections.deque[tuple[str, int, float]] = collections.deque(
             maxlen=DECODE_STEPS_KEPT
         )
         # ...and its recent prompt chunks, (plan id, positions, seconds): compute-bound steps.
@@ -522,8 +527,9 @@ class StageRuntime:
         """Keep a decode step's or a prompt chunk's time (for the speed correction)."""
         plan_id = job[0].plan_id
         if is_decode_step(job[0]):
-            self._decode_steps.append((plan_id, len(job), seconds))
-            self.decode_steps = tuple(self._decode_steps)
+            kept = self._single_steps if len(job) == 1 else self._batched_steps
+            kept.append((plan_id, len(job), seconds))
+            self.decode_steps = (*self._single_steps, *self._batched_steps)
         else:
             self._prompt_chunks.append((plan_id, prompt_positions(job[0]), seconds))
             self.prompt_chunks = tuple(self._prompt_chunks)
