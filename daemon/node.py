@@ -162,6 +162,9 @@ class Node:
         self.mdns: FollowingDiscovery | None = None  # set when mDNS starts (not with --no-mdns)
         self._mdns_dialled: dict[str, str] = {}  # node id -> the address mDNS had us dial
         self.http_url = ""
+        # The `--model` this node is checking to select for the mesh ("" when none): set and
+        # cleared on trio, read by the request router (a new request waits while it is set).
+        self.selecting_model = ""
         self._channel_credentials = security.channel_credentials(self.credentials)
         self._remeasure_lock = trio.Lock()
         self._measured: Any = None  # the measured NodeProfile (budget override applied)
@@ -229,7 +232,12 @@ class Node:
             hub_downloads=self.hub_downloads,
         )
         plans = self.plans
-        self.router = RequestRouter(self.plane, lambda: plans.snapshot, plans.progress)
+        self.router = RequestRouter(
+            self.plane,
+            lambda: plans.snapshot,
+            plans.progress,
+            selecting=lambda: self.selecting_model,
+        )
 
     async def _start_peer_server(self) -> grpc.aio.Server:
         server = channels.peer_server(self.gate.server_options())
@@ -383,13 +391,16 @@ class Node:
     async def _select_configured_model(self, model: str) -> None:
         # Checking a model imports mlx-lm (a second of CPU, holding the GIL): not while this
         # node measures its profile, which would take that for a slower machine. No plan is
-        # made without the profile anyway.
-        with trio.move_on_after(PROFILE_FIRST_WAIT_S):
-            await self._profile_ready.wait()
+        # made without the profile anyway. Meanwhile requests wait for it (selecting_model).
+        self.selecting_model = model
         try:
+            with trio.move_on_after(PROFILE_FIRST_WAIT_S):
+                await self._profile_ready.wait()
             await self.select_model(model, startup_default=True)
         except Exception as exc:
             self.events.add("cannot use model %r: %s", model, exc, level=logging.ERROR)
+        finally:
+            self.selecting_model = ""
 
     async def _locate_model(self, name: str, digest: str) -> Path | None:
         """asyncio side: this node's full copy of model (name, digest), to send parts of to

@@ -183,6 +183,34 @@ def test_a_request_that_arrives_before_the_plan_commits_here_waits_for_it(
         mesh.uninstall(plan.plan_id)
 
 
+def test_a_node_still_checking_its_own_model_keeps_the_request_waiting(
+    mesh: Mesh, model_dir: Path
+) -> None:
+    """A node started with `--model` selects it once its profile is measured, which on a
+    busy machine outlasts the time given to hear the peers: a request waits for that model,
+    not "no model is selected" (the demo's second node failed so under load)."""
+    plan = mesh.assignment_for(model_dir, LAYOUT)
+    mesh.install(plan)
+    try:
+        nothing = ServingSnapshot()
+        snapshots = Snapshots(nothing, nothing, nothing, serving(plan.plan_id))
+        checking = iter(["llama", "llama", "llama"])
+        router = RequestRouter(
+            mesh.nodes["n1"].plane,
+            snapshots,
+            loaded_here(mesh, plan.plan_id),
+            hearing_s=0.0,
+            selecting=lambda: next(checking, ""),
+        )
+        events = route(mesh, router)
+        assert [(e.plan_id, e.model) for e in events if isinstance(e, Routed)] == [
+            (plan.plan_id, "llama")
+        ]
+        assert isinstance(events[-1], FinalEvent), events[-1]
+    finally:
+        mesh.uninstall(plan.plan_id)
+
+
 def test_with_no_model_selected_after_the_start_a_request_fails_at_once(mesh: Mesh) -> None:
     """Once this node has had time to hear its peers, no selection is an answer: no wait."""
     router = RequestRouter(

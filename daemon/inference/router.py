@@ -87,11 +87,15 @@ class RequestRouter:
         progress: InstallProgress,
         *,
         hearing_s: float = STARTUP_HEARING_S,
+        selecting: Callable[[], str] = str,
     ) -> None:
         self._plane = plane
         self._serving = serving
         self._progress = progress
         self._hearing_until = time.monotonic() + hearing_s
+        # The model this node is selecting for the mesh now ("" when none): its `--model`,
+        # checked once its profile is measured, which on a busy machine outlasts hearing_s.
+        self._selecting = selecting
         self._open: dict[str, RequestInfo] = {}
         self._refusing = ""  # why this node takes no new requests ("" while it does)
         # Published whole on every change (the trio side's status reads it, see
@@ -324,6 +328,8 @@ class RequestRouter:
                 raise InferenceError(ErrorKind.NO_PLAN, f"no committed plan: {snapshot.refusal}")
             if snapshot.model:
                 raise _PlanPending("the mesh has not agreed on a plan yet")
+            if selecting := self._selecting():
+                raise _PlanPending(f"this node is still checking its model {selecting}")
             if time.monotonic() < self._hearing_until:
                 raise _PlanPending("this node has not yet heard which model the mesh runs")
             raise InferenceError(ErrorKind.NO_MODEL, NO_MODEL_MESSAGE)
