@@ -61,6 +61,19 @@ def profile_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return state / PROFILE_FILE
 
 
+@pytest.fixture(scope="session", autouse=True)
+def daemons_start_from_one_profile(profile_template: Path) -> Iterator[None]:
+    """Every daemon a test starts without a profile of its own starts from the session's
+    (MESHD_PROFILE_SEED), as `meshd demo`'s nodes do: the suite's few cores are not spent
+    measuring one machine again for each of its daemons. Tests of the measurement itself
+    measure in their own state directories."""
+    from meshd.mesh.profiling import PROFILE_SEED_ENV
+
+    os.environ[PROFILE_SEED_ENV] = str(profile_template)
+    yield
+    os.environ.pop(PROFILE_SEED_ENV, None)
+
+
 @pytest.fixture(scope="session")
 def default_model_entry(model_store: Path) -> ModelEntry:
     """The embedded default model (SmolLM2-135M), imported once per session into the daemons'

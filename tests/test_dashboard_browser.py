@@ -129,12 +129,13 @@ def test_dashboard_shows_the_mesh_live_and_chats(
 
         browser.find_element("id", "chat-input").send_keys("What is the capital of France?")
         browser.find_element("id", "chat-send").click()
-        answered = (
-            "return !document.getElementById('chat-send').disabled && "
-            "document.querySelector('.msg.assistant').textContent"
+        answered = (  # the answer, or the error the page shows in its place
+            "const m = document.querySelector('.msg.assistant, .msg.error');"
+            "return !document.getElementById('chat-send').disabled && m && "
+            "m.className + ': ' + m.textContent"
         )
         answer = wait_until(lambda: script(answered), 90, "an answer")
-        assert "Paris" in answer, answer
+        assert answer.startswith("msg assistant: ") and "Paris" in answer, answer
         # The plan's prediction next to what requests measured, in units a person reads
         # (seconds to the first token, never a raw count of milliseconds).
         prediction = "return document.getElementById('plan-prediction').textContent"

@@ -9,6 +9,7 @@ import platform
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from meshd.mesh.profiling import (
     BUDGET_GRANULE,
     CACHE_MAX_AGE_S,
     PROFILE_FILE,
+    PROFILE_SEED_ENV,
     NodeProfile,
     _read_limit,
     default_memory_budget,
@@ -49,6 +51,16 @@ elapsed = time.perf_counter() - started
 print(json.dumps({"profile": profile.to_dict(), "elapsed": elapsed,
                   "fingerprint_now": machine_fingerprint()}))
 """
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_profile_seed() -> Iterator[None]:
+    """These tests measure: the suite's seed (tests/conftest.py) would stand in for a
+    missing or invalid cache."""
+    seed = os.environ.pop(PROFILE_SEED_ENV, None)
+    yield
+    if seed is not None:
+        os.environ[PROFILE_SEED_ENV] = seed
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +205,28 @@ def test_remeasure_on_request(cached_profile: tuple[Path, NodeProfile], tmp_path
     state = copy_cache(cached_profile[0], tmp_path, loaded=True)  # any measurement replaces it
     fresh = load_or_measure_profile(state, remeasure=True)
     assert fresh.measured_at > cached_profile[1].measured_at
+
+
+def test_a_state_without_a_profile_starts_from_the_seed(
+    cached_profile: tuple[Path, NodeProfile], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Daemons on one machine share one measurement: no cache of its own, a valid seed."""
+    seed = copy_cache(cached_profile[0], tmp_path / "seed")
+    monkeypatch.setenv(PROFILE_SEED_ENV, str(seed / PROFILE_FILE))
+    state = tmp_path / "state"
+    profile = load_or_measure_profile(state)
+    assert profile == cached_profile[1]  # the seed's measurement, not a new one
+    assert json.loads((state / PROFILE_FILE).read_text())["profile"] == profile.to_dict()
+
+
+def test_a_seed_that_is_not_valid_here_is_measured_instead(
+    cached_profile: tuple[Path, NodeProfile], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed = copy_cache(cached_profile[0], tmp_path / "seed", fingerprint="0123456789abcdef")
+    monkeypatch.setenv(PROFILE_SEED_ENV, str(seed / PROFILE_FILE))
+    before = time.time()
+    profile = load_or_measure_profile(tmp_path / "state")
+    assert profile.measured_at >= before and profile.fingerprint == machine_fingerprint()
 
 
 def test_unknown_dtype_is_refused(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from meshd.api import client, render
 from meshd.api.launcher import DaemonProcess, fully_meshed
 from meshd.config import load_config
 from meshd.mesh import security
+from meshd.mesh.profiling import PROFILE_SEED_ENV, seed_profile
 from meshd.models.store import ModelStore, console_progress
 from meshd.wire import pb
 
@@ -43,11 +44,18 @@ def loopback_args(token: str, name: str, model: Path | None) -> list[str]:
 
 
 def start_local_mesh(
-    root: Path, nodes: int, model: Path | None = None, mesh_name: str = "demo"
+    root: Path,
+    nodes: int,
+    model: Path | None = None,
+    mesh_name: str = "demo",
+    profile_seed: Path | None = None,
 ) -> list[DaemonProcess]:
+    """N daemons on loopback; with ``profile_seed`` (a measured profile.json) they all start
+    from that one measurement of this machine instead of measuring it at once N times."""
     token = security.encode_join_token(security.create_mesh_secret(mesh_name))
+    env = {PROFILE_SEED_ENV: str(profile_seed)} if profile_seed else None
     daemons = [
-        DaemonProcess(root / f"node{i}", loopback_args(token, f"demo-{i}", model))
+        DaemonProcess(root / f"node{i}", loopback_args(token, f"demo-{i}", model), env=env)
         for i in range(nodes)
     ]
     for daemon in daemons:
@@ -93,9 +101,11 @@ def run_demo(nodes: int = 3, keep_state: Path | None = None, timeout_s: float = 
     root = keep_state or Path(tempfile.mkdtemp(prefix="meshd-demo-"))
     print("preparing the embedded default model (SmolLM2-135M-Instruct) ...", flush=True)
     model = default_model_dir()
+    print("measuring this machine once for every node ...", flush=True)
+    seed = seed_profile(root / "machine")
     print(f"starting {nodes} daemons on loopback (state in {root}) ...", flush=True)
     started = time.monotonic()
-    daemons = start_local_mesh(root, nodes, model)
+    daemons = start_local_mesh(root, nodes, model, profile_seed=seed)
     try:
         for daemon in daemons:
             daemon.wait_ready(timeout_s)

@@ -64,6 +64,11 @@ from meshd.mesh.profile_dtypes import (
 from meshd.runtime.blas import blas_info
 
 PROFILE_FILE = "profile.json"
+# A profile.json that a daemon with no valid cache of its own starts from (when it is valid
+# for this machine): daemons on one machine (`meshd demo`, a test's mesh) share one
+# measurement instead of each measuring while the others do, which gave identical nodes
+# 8-48 GFLOP/s in one demo.
+PROFILE_SEED_ENV = "MESHD_PROFILE_SEED"
 # Bump when the meaning of a cached field changes (2: quartiles, spread, load; 3: per-dtype
 # rates, the device).
 CACHE_FORMAT = 3
@@ -334,6 +339,8 @@ def load_or_measure_profile(
     _check_dtype(dtype)
     cache = state_dir / PROFILE_FILE
     profile = None if remeasure else _read_cache(cache, dtype=dtype, max_age_s=max_age_s)
+    if profile is None and not remeasure:
+        profile = _from_seed(cache, dtype=dtype, max_age_s=max_age_s)
     if profile is None:
         profile = measure_and_settle(state_dir, dtype=dtype).published
     if memory_budget_override is not None:
@@ -653,6 +660,25 @@ def _read_cache(cache: Path, *, dtype: str, max_age_s: float) -> NodeProfile | N
     if profile.fingerprint != machine_fingerprint() or not measured_on_this_device(profile):
         return None
     return profile
+
+
+def _from_seed(cache: Path, *, dtype: str, max_age_s: float) -> NodeProfile | None:
+    """The profile in the file MESHD_PROFILE_SEED names, cached as this daemon's own, when
+    it is valid here (see _read_cache); None when unset or not valid."""
+    seed = os.environ.get(PROFILE_SEED_ENV, "")
+    if not seed:
+        return None
+    profile = _read_cache(Path(seed), dtype=dtype, max_age_s=max_age_s)
+    if profile is not None:
+        _write_cache(cache, profile)
+    return profile
+
+
+def seed_profile(folder: Path) -> Path:
+    """Measure this machine once into ``folder`` (blocking: a few seconds) and return the
+    file for MESHD_PROFILE_SEED."""
+    measure_and_settle(folder)
+    return folder / PROFILE_FILE
 
 
 def _write_cache(cache: Path, profile: NodeProfile) -> None:
