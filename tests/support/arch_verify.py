@@ -338,46 +338,51 @@ def run_tensor_parallel(
     names: list[str], model_dirs: dict[str, Path], folder: Path
 ) -> dict[str, dict[str, Any]]:
     """Every architecture's jobs over rings of :data:`TP_RANKS` rank processes; per name, job
-    name -> rank 0's arrays, or the error text. One ring per architecture: a rank that fails
-    inside a collective leaves the other out of step, which must not pass to the next
-    architecture. A ring runs the architecture's jobs one after another; a job that leaves
-    the ranks out of step (one rank fails inside a collective) stalls the ring, which is then
-    ended and a new ring takes the jobs from the stalled one on; a job that stalls the ring it
-    starts on is refused."""
-    results: dict[str, dict[str, Any]] = {}
-    for name in names:
-        results.update(_run_rings(_jobs(name, model_dirs[name]), folder / name / "tp"))
-    return results
+    name -> rank 0's arrays, or the error text.
 
-
-def _run_rings(jobs: list[dict[str, Any]], folder: Path) -> dict[str, dict[str, Any]]:
-    folder.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict[str, Any]] = {job["name"].rsplit("-", 1)[0]: {} for job in jobs}
+    The jobs share rings, since starting a ring (two processes importing mlx-lm) costs more
+    than most jobs. A result is taken only from a ring whose jobs all succeeded before it:
+    after a job fails on one rank the ranks may be out of step, so the jobs after it go to a
+    new ring. A ring stalls when a job leaves the ranks out of step inside a collective; a job
+    that stalls the ring it starts on is refused, one that stalls later goes first on a new
+    ring (the job before it may have put it out of step)."""
+    jobs = [job for name in names for job in _jobs(name, model_dirs[name])]
+    results: dict[str, dict[str, Any]] = {name: {} for name in names}
     remaining = list(jobs)
-    while remaining:
-        first = remaining[0]
-        _run_ring(remaining, folder)
-        for job in list(remaining):
-            name = job["name"].rsplit("-", 1)[0]
-            error, arrays = folder / f"{job['name']}.error", folder / f"{job['name']}.npz"
-            if error.exists():
-                results[name][job["name"]] = error.read_text()
-            elif arrays.exists():
-                results[name][job["name"]] = dict(np.load(arrays))
-            else:
-                break
-            remaining.remove(job)
-        # A job stalls the ring it starts on: refused. One that stalls later may have been
-        # put out of step by the job before it: it goes first on a new ring.
-        if remaining and remaining[0] is first:
-            stalled = remaining.pop(0)
-            name = stalled["name"].rsplit("-", 1)[0]
-            results[name][stalled["name"]] = "the ranks fall out of step (a collective stalls)"
+    for ring in range(len(jobs) + 1):  # each ring settles at least one job
+        if not remaining:
+            break
+        ring_folder = folder / f"ring{ring}"
+        ring_folder.mkdir(parents=True, exist_ok=True)
+        _run_ring(remaining, ring_folder)
+        settled = _settle(remaining, ring_folder)
+        for job, result in settled:
+            results[job["name"].rsplit("-", 1)[0]][job["name"]] = result
+        remaining = remaining[len(settled) :]
     return results
+
+
+def _settle(jobs: list[dict[str, Any]], folder: Path) -> list[tuple[dict[str, Any], Any]]:
+    """The leading jobs of a ring whose results hold, in order, each with its arrays or its
+    error text: every success up to and including the first failure (or a stall at the
+    ring's first job)."""
+    settled: list[tuple[dict[str, Any], Any]] = []
+    for job in jobs:
+        error, arrays = folder / f"{job['name']}.error", folder / f"{job['name']}.npz"
+        if arrays.exists():
+            settled.append((job, dict(np.load(arrays))))
+            continue
+        if error.exists():
+            settled.append((job, error.read_text()))
+        elif not settled:
+            settled.append((job, "the ranks fall out of step (a collective stalls)"))
+        break
+    return settled
 
 
 def _run_ring(jobs: list[dict[str, Any]], folder: Path) -> None:
-    """Run ``jobs`` on one ring until they are done or no job finishes for TP_STALL_S."""
+    """Run ``jobs`` on one ring until they are done, one fails (what follows it is not taken
+    from this ring) or no job finishes for TP_STALL_S."""
     (folder / "jobs.json").write_text(json.dumps(jobs))
     hosts = [[f"127.0.0.1:{port}"] for port in free_ports(TP_RANKS)]
     (folder / "hosts.json").write_text(json.dumps(hosts))
@@ -402,6 +407,8 @@ def _run_ring(jobs: list[dict[str, Any]], folder: Path) -> None:
             if count != finished:
                 finished, last_change = count, time.monotonic()
             if time.monotonic() - last_change > TP_STALL_S:
+                break
+            if any(folder.glob("*.error")):
                 break
             time.sleep(0.1)
     finally:
