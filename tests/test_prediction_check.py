@@ -336,8 +336,8 @@ def test_only_moved_row_flops_republish_with_the_factor_kept() -> None:
     assert update(SpeedCorrector(node), plan, alone, Published(1.0, 1e9)) is None
 
 
-def test_a_correction_changes_at_most_once_in_the_interval() -> None:
-    from meshd.mesh.speed_correction import MIN_INTERVAL_S
+def test_a_correction_changes_at_most_once_in_the_interval_and_only_once_it_held() -> None:
+    from meshd.mesh.speed_correction import CONFIRM_S, MIN_INTERVAL_S
 
     plan = two_node_plan()
     node = plan.stages[0].nodes[0]
@@ -348,7 +348,17 @@ def test_a_correction_changes_at_most_once_in_the_interval() -> None:
     first = update(corrector, plan, slow, now=100.0)
     assert first is not None
     assert update(corrector, plan, slower, Published(first.factor), now=110.0) is None
-    later = update(corrector, plan, slower, Published(first.factor), now=100.0 + MIN_INTERVAL_S)
+    # A change of a published correction must hold for CONFIRM_S: a burst's first seconds
+    # (its prompts, steps of a few rows) move the factor and would re-plan a serving mesh.
+    start = 100.0 + MIN_INTERVAL_S
+    assert update(corrector, plan, slower, Published(first.factor), now=start) is None
+    assert update(corrector, plan, slow, Published(first.factor), now=start + 5) is None  # back
+    assert update(corrector, plan, slower, Published(first.factor), now=start + 10) is None
+    assert (
+        update(corrector, plan, slower, Published(first.factor), now=start + 10 + CONFIRM_S / 2)
+        is None
+    )
+    later = update(corrector, plan, slower, Published(first.factor), now=start + 10 + CONFIRM_S)
     assert later is not None and later.factor == pytest.approx(6.0, rel=0.01)
 
 

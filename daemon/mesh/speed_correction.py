@@ -32,7 +32,12 @@ node's batched steps.
 Stability: a new factor is published only when at least MIN_SAMPLES steps were measured, it
 differs from the published one by more than CHANGE_THRESHOLD (relative, either way), and the
 last change is at least MIN_INTERVAL_S old: a factor is an input of the state digest, so every
-change may re-plan the mesh; noise on a busy machine must not.
+change may re-plan the mesh; noise on a busy machine must not. A node's first correction is
+published at once (its profile was wrong); a later change only once the estimates kept past
+the threshold for CONFIRM_S: the start of a burst of requests (their prompts and the first
+steps of a few rows on cores the other stages also use) moved the factors of a 2-node
+pipeline on one machine by 1.7x for a few seconds, and each such move re-planned the mesh
+while it served.
 
 Prompt chunks: a prompt's chunks are compute-bound where decode steps read weights, and a
 profile's FLOP/s (a large square matrix product) is not what a chunk of a model's shapes
@@ -78,6 +83,7 @@ WINDOW = 64
 CHANGE_THRESHOLD = 0.25
 MAX_COLLECTIVE_S = 0.1  # a collective's measured overhead, at most
 MIN_INTERVAL_S = 30.0  # between two changes of a node's published correction
+CONFIRM_S = 20.0  # how long a change must hold before it replaces a published correction
 
 
 @dataclass(frozen=True)
@@ -325,6 +331,7 @@ class SpeedCorrector:
         self._predictor: StepPredictor | None = None
         self._key: tuple[str, float, float] | None = None
         self._changed_at: float | None = None
+        self._moving_since: float | None = None  # since when the estimates differ
 
     def update(
         self,
@@ -339,9 +346,9 @@ class SpeedCorrector:
     ) -> Correction | None:
         """A new correction for the plan's recent decode ``steps`` and prompt ``chunks``, or
         None: too few of them, a tensor-parallel share, nothing moved past the threshold from
-        what is ``published``, or the last change is less than MIN_INTERVAL_S before ``now``
-        (a monotonic time). A value with no news (no batched steps, too few chunks) stays as
-        published."""
+        what is ``published``, the last change is less than MIN_INTERVAL_S before ``now``
+        (a monotonic time), or (after the first) the change has not held for CONFIRM_S. A
+        value with no news (no batched steps, too few chunks) stays as published."""
         if self._changed_at is not None and now - self._changed_at < MIN_INTERVAL_S:
             return None
         key = (plan.plan_id, flops, mem_bandwidth)
@@ -364,7 +371,14 @@ class SpeedCorrector:
         if compute is not None and should_publish(compute_factor or factor, compute[0]):
             compute_factor = compute[0]
         if (factor, row_flops, compute_factor, overhead) == published.as_tuple():
+            self._moving_since = None
             return None
+        if self._changed_at is not None:  # a change of a published correction: must hold
+            if self._moving_since is None:
+                self._moving_since = now
+            if now - self._moving_since < CONFIRM_S:
+                return None
+        self._moving_since = None
         self._changed_at = now
         return Correction(
             factor=factor,
