@@ -1,11 +1,12 @@
 """The tray front end (Linux, Windows) on pystray: an icon per state and the app's menu.
 
 On Linux pystray shows the icon through AppIndicator or GTK's XEmbed status icon (both need
-PyGObject and GTK, and a D-Bus session bus) and, without them, through plain Xlib with no
-menu; meshd.app.tray_backend picks the one this desktop has before pystray is imported
+PyGObject and GTK, and a D-Bus session bus) and, without them, through plain Xlib with no menu;
+meshd.app.tray_backend picks the one this desktop has before pystray is imported
 (`PYSTRAY_BACKEND=appindicator|gtk|xorg` overrides it). pystray runs its loop on the main
 thread and its setters may be called from any thread, which is how the controller's threads
-redraw (on xorg through meshd.app.xorg_icon, since pystray's own hand-over there can hang). This module only translates: what the menu holds is decided in menu_model.
+redraw (on xorg through meshd.app.xorg_icon, since pystray's own hand-over there can hang).
+This module only translates: what the menu holds is decided in menu_model.
 """
 
 from __future__ import annotations
