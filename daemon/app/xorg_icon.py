@@ -58,8 +58,9 @@ class ThreadSafeXorgIcon(_xorg.Icon):
 
     def _dispatcher(self, method: Callable[[], None], atom: int) -> Callable[[Any], None]:
         def dispatch(icon: ThreadSafeXorgIcon) -> None:
-            if threading.current_thread() is icon._loop_thread():
-                method()
+            loop = icon._loop_thread()
+            if loop is None or loop is threading.current_thread() or not loop.is_alive():
+                method()  # on the loop, or no loop (never started, or ended) to hand it to
             else:
                 icon._hand_over(method.__name__, atom)
 
