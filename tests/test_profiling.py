@@ -220,13 +220,17 @@ def test_a_state_without_a_profile_starts_from_the_seed(
 
 
 def test_a_seed_that_is_not_valid_here_is_measured_instead(
-    cached_profile: tuple[Path, NodeProfile], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cached_profile: tuple[Path, NodeProfile],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     seed = copy_cache(cached_profile[0], tmp_path / "seed", fingerprint="0123456789abcdef")
     monkeypatch.setenv(PROFILE_SEED_ENV, str(seed / PROFILE_FILE))
     before = time.time()
     profile = load_or_measure_profile(tmp_path / "state")
     assert profile.measured_at >= before and profile.fingerprint == machine_fingerprint()
+    assert f"{PROFILE_SEED_ENV}={seed / PROFILE_FILE} is not a usable profile here" in caplog.text
 
 
 def test_unknown_dtype_is_refused(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import json
+import logging
 import math
 import os
 import platform
@@ -62,6 +63,8 @@ from meshd.mesh.profile_dtypes import (
     rates_from_mapping,
 )
 from meshd.runtime.blas import blas_info
+
+log = logging.getLogger(__name__)
 
 PROFILE_FILE = "profile.json"
 # A profile.json that a daemon with no valid cache of its own starts from (when it is valid
@@ -669,8 +672,18 @@ def _from_seed(cache: Path, *, dtype: str, max_age_s: float) -> NodeProfile | No
     if not seed:
         return None
     profile = _read_cache(Path(seed), dtype=dtype, max_age_s=max_age_s)
-    if profile is not None:
-        _write_cache(cache, profile)
+    if profile is None:
+        log.warning(
+            "%s=%s is not a usable profile here (missing or unreadable, measured on another "
+            "machine, older than %d days, or of another dtype than %s): measuring this machine "
+            "instead",
+            PROFILE_SEED_ENV,
+            seed,
+            max_age_s // 86400,
+            dtype,
+        )
+        return None
+    _write_cache(cache, profile)
     return profile
 
 
