@@ -168,6 +168,9 @@ class Work:
     token_to: TokenRoute | None = None
     slot_use: SlotUse | None = None  # a request's first step here: the kept prefix it starts on
     positions: tuple[int, ...] = ()  # the token ids of the positions the step adds
+    # A first stage's decode step: the micro-batch cohort it runs in (one pass a cohort,
+    # :mod:`meshd.inference.stage.cohorts`). None: batched with the other ready rows.
+    cohort: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

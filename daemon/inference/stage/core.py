@@ -83,6 +83,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from meshd.inference.assignment import Assignment
+from meshd.inference.stage import cohorts
 from meshd.inference.stage.admission import (
     StartQueue,
     limit_error,
@@ -175,15 +176,19 @@ class StageCore:
         vocab_size: int = 0,
         draft_tokens: int = 0,
         prefix_trimmable: bool | None = None,
+        batches: bool = False,
     ) -> None:
         """The plan's stage is loaded here; ``vocab_size`` (when known) bounds the token ids
         the first stage accepts; ``draft_tokens``: how many tokens the first stage of a
         pipeline may draft per step (speculative decoding, see :meth:`on_token`);
         ``prefix_trimmable``: whether the stage's caches can be cut (its prefix cache reuses
-        any common prefix, else only whole slots), None when the stage keeps no prefixes."""
+        any common prefix, else only whole slots), None when the stage keeps no prefixes;
+        ``batches``: whether the stage runs several requests' decode steps in one pass (a
+        first stage of several then keeps micro-batch cohorts, :mod:`.cohorts`)."""
         plan = self._plans.get(plan_id)
         if plan is not None:
             plan.ready = True
+            plan.batches = batches
             plan.vocab_size = vocab_size
             plan.draft_tokens = draft_tokens if plan.is_first else 0
             if self.prefix_cache and prefix_trimmable is not None and plan.index is not None:
@@ -472,6 +477,7 @@ class StageCore:
             proven = request.start.prompt_length + frame.index
             request.confirmed = max(request.confirmed, proven)
         if frame.finish is not Finish.NONE:
+            request.decoded_all = True  # no step follows: its cohort no longer waits for it
             return []  # the request's last token: its origin ends it here
         catch_up = request.start.catch_up
         from_origin = catch_up and frame.sender == request.origin
@@ -571,22 +577,38 @@ class StageCore:
     def next_batch(self, now: float, max_items: int = 1) -> list[Work]:
         """The steps to compute next: the first ``max_items`` requests of the round-robin
         queue whose next input has arrived, one step each (a request is queued again behind
-        the others). Empty when nothing is ready."""
+        the others). Empty when nothing is ready. A first stage's decode step waits for the
+        rest of its micro-batch cohort (:mod:`.cohorts`): it stays queued, ahead of the others.
+        """
         self._clock = max(self._clock, now)
         batch: list[Work] = []
         taken: list[StageRequest] = []
+        waiting: list[StageRequest] = []
+        out: dict[str, set[int]] = {}  # by plan: cohorts with a member not back, before this call
         while self._ready and len(batch) < max_items:
             request = self._ready.popleft()
             request.queued = False
             if not request.can_run():
                 continue
             plan = self._plans[request.plan_id]
+            grouped = cohorts.groups_cohorts(plan) and cohorts.is_plain_decode(request)
+            if grouped:
+                if plan.plan_id not in out:
+                    out[plan.plan_id] = cohorts.cohorts_out(plan)
+                if cohorts.waits(plan, request, out[plan.plan_id], now):
+                    waiting.append(request)
+                    continue
             work = request.work(plan, request.inputs.popleft())
+            if grouped:
+                work = replace(work, cohort=request.cohort)
             request.track(work)
             batch.append(work)
             request.in_flight += 1
             request.last_activity = now
             taken.append(request)
+        for request in reversed(waiting):
+            request.queued = True
+            self._ready.appendleft(request)
         for request in taken:
             self._enqueue(request)
         return batch

@@ -18,9 +18,11 @@ one forward pass on the requests' merged caches (:meth:`meshd.inference.stage.mo
 RequestCaches.batch`, mlx-lm's batch caches); prefill chunks run alone, interleaved with
 them. The frames of one batched step go to each node as one Bundle, and a bundle's frames are
 read before the next steps are handed out, so a batch stays together down the pipeline. The
-first stage cuts a batch of at least MIN_MICRO_BATCH_ROWS rows per stage into as many
-micro-batches as the plan has stages, so every stage has one to compute while the others
-compute theirs (:func:`partitioner.cost.micro_batches`: the cost model prices the same rule).
+first stage runs its decoding requests in as many micro-batches as the plan has stages where
+each gets at least MIN_MICRO_BATCH_ROWS rows (:func:`partitioner.cost.micro_batches`: the cost
+model prices the same rule), each micro-batch a cohort that stays together round after round
+(:mod:`meshd.inference.stage.cohorts`), so every stage has one to compute while the others
+compute theirs, and no stage computes more steps a round than there are micro-batches.
 
 Cores: stages of one plan on the same machine (the daemon knows from the peers' machine
 fingerprints) take turns while one request runs, so each may use every core; with several
@@ -79,7 +81,6 @@ from meshd.inference.transport.links import Transport, describe_error
 from meshd.runtime import hoptrace
 from meshd.runtime.compute import ComputeExecutor, Outcome
 from meshd.wire import dataplane_pb2 as dp
-from partitioner.cost import micro_batches
 
 log = logging.getLogger("meshd.dataplane")
 
@@ -189,13 +190,14 @@ class StageRuntime:
         stage keeps prefixes (:meth:`StageCore.plan_loaded`; None: it keeps none). The engine
         keeps the prefixes of these layers the core's index knows (an earlier plan of the
         same layers may have kept them), and no others."""
+        stage = self._stages.get(plan_id)
         self.core.plan_loaded(
             plan_id,
             vocab_size=vocab_size,
             draft_tokens=draft_tokens,
             prefix_trimmable=prefix_trimmable,
+            batches=stage is not None and stage.engine is not None and stage.engine.batchable,
         )
-        stage = self._stages.get(plan_id)
         if stage is not None and stage.engine is not None and not self._compute.closed:
             kept = self.core.prefix_slots(plan_id)
             done = self._compute.submit(stage.engine.keep_only_slots, kept)
@@ -409,29 +411,22 @@ class StageRuntime:
     def _jobs(self, works: list[Work]) -> list[list[Work]]:
         """The forward passes that compute ``works`` (one step each of other requests):
         decode steps of one plan with the same head run together when the stage can batch,
-        split on the first stage into micro-batches (:func:`micro_batches`), so each stage
-        has one to compute while the others compute theirs; prefill chunks
-        run alone (each request's prefill runs on its own caches, as mlx-lm's)."""
+        on a first stage one pass per micro-batch cohort (``Work.cohort``, chosen by the
+        core: :mod:`meshd.inference.stage.cohorts`), so each stage has one to compute while
+        the others compute theirs; prefill chunks run alone (each request's prefill runs on
+        its own caches, as mlx-lm's)."""
         if len(works) == 1:
             return [works]  # one step, one pass: what the rest would give, without its work
         jobs: list[list[Work]] = []
-        batches: dict[tuple[str, bool], list[Work]] = {}
+        batches: dict[tuple[str, bool, int | None], list[Work]] = {}
         for work in works:
             stage = self._stages.get(work.plan_id)
             engine = stage.engine if stage is not None else None
             if engine is not None and engine.batchable and is_decode_step(work):
-                batches.setdefault((work.plan_id, work.head), []).append(work)
+                batches.setdefault((work.plan_id, work.head, work.cohort), []).append(work)
             else:
                 jobs.append([work])
-        for (plan_id, _), rows in batches.items():
-            stage = self._stages[plan_id]
-            first = stage.assignment.stage_index(self.node_id) == 0
-            open_rows = max(len(rows), self.core.open_requests(plan_id))
-            parts = micro_batches(len(stage.assignment.stages), open_rows) if first else 1
-            size = -(-open_rows // parts)
-            count = -(-len(rows) // size)  # near-equal micro-batches of at most ``size``
-            jobs += [rows[part::count] for part in range(count)]
-        return jobs
+        return jobs + list(batches.values())
 
     def _submit(self, job: list[Work]) -> None:
         stage = self._stages.get(job[0].plan_id)

@@ -70,6 +70,11 @@ class StageRequest:
     # stage proves the step before it ran everywhere). It keeps no more of a request that
     # ends early, so that every later stage holds at least what it keeps.
     confirmed: int = 0
+    # The first stage of several: the micro-batch cohort its decode steps run in, since when
+    # its ready step waits for the cohort, and whether its last token came (no step follows).
+    cohort: int | None = None
+    waiting_since: float | None = None
+    decoded_all: bool = False
 
     def can_run(self) -> bool:
         """A request's next step may start: its input is here, and its step before has
@@ -216,6 +221,7 @@ class StagePlan:
     draft_tokens: int = 0  # first stage: tokens it may draft per step (0: no speculation)
     prefix: PrefixIndex | None = None  # the kept prefixes of this stage's layers (None: off)
     prefix_key: tuple[object, ...] = ()  # what identifies those layers (plans share its slots)
+    batches: bool = False  # the stage runs several requests' decode steps in one pass
 
     @property
     def kv_tokens(self) -> int | None:
