@@ -278,3 +278,30 @@ def test_a_late_member_holds_its_cohort_no_longer_than_the_wait() -> None:
     times = sorted(t for t, members, _ in pipeline.decode_passes("a") if mate in members)
     longest_gap = max(b - a for a, b in itertools.pairwise(times))
     assert cohorts.COHORT_WAIT_S < longest_gap < cohorts.COHORT_WAIT_S + 4 * pass_s(16)
+
+
+def test_a_held_step_names_when_it_stops_waiting() -> None:
+    """The first stage alone, two requests in one cohort: one's token comes, the other's does
+    not. The ready step is held and the core names when it stops waiting (the runtime pumps
+    then, frame or not); at that moment it runs alone."""
+    core = StageCore("a")
+    core.add_plan(plan_of("p", "a", "b"))
+    core.plan_loaded("p", batches=True)
+    start = start_of((1, 2, 3), chunk=8, sampling=SamplingParams(max_tokens=10))
+    for request in ("r1", "r2"):
+        core.on_start(StartFrame("o", "p", request, start), None, 0.0)
+    for now, index in ((0.0, None), (0.1, 0), (0.2, 1)):
+        if index is not None:  # the last stage's token for both
+            for request in ("r1", "r2"):
+                core.on_token(TokenFrame("b", "p", request, 7, index, Finish.NONE), None, now)
+        while works := core.next_batch(now, max_items=64):
+            for work in works:
+                core.on_computed(work, Hidden("h", 0.0), now)
+    assert core.cohort_wait_ends is None
+    core.on_token(TokenFrame("b", "p", "r1", 7, 2, Finish.NONE), None, 1.0)
+    assert core.next_batch(1.0, max_items=64) == []  # r2 is out: r1 waits for it
+    assert core.cohort_wait_ends == pytest.approx(1.0 + cohorts.COHORT_WAIT_S)
+    assert core.next_batch(1.5, max_items=64) == []
+    (work,) = core.next_batch(1.0 + cohorts.COHORT_WAIT_S, max_items=64)
+    assert work.request_id == "r1" and work.cohort == 0
+    assert core.cohort_wait_ends is None

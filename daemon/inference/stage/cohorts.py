@@ -17,7 +17,8 @@ other member of its cohort is back (its token here, nothing of it computing): th
 runs as one step (the runtime batches a step's rows by cohort, ``Work.cohort``). A request
 joining a cohort in flight waits for it at most one round; a cohort waits at most
 ``COHORT_WAIT_S`` for a member, so a member whose token is late (a lane reset) holds the
-others up no longer than that.
+others up no longer than that (the runtime asks the core again when that wait ends,
+``StageCore.cohort_wait_ends``, whether a frame came or not).
 
 Only plain decode steps of a plan whose stage batches them wait (``StagePlan.batches``);
 prompt chunks, speculative steps and a request catching up run as before. Pure: the core
@@ -102,3 +103,9 @@ def waits(plan: StagePlan, request: StageRequest, out: set[int], now: float) -> 
         return True
     request.waiting_since = None  # waited long enough: it runs now, with whoever is back
     return False
+
+
+def wait_ends(waiting: list[StageRequest]) -> float | None:
+    """When the first of the ``waiting`` steps stops waiting for its cohort (None: none)."""
+    started = [r.waiting_since for r in waiting if r.waiting_since is not None]
+    return min(started) + COHORT_WAIT_S if started else None

@@ -158,6 +158,9 @@ class StageCore:
         self._ended: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._ready: deque[StageRequest] = deque()
         self._clock = 0.0  # the latest ``now`` an event brought (when a queued Start is admitted)
+        # When the first step held for its cohort by the last next_batch stops waiting (None:
+        # none held): the runtime asks again then, whatever frames come or not.
+        self.cohort_wait_ends: float | None = None
 
     # ------------------------------------------------------------ plans
 
@@ -609,6 +612,7 @@ class StageCore:
         for request in reversed(waiting):
             request.queued = True
             self._ready.appendleft(request)
+        self.cohort_wait_ends = cohorts.wait_ends(waiting)
         for request in taken:
             self._enqueue(request)
         return batch

@@ -146,6 +146,7 @@ class StageRuntime:
         self._sending: set[str] = set()  # requests whose step's frames the loop sends next
         self._compute_sends = os.environ.get(LOOP_SENDS_ENV, "").strip() != "1"
         self._sweeper: asyncio.Task[None] | None = None
+        self._cohort_timer: asyncio.TimerHandle | None = None  # a held cohort's wait ends
         self._closed = False
         # The prefix caches as status shows them: replaced (never changed) by this loop when a
         # request ends or a plan comes or goes, read by any thread (the status, the dashboard).
@@ -403,10 +404,22 @@ class StageRuntime:
             if self._holding:
                 return
             works = self.core.next_batch(time.monotonic(), max_items=self.core.max_requests)
+            self._wake_when_cohorts_stop_waiting()
             if not works:
                 return
             for job in self._jobs(works):
                 self._submit(job)
+
+    def _wake_when_cohorts_stop_waiting(self) -> None:
+        """Pump again when a step held for its cohort stops waiting (the core's deadline):
+        no frame may come to wake this loop before then."""
+        ends = self.core.cohort_wait_ends
+        if self._cohort_timer is not None:
+            self._cohort_timer.cancel()
+            self._cohort_timer = None
+        if ends is not None and not self._closed:
+            delay = max(0.0, ends - time.monotonic())
+            self._cohort_timer = asyncio.get_running_loop().call_later(delay, self._pump)
 
     def _jobs(self, works: list[Work]) -> list[list[Work]]:
         """The forward passes that compute ``works`` (one step each of other requests):
@@ -545,6 +558,8 @@ class StageRuntime:
 
     async def close(self) -> None:
         self._closed = True
+        if self._cohort_timer is not None:
+            self._cohort_timer.cancel()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
