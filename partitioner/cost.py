@@ -113,7 +113,9 @@ def micro_batches(stages: int, rows: int) -> int:
     stage, so each stage has one to compute while the others compute theirs, but none of fewer
     than MIN_MICRO_BATCH_ROWS rows. Measured with two pinned daemons (SmolLM2 float32 on CPU,
     19/11 layers): 4 requests ran 2.8x one request's throughput as one batch and 2.4x as two
-    micro-batches of 2; 16 requests 6.3-6.5x either way."""
+    micro-batches of 2. Since the first stage keeps each micro-batch a cohort
+    (meshd.inference.stage.cohorts), 16 requests run 8.4-10.1x one request's throughput as two
+    micro-batches of 8 (docs/performance.md, "Micro-batch cohorts")."""
     return max(1, min(stages, rows // MIN_MICRO_BATCH_ROWS))
 
 
