@@ -441,3 +441,62 @@ def test_status_text_shows_predicted_measured_and_each_correction() -> None:
     assert "decode at" not in text  # a plan for one sequence
     assert "speed correction n1: 1.50x (decode step 60.0 ms measured" in text
     assert "speed correction n2: 1.00x (collectives 9.7 ms each)" in text
+
+
+def _machine_states(
+    fingerprints: tuple[str, str], factors: tuple[float, ...], rows: bool = True
+) -> list:
+    """Two nodes of one profile (each too small for the model alone), linked both ways, with
+    the given fingerprints and published decode factors (none where the tuple is short), and
+    with ``rows`` row FLOP/s of 4e9 and 8e9."""
+    states = []
+    for index, node in enumerate(("a", "b")):
+        profile = pb.NodeProfile(
+            node_id=node,
+            memory_budget=170 * MiB,
+            flops=20e9,
+            mem_bandwidth=2 * GB,
+            fingerprint=fingerprints[index],
+        )
+        other = "b" if node == "a" else "a"
+        link = pb.LinkMeasurement(src=node, dst=other, latency_s=1e-4, bandwidth=1e9)
+        state = pb.NodeState(profile=profile, links=[link])
+        if index < len(factors):
+            state.speed_correction.CopyFrom(
+                pb.SpeedCorrection(
+                    node_id=node, factor=factors[index], row_flops=4e9 * (index + 1) * rows
+                )
+            )
+        states.append(state)
+    return states
+
+
+def _layers(states: list) -> dict[str, int]:
+    """How many layers each node holds in the plan of ``states``."""
+    options = PlanOptions(concurrency=4, prompt_len=128, context_length=256)
+    plan = plan_model(mesh_graph(states), model(), options)
+    return {stage.nodes[0]: stage.layer_end - stage.layer_start for stage in plan.stages}
+
+
+def test_nodes_of_one_machine_are_planned_with_one_shared_correction() -> None:
+    """Two daemons on one machine (one fingerprint) each publish what their steps measured
+    under the other's load: both are planned with the median of what they published, so they
+    stay as fast as each other and the layout is the one without corrections. On two machines
+    the same factors move layers to the faster node."""
+    from meshd.mesh.graph import machine_corrections
+
+    uncorrected = _layers(_machine_states(("m1", "m1"), ()))
+    colocated = _machine_states(("m1", "m1"), (2.0, 4.0))
+    graph = mesh_graph(colocated)
+    assert graph.nodes["a"]["mem_bandwidth"] == graph.nodes["b"]["mem_bandwidth"] == 2 * GB / 3.0
+    assert graph.nodes["a"]["row_flops"] == graph.nodes["b"]["row_flops"] == 6e9
+    assert _layers(colocated) == uncorrected
+    # one of them published: the machine's factor is that one, for both
+    alone = machine_corrections(_machine_states(("m1", "m1"), (2.0,)))
+    assert {node: c.factor for node, c in alone.items()} == {"a": 2.0, "b": 2.0}
+    # two machines: each keeps its own, and the slower one gets fewer layers
+    apart = _machine_states(("m1", "m2"), (2.0, 4.0), rows=False)
+    assert machine_corrections(apart) == {}
+    assert mesh_graph(apart).nodes["b"]["mem_bandwidth"] == 2 * GB / 4.0
+    held = _layers(apart)
+    assert held["a"] > held["b"] and uncorrected["a"] == uncorrected["b"]

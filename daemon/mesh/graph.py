@@ -10,7 +10,9 @@ Node attributes: memory_budget (bytes: the node's budget less its process overhe
 measured them dtype_flops / dtype_bandwidth ({compute key: rate}). FLOP/s and bandwidth (per
 dtype too) are the profile's divided by the node's published speed correction
 (`meshd.mesh.speed_correction`: how much slower its decode steps ran than predicted; FLOP/s by
-its compute factor instead where it measured its prompt chunks);
+its compute factor instead where it measured its prompt chunks). Nodes of one machine (the
+same profile fingerprint: daemons beside each other, as `meshd demo` runs them) are planned
+with one shared correction, the median of what they published (`machine_corrections`);
 row_flops, where the node measured it: FLOP/s of each row a batched decode step adds;
 collective_overhead_s, where it led a tensor-parallel group: what each collective cost.
 Edge attributes (directed src -> dst): latency_s and bandwidth (bytes/s) as planning uses
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
 
 import networkx as nx
 
@@ -35,8 +39,11 @@ from partitioner.quantize import bucket_index, bucket_value
 def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
     """Graph of the given node states (each one a live node)."""
     states = sorted(states, key=lambda s: s.profile.node_id)
+    corrections = machine_corrections(states)
     graph = nx.DiGraph()
     for state in states:
+        if state.profile.node_id in corrections:
+            state = _corrected(state, corrections[state.profile.node_id])
         profile = state.profile
         graph.add_node(
             profile.node_id,
@@ -75,6 +82,58 @@ def mesh_graph(states: Iterable[pb.NodeState]) -> nx.DiGraph:
                 trusted=bool(link.trusted and back is not None and back.trusted),
             )
     return graph
+
+
+def machine_corrections(states: Sequence[pb.NodeState]) -> dict[str, pb.SpeedCorrection]:
+    """The speed correction each node of a machine shared by several nodes is planned with,
+    by node id: one for all of them, each figure the median of the members that published it.
+
+    Why: nodes on one machine share its cores and memory bus, so each node's decode steps
+    measure the machine under the others' load as much as the node itself. Two unpinned
+    daemons on one machine with one profile, serving their first 4 requests, re-planned from
+    19/11 layers to 21/9 in one run and to 12/18 in another as their first corrections came,
+    every request moving by replay.
+    With one factor for the machine its nodes stay as fast as each other, a correction moves
+    their speed together, and the layout (so the plan id) stays. Each keeps its own collective
+    cost (a tensor-parallel leader's). Nodes alone on their machine are not in the result."""
+    by_machine: defaultdict[str, list[pb.NodeState]] = defaultdict(list)
+    for state in states:
+        if state.profile.fingerprint:
+            by_machine[state.profile.fingerprint].append(state)
+    shared: dict[str, pb.SpeedCorrection] = {}
+    for members in by_machine.values():
+        published = [m.speed_correction for m in members if m.HasField("speed_correction")]
+        if len(members) < 2 or not published:
+            continue
+        factor, compute, rows = (
+            _median_of([getattr(c, name) for c in published])
+            for name in ("factor", "compute_factor", "row_flops")
+        )
+        for member in members:
+            correction = pb.SpeedCorrection()
+            correction.CopyFrom(member.speed_correction)
+            correction.node_id = member.profile.node_id
+            correction.factor, correction.compute_factor, correction.row_flops = (
+                factor,
+                compute,
+                rows,
+            )
+            shared[member.profile.node_id] = correction
+    return shared
+
+
+def _median_of(values: list[float]) -> float:
+    """The median of the figures published (> 0); 0 when none was."""
+    published = sorted(v for v in values if v > 0)
+    return float(statistics.median(published)) if published else 0.0
+
+
+def _corrected(state: pb.NodeState, correction: pb.SpeedCorrection) -> pb.NodeState:
+    """``state`` as planning sees it, with ``correction`` in place of its own."""
+    planned = pb.NodeState()
+    planned.CopyFrom(state)
+    planned.speed_correction.CopyFrom(correction)
+    return planned
 
 
 def plannable_budget(profile: pb.NodeProfile) -> int:
