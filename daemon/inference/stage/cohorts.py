@@ -90,9 +90,9 @@ def join(plan: StagePlan, request: StageRequest) -> None:
 
 
 def waits(plan: StagePlan, request: StageRequest, out: set[int], now: float) -> bool:
-    """Whether ``request``'s ready decode step waits for its cohort (see the module)."""
-    if not groups_cohorts(plan) or not is_plain_decode(request):
-        return False
+    """Whether ``request``'s ready step waits for its cohort (see the module); the caller
+    asks only for a plain decode step (:func:`is_plain_decode`) of a plan that keeps cohorts
+    (:func:`groups_cohorts`), with ``out`` from :func:`cohorts_out`."""
     join(plan, request)
     if request.cohort not in out:
         request.waiting_since = None
