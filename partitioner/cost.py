@@ -60,7 +60,9 @@ daemon's engine does: the first stage cuts the C rows into m = micro_batches(S, 
 (one per stage, S stages, but none of fewer than MIN_MICRO_BATCH_ROWS rows; below that one
 batch), each of r = ceil(C / m) rows. A stage's step of r rows costs max(bytes read / bandwidth,
 r x FLOPs / compute): its weights are read once for all rows, so on memory-bound decode a batch
-costs little more than one row. A mixture-of-experts layer reads the routed experts its r tokens
+costs little more than one row. A tensor-parallel group does not batch (its runners keep one
+cache per request, so the daemon steps them request by request): its step of r rows costs r
+steps of one. A mixture-of-experts layer reads the routed experts its r tokens
 touch together: of E experts with k per token, E x (1 - (1 - k/E)^r) on average. Hops carry r
 hidden states (and r token ids back). A micro-batch goes round the ring in sum of step times +
 hops, and m of them take turns at the slowest stage, so the time between two tokens of one
@@ -73,7 +75,7 @@ compute) with the profile's large-matrix FLOP/s gives 1.0x): small-row matrix pr
 attention over each row's cache and per-row work do not overlap the weight reads. A node that
 measured this from its own steps reports `row_flops` (meshd.mesh.speed_correction); its step
 of r rows then costs the roofline plus (r - 1) x FLOPs / row_flops. Nodes that do not report
-it (and prefill, and tensor-parallel groups) keep the roofline alone.
+it (and prefill) keep the roofline alone.
 
 Time to first token for a prompt of P tokens = sum over stages of max(weight bytes / bandwidth,
 P x FLOPs / compute) + hops carrying P hidden states (the quadratic attention term is left out);
@@ -458,9 +460,14 @@ class CostModel:
     def stage_step_s(self, unit: Unit, start: int, end: int, *, last: bool, rows: int) -> float:
         """Seconds for one stage's decode step of ``rows`` sequences batched together: the
         roofline of the module docstring, plus, where the node reports its `row_flops`, each
-        row beyond the first at that rate (module docstring, "Rows a node measured")."""
+        row beyond the first at that rate (module docstring, "Rows a node measured"). A
+        tensor-parallel group does not batch: ``rows`` steps of one row each."""
+        if unit.degree > 1:
+            # A group's runners keep one cache per request, so the daemon runs the group's
+            # decode steps request by request: r rows cost r steps of one.
+            return rows * self._stage_s(unit, start, end, last=last, tokens=1)
         seconds = self._stage_s(unit, start, end, last=last, tokens=rows)
-        if rows > 1 and unit.row_flops < math.inf and unit.degree == 1:
+        if rows > 1 and unit.row_flops < math.inf:
             flops = self._prefix_flops[end] - self._prefix_flops[start]
             if last:
                 flops += self.head_flops

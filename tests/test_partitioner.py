@@ -412,6 +412,24 @@ def test_tensor_parallel_group_on_a_thunderbolt_pair() -> None:
     assert halves["tb-a"] == halves["tb-b"] == 4 * 150 * MiB + 8 * MiB
 
 
+def test_a_tensor_parallel_group_decodes_concurrent_sequences_one_by_one() -> None:
+    """A group's runners keep one cache per request, so the daemon steps them request by
+    request: 16 sequences cost a group 16 steps of one where a pipeline stage batches them.
+    The group that wins for one sequence on a Thunderbolt pair loses at 16 to a pipeline."""
+    tb5 = (5e-6, 9e9, 1.0)
+    mesh = make_mesh({"x": (GiB, *FAST), "y": (GiB, *FAST)}, default_link=tb5)
+    model = tiny_model([150 * MiB] * 8, supports_tensor_parallel=True)
+    alone = plan_model(mesh, model, PlanOptions(parallelism="tensor"))
+    busy = plan_model(mesh, model, PlanOptions(parallelism="tensor", concurrency=16))
+    assert alone.layout == busy.layout == "tensor"
+    assert busy.prediction.time_per_token_s == pytest.approx(
+        16 * alone.prediction.decode_s_per_token
+    )
+    assert busy.prediction.aggregate_tokens_per_s == pytest.approx(alone.prediction.tokens_per_s)
+    assert plan_model(mesh, model).layout == "tensor"
+    assert plan_model(mesh, model, PlanOptions(concurrency=16)).layout != "tensor"
+
+
 def test_no_tensor_parallel_group_when_heads_do_not_divide() -> None:
     tb5 = (5e-6, 9e9, 1.0)
     mesh = make_mesh({"x": (GiB, *FAST), "y": (GiB, *FAST)}, default_link=tb5)
