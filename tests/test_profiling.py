@@ -23,7 +23,9 @@ from meshd.mesh.profiling import (
     PROFILE_SEED_ENV,
     NodeProfile,
     _read_limit,
+    bandwidth_matrix_bytes,
     default_memory_budget,
+    largest_cpu_cache,
     load_or_measure_profile,
     machine_fingerprint,
     profile_from_proto,
@@ -250,6 +252,15 @@ def test_budget_is_stable_under_small_changes_of_total_memory() -> None:
     budgets = {default_memory_budget(total - delta) for delta in range(0, 50 * 2**20, 2**20)}
     assert len(budgets) == 1
     assert budgets.pop() % BUDGET_GRANULE == 0
+
+
+def test_bandwidth_is_measured_beyond_the_caches() -> None:
+    """256 MiB, or 8x the largest cache where that is more, within 1/16 of the memory."""
+    assert bandwidth_matrix_bytes(24 * GiB, 32 * 2**20) == 256 * 2**20
+    assert bandwidth_matrix_bytes(64 * GiB, 384 * 2**20) == 3 * GiB  # a large server L3
+    assert bandwidth_matrix_bytes(2 * GiB, 0) == 128 * 2**20  # a small machine
+    if sys.platform.startswith("linux"):
+        assert 2**15 <= largest_cpu_cache() <= 2**32  # sysfs names this CPU's caches
 
 
 def test_budget_follows_a_raised_gpu_wired_limit() -> None:
