@@ -96,6 +96,7 @@ class DaemonProcess:
             else:
                 if predicate(status):
                     return status
+                last_error = "it answers, but has not got there yet"
             time.sleep(0.05)
         raise TimeoutError(
             f"daemon in {self.state_dir} did not reach: {what} within {timeout_s:.0f} s "
