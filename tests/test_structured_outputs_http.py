@@ -6,13 +6,16 @@ on the one the client talks to. Every answer validates against its schema (neste
 enums, arrays): openai's response_format (json_schema, json_object, ``parse`` with a
 pydantic model) and forced tool calls, anthropic's forced tool use, ollama's ``format``, in
 plain and streaming answers. Schemas the grammar engine cannot enforce, and tool choices that
-cannot be served, are refused with a 400 in each API's own error shape.
+cannot be served, are refused with a 400 in each API's own error shape. A test's requests go
+together, so constrained rows also share batched steps, each masked by its own grammar.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
 from typing import Any
 
@@ -85,6 +88,16 @@ OPENAI_TOOLS = [
         },
     },
 ]
+
+
+def at_once(*requests: Callable[[], Any]) -> list[Any]:
+    """Results of ``requests`` sent together: their rows share the mesh's batched steps, each
+    masked by its own grammar, and the suite waits for one answer instead of several."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(request) for request in requests]
+        return [future.result() for future in futures]
+
+
 ASK_PERSON = [{"role": "user", "content": "Describe Marie, a painter who lives in Paris."}]
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Rome for the next days?"}]
 MAX_TOKENS = 96  # every answer below ends well before
@@ -178,17 +191,19 @@ class Forecast(pydantic.BaseModel):
 def test_openai_parse_fills_a_pydantic_model_and_json_object_is_an_object(
     client: openai.OpenAI,
 ) -> None:
-    parsed = client.chat.completions.parse(
-        model=MODEL, messages=ASK_WEATHER, response_format=Forecast, max_tokens=MAX_TOKENS
+    parsed, reply = at_once(
+        lambda: client.chat.completions.parse(
+            model=MODEL, messages=ASK_WEATHER, response_format=Forecast, max_tokens=MAX_TOKENS
+        ),
+        lambda: client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Give the name and color of a banana as JSON."}],
+            response_format={"type": "json_object"},
+            max_tokens=MAX_TOKENS,
+        ),
     )
     forecast = parsed.choices[0].message.parsed
     assert isinstance(forecast, Forecast) and isinstance(forecast.unit, Unit), parsed
-    reply = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Give the name and color of a banana as JSON."}],
-        response_format={"type": "json_object"},
-        max_tokens=MAX_TOKENS,
-    )
     assert reply.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
@@ -196,30 +211,32 @@ def test_openai_parse_fills_a_pydantic_model_and_json_object_is_an_object(
 def test_openai_forced_tool_calls_have_valid_arguments(client: openai.OpenAI) -> None:
     """tool_choice "required" and a named function: a tool call every time (this model's
     template knows no tools: the prompt describes them, the grammar writes the call)."""
-    named = client.chat.completions.create(
-        model=MODEL,
-        messages=ASK_WEATHER,
-        tools=OPENAI_TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=MAX_TOKENS,
+    named, chunks = at_once(
+        lambda: client.chat.completions.create(
+            model=MODEL,
+            messages=ASK_WEATHER,
+            tools=OPENAI_TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=MAX_TOKENS,
+        ),
+        lambda: list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=ASK_WEATHER,
+                tools=OPENAI_TOOLS,
+                tool_choice="required",
+                max_tokens=MAX_TOKENS,
+                temperature=0.7,
+                seed=4,
+                stream=True,
+            )
+        ),
     )
     choice = named.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
-    chunks = list(
-        client.chat.completions.create(
-            model=MODEL,
-            messages=ASK_WEATHER,
-            tools=OPENAI_TOOLS,
-            tool_choice="required",
-            max_tokens=MAX_TOKENS,
-            temperature=0.7,
-            seed=4,
-            stream=True,
-        )
-    )
     calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
     assert len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time"), chunks
     tool = next(t for t in OPENAI_TOOLS if t["function"]["name"] == calls[0].function.name)
@@ -255,25 +272,31 @@ ANTHROPIC_TOOLS = [
 
 def test_anthropic_forced_tool_use_plain_and_streaming(mesh: list[DaemonProcess]) -> None:
     client = anthropic.Anthropic(base_url=url_of(mesh[1]), api_key="x", max_retries=0)
-    message = client.messages.create(
-        model=MODEL,
-        max_tokens=MAX_TOKENS,
-        messages=ASK_WEATHER,
-        tools=ANTHROPIC_TOOLS,
-        tool_choice={"type": "tool", "name": "get_weather"},
+
+    def streamed() -> Any:
+        with client.messages.stream(
+            model=MODEL,
+            max_tokens=MAX_TOKENS,
+            messages=ASK_WEATHER,
+            tools=ANTHROPIC_TOOLS,
+            tool_choice={"type": "any"},
+        ) as stream:
+            return stream.get_final_message()
+
+    message, final = at_once(
+        lambda: client.messages.create(
+            model=MODEL,
+            max_tokens=MAX_TOKENS,
+            messages=ASK_WEATHER,
+            tools=ANTHROPIC_TOOLS,
+            tool_choice={"type": "tool", "name": "get_weather"},
+        ),
+        streamed,
     )
     assert message.stop_reason == "tool_use", message
     (block,) = message.content
     assert block.type == "tool_use" and block.name == "get_weather" and block.id
     jsonschema.validate(block.input, WEATHER)
-    with client.messages.stream(
-        model=MODEL,
-        max_tokens=MAX_TOKENS,
-        messages=ASK_WEATHER,
-        tools=ANTHROPIC_TOOLS,
-        tool_choice={"type": "any"},
-    ) as stream:
-        final = stream.get_final_message()
     assert final.stop_reason == "tool_use", final
     (block,) = final.content
     schema = next(t["input_schema"] for t in ANTHROPIC_TOOLS if t["name"] == block.name)
@@ -290,24 +313,27 @@ def test_anthropic_forced_tool_use_plain_and_streaming(mesh: list[DaemonProcess]
 
 def test_ollama_format_schema_and_json(mesh: list[DaemonProcess]) -> None:
     client = ollama.Client(host=url_of(mesh[1]))
-    reply = client.chat(
-        model=MODEL,
-        messages=ASK_PERSON,
-        format=PERSON,
-        options={"num_predict": MAX_TOKENS, "temperature": 0},
+    other = ollama.Client(host=url_of(mesh[1]))  # one per thread: ollama's does not say it is safe
+    reply, streamed = at_once(
+        lambda: client.chat(
+            model=MODEL,
+            messages=ASK_PERSON,
+            format=PERSON,
+            options={"num_predict": MAX_TOKENS, "temperature": 0},
+        ),
+        lambda: "".join(
+            part.response
+            for part in other.generate(
+                model=MODEL,
+                prompt="Answer in JSON: what is the capital of France?",
+                format="json",
+                options={"num_predict": MAX_TOKENS},
+                stream=True,
+            )
+        ),
     )
     assert reply.done_reason == "stop", reply
     jsonschema.validate(json.loads(reply.message.content), PERSON)
-    streamed = "".join(
-        part.response
-        for part in client.generate(
-            model=MODEL,
-            prompt="Answer in JSON: what is the capital of France?",
-            format="json",
-            options={"num_predict": MAX_TOKENS},
-            stream=True,
-        )
-    )
     assert isinstance(json.loads(streamed), dict), streamed
     with pytest.raises(ollama.ResponseError) as refused:
         client.chat(model=MODEL, messages=ASK_PERSON, format={"type": "object", "if": {}})
