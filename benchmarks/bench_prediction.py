@@ -24,7 +24,11 @@ the FLOP/s of each row a batched step adds) is published and the mesh re-plans w
 
     .venv/bin/python benchmarks/bench_prediction.py [--nodes 1 2 3] [--layouts pipeline tensor]
         [--concurrency 1 4 16] [--rounds 3] [--max-tokens 64] [--prompt-tokens 256]
-        [--passes before after] [--model DIR]
+        [--passes before after] [--model DIR] [--memory-budget 500MiB]
+
+The planner leaves out a node that adds under 10 % (three nodes of one machine serving one
+sequence as a pipeline run no faster than two), so each row names the plan's shape; give
+``--memory-budget`` to make every node needed.
 
 Daemons listen on 127.0.0.1 only (tensor-parallel groups need loopback trusted: they get
 ``--tensor-parallel-trusted-network 127.0.0.0/8``), in a temporary folder removed at the end;
@@ -57,7 +61,6 @@ from bench_batching import (
     has_text,
     loopback_networks,
     node_layouts,
-    wait_for_stages,
 )
 
 from meshd.api import client, render
@@ -136,9 +139,16 @@ async def run_rounds(url: str, concurrency: int, rounds: int, max_tokens: int, w
 
 @contextlib.contextmanager
 def mesh(
-    root: Path, model: Path, layout: Layout, cpus: list[str], correction: bool, name: str
+    root: Path,
+    model: Path,
+    layout: Layout,
+    cpus: list[str],
+    correction: bool,
+    name: str,
+    memory_budget: str | None = None,
 ) -> Iterator[list[DaemonProcess]]:
-    """``layout.nodes`` pinned loopback daemons serving ``model`` as ``layout`` says."""
+    """``layout.nodes`` pinned loopback daemons serving ``model`` as ``layout`` says, each
+    with ``memory_budget`` where given."""
     token = security.encode_join_token(security.create_mesh_secret("bench-prediction"))
     daemons: list[DaemonProcess] = []
     try:
@@ -156,6 +166,8 @@ def mesh(
                 args += ["--parallelism", layout.parallelism]
             if not correction:
                 args.append("--no-speed-correction")
+            if memory_budget:
+                args += ["--memory-budget", memory_budget]
             daemons.append(PinnedDaemon(state, args, cpu).start())
         yield daemons
     finally:
@@ -175,14 +187,12 @@ def serve_at(daemons: list[DaemonProcess], model: Path, layout: Layout, concurre
     if layout.nodes > 1:
         request.parallelism = layout.parallelism
     client.load_model(daemons[0].api, request)
-    stages = 1 if layout.parallelism in ("solo", "tensor") else layout.nodes
 
     def serving(status: pb.MeshStatus) -> bool:
         plan = active_plan(status)
         return (
             plan is not None
             and plan.concurrency == concurrency
-            and len(plan.stages) == stages
             and status.agreement.converged
             and status.transitions.active_plan_loaded
         )
@@ -210,6 +220,25 @@ def measure_row(
         plan = after
     stamped = [dataclasses.replace(request, plan_id=plan.plan_id) for request in finished]
     return compare(plan, stamped), plan, changed
+
+
+def shape(plan: Plan) -> str:
+    """What the plan made of the layout's nodes: its stages and their nodes."""
+    if len(plan.stages) == 1 and len(plan.stages[0].nodes) > 1:
+        return f"one group of {len(plan.stages[0].nodes)}"
+    return f"{len(plan.stages)} stage(s)"
+
+
+def wait_for_plan(daemons: list[DaemonProcess]) -> None:
+    """Every daemon serves a committed plan: as many stages as the planner found worth its
+    nodes (a node that adds under 10 % is left out; ``--memory-budget`` makes every node
+    needed)."""
+    for daemon in daemons:
+        daemon.wait_for(
+            lambda s: bool(s.agreement.active_plan_id and s.agreement.plan_json),
+            180,
+            "a committed plan",
+        )
 
 
 def settle(daemons: list[DaemonProcess], model: Path, layout: Layout, args) -> None:
@@ -258,7 +287,7 @@ def print_row(
         for c in status.speed_corrections
     )
     print(
-        f"{label:<18} {phase:<6} C={concurrency:<3} "
+        f"{label:<36} {phase:<6} C={concurrency:<3} "
         f"decode {cell(decode.predicted, decode.measured, format_token_rate)}  "
         f"aggregate {cell(decode.predicted * concurrency, total, format_token_rate)}  "
         f"prefill {cell(found.prefill.predicted, found.prefill.measured, format_token_rate)}  "
@@ -300,6 +329,8 @@ def main() -> int:
     parser.add_argument("--settle-requests", type=int, default=4,
                         help="'after': requests alone first, so corrections settle")  # fmt: skip
     parser.add_argument("--model", type=Path, help="an MLX model directory (default: SmolLM2)")
+    parser.add_argument("--memory-budget", help="each node's budget, e.g. 500MiB: with SmolLM2 "
+                        "in float32, three nodes are then needed")  # fmt: skip
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     with bench_root("meshd-bench-prediction-", args.model) as (root, model):
@@ -315,15 +346,19 @@ def main() -> int:
             cpus = node_layouts(cores, 1)[layout.nodes - 1]
             for phase in args.passes:
                 name = f"{layout.nodes}{layout.parallelism}-{phase}"
-                with mesh(root, model, layout, cpus, phase == "after", name) as daemons:
-                    stages = 1 if layout.parallelism in ("solo", "tensor") else layout.nodes
-                    wait_for_stages(daemons, stages)
+                correction = phase == "after"
+                budget = args.memory_budget
+                with mesh(root, model, layout, cpus, correction, name, budget) as daemons:
+                    wait_for_plan(daemons)
                     if phase == "after":
                         settle(daemons, model, layout, args)
                     for concurrency in args.concurrency:
-                        found, _, changed = measure_row(daemons, model, layout, concurrency, args)
+                        found, plan, changed = measure_row(
+                            daemons, model, layout, concurrency, args
+                        )
                         status = daemons[0].status()
-                        print_row(layout.label, phase, concurrency, found, status)
+                        label = f"{layout.label} ({shape(plan)})"
+                        print_row(label, phase, concurrency, found, status)
                         if changed:
                             print(f"  {changed.strip()}", flush=True)
                     own = render.prediction_text(daemons[0].status())
