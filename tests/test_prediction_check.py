@@ -413,6 +413,16 @@ def test_a_group_leader_measures_what_each_collective_costs() -> None:
     assert found is not None
     assert found.collective_overhead_s == pytest.approx(2e-3, rel=0.01)
     assert found.factor == 1.0 and found.row_flops == 0
+    # Prompt chunks, net of their collectives at that overhead, give a compute factor.
+    chunk_compute = predictor.chunk_samples([(plan.plan_id, 256, 0.0)], 2e-3)[0].predicted_s
+    chunks = [(plan.plan_id, 256, 3.0 * chunk_compute + collectives * 2e-3)] * MIN_PROMPT_SAMPLES
+    overhead = Published(collective_overhead_s=found.collective_overhead_s)
+    timed_prompts = SpeedCorrector(leader).update(
+        spec, plan, 20e9, 2 * GB, steps, chunks, overhead, 0.0
+    )
+    assert timed_prompts is not None
+    assert timed_prompts.compute_factor == pytest.approx(3.0, rel=0.01)
+    assert timed_prompts.collective_overhead_s == pytest.approx(2e-3, rel=0.01)
     # The planner prices the group's collectives with it.
     profile = pb.NodeProfile(node_id=leader, memory_budget=GB, flops=100e9, mem_bandwidth=10e9)
     timed = pb.SpeedCorrection(collective_overhead_s=2e-3)
