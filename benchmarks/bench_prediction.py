@@ -64,6 +64,7 @@ from bench_batching import (
 )
 
 from meshd.api import client, render
+from meshd.api.demo import plan_committed
 from meshd.api.launcher import DaemonProcess
 from meshd.inference.prediction_check import FinishedRequest, PredictionComparison, compare
 from meshd.mesh import security
@@ -229,18 +230,6 @@ def shape(plan: Plan) -> str:
     return f"{len(plan.stages)} stage(s)"
 
 
-def wait_for_plan(daemons: list[DaemonProcess]) -> None:
-    """Every daemon serves a committed plan: as many stages as the planner found worth its
-    nodes (a node that adds under 10 % is left out; ``--memory-budget`` makes every node
-    needed)."""
-    for daemon in daemons:
-        daemon.wait_for(
-            lambda s: bool(s.agreement.active_plan_id and s.agreement.plan_json),
-            180,
-            "a committed plan",
-        )
-
-
 def settle(daemons: list[DaemonProcess], model: Path, layout: Layout, args) -> None:
     """Requests alone, then a round at the highest concurrency (the steps of several rows
     give each node's row FLOP/s), until the nodes' corrections are published and the mesh
@@ -349,8 +338,9 @@ def main() -> int:
                 correction = phase == "after"
                 budget = args.memory_budget
                 with mesh(root, model, layout, cpus, correction, name, budget) as daemons:
-                    wait_for_plan(daemons)
-                    if phase == "after":
+                    for daemon in daemons:  # as many stages as the planner found worth them
+                        daemon.wait_for(plan_committed(layout.nodes), 180, "a committed plan")
+                    if correction:
                         settle(daemons, model, layout, args)
                     for concurrency in args.concurrency:
                         found, plan, changed = measure_row(

@@ -259,20 +259,30 @@ class StepPredictor:
         if self._group is None:
             return []
         unit, start, end, last = self._group
-        collectives = 2 * (end - start) + 1
         return [
             (seconds - self._cost.stage_step_s(unit, start, end, last=last, rows=rows))
-            / collectives
+            / self._collectives()
             for plan_id, rows, seconds in steps
             if plan_id == self.plan_id
         ]
 
+    def _collectives(self) -> int:
+        """Collectives in one step of the group this node leads (0: it leads none)."""
+        if self._group is None:
+            return 0
+        _, start, end, _ = self._group
+        return 2 * (end - start) + 1
+
     def chunk_s(self, positions: int) -> float:
-        """Predicted seconds of a prompt chunk of ``positions`` (0 when it does not apply)."""
-        if self._range is None:
+        """Predicted seconds of a prompt chunk of ``positions`` (0 when it does not apply):
+        this node's stage, or the members' compute alone of the group it leads."""
+        if self._group is not None:
+            unit, start, end, last = self._group
+        elif self._range is not None:
+            unit, (start, end, last) = self._unit, self._range
+        else:
             return 0.0
-        start, end, last = self._range
-        return self._cost.stage_chunk_s(self._unit, start, end, last=last, tokens=positions)
+        return self._cost.stage_chunk_s(unit, start, end, last=last, tokens=positions)
 
     def chunk_samples(
         self, chunks: Sequence[tuple[str, int, float]], collective_s: float = 0.0
@@ -282,22 +292,11 @@ class StepPredictor:
         ``collective_s`` each (what the planner prices them at), against the members'
         predicted compute: what is left is the group's compute, which a compute factor
         corrects."""
-        if self._group is not None:
-            unit, start, end, last = self._group
-            collectives = (2 * (end - start) + 1) * collective_s
-            return [
-                StepSample(
-                    positions,
-                    seconds - collectives,
-                    self._cost.stage_chunk_s(unit, start, end, last=last, tokens=positions),
-                )
-                for plan_id, positions, seconds in chunks
-                if plan_id == self.plan_id
-            ]
-        if self._range is None:
+        if self._group is None and self._range is None:
             return []
+        collectives_s = self._collectives() * collective_s
         return [
-            StepSample(positions, seconds, self.chunk_s(positions))
+            StepSample(positions, seconds - collectives_s, self.chunk_s(positions))
             for plan_id, positions, seconds in chunks
             if plan_id == self.plan_id
         ]
