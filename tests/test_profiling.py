@@ -259,8 +259,13 @@ def test_bandwidth_is_measured_beyond_the_caches() -> None:
     assert bandwidth_matrix_bytes(24 * GiB, 32 * 2**20) == 256 * 2**20
     assert bandwidth_matrix_bytes(64 * GiB, 384 * 2**20) == 3 * GiB  # a large server L3
     assert bandwidth_matrix_bytes(2 * GiB, 0) == 128 * 2**20  # a small machine
-    if sys.platform.startswith("linux"):
-        assert 2**15 <= largest_cpu_cache() <= 2**32  # sysfs names this CPU's caches
+    # Where Linux names this CPU's caches (many arm64 kernels do not), the largest is read;
+    # where it names none, there is nothing to size by and the 256 MiB floor applies.
+    named = list(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"))
+    if named:
+        assert 2**15 <= largest_cpu_cache() <= 2**32
+    else:
+        assert largest_cpu_cache() == 0
 
 
 def test_budget_follows_a_raised_gpu_wired_limit() -> None:
