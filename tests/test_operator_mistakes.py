@@ -75,6 +75,7 @@ def test_daemons_of_one_user_share_one_model_store(daemons, tiny_llama, model_st
     """A model in the user's store is loaded by name by any of the user's daemons (no copy in
     a state directory), and a daemon's state directory holds only per-node files."""
     from meshd.models.store import ModelStore
+    from meshd.runtime.import_tables import IMPORT_TABLES_FOLDER
     from meshd.wire import pb
 
     entry = ModelStore(model_store).import_mlx_dir(tiny_llama, name="shared-tiny")
@@ -88,3 +89,6 @@ def test_daemons_of_one_user_share_one_model_store(daemons, tiny_llama, model_st
         shared = [m for m in listed.models if m.name == "shared-tiny"]
         assert [m.path for m in shared] == [str(entry.path)]
         assert not (node.state_dir / "models").exists(), "a model store in the state directory"
+    # A daemon that loaded a model keeps transformers' import table in the store, for the
+    # user's next daemon and its runners (meshd.runtime.import_tables).
+    assert list((model_store / IMPORT_TABLES_FOLDER).glob("imports-*.json"))

@@ -185,12 +185,15 @@ def cmd_run(args: argparse.Namespace) -> NoReturn:
     from meshd.mesh.membership import DuplicateNodeId
     from meshd.node import run_node
     from meshd.runtime import hoptrace
+    from meshd.runtime.import_tables import IMPORT_TABLES_FOLDER, keep_transformers_import_table
     from meshd.runtime.thread_names import name_this_thread
     from meshd.state_lock import StateDirInUse
 
     config = load_config(flags_given(args), config_path=args.config)
     _setup_logging(config.log_level)
     hoptrace.start_from_env()  # off unless MESHD_HOP_TRACE names a directory
+    # Before a model's first load imports transformers (and before its runners start).
+    keep_transformers_import_table(config.model_store / IMPORT_TABLES_FOLDER)
 
     async def main() -> None:
         leave: list = []  # the node's graceful leave, once it has started

@@ -34,8 +34,10 @@ the kernel also kills the runner when the thread that started it dies (``PR_SET_
 
 # ruff: noqa: E402
 from meshd.runtime.blas import enable_fast_blas
+from meshd.runtime.import_tables import keep_transformers_import_table
 
 enable_fast_blas()  # before mlx.core
+keep_transformers_import_table()  # the daemon's folder, from the environment it gave us
 
 import argparse
 import contextlib
