@@ -12,7 +12,8 @@ that builds the table (``transformers.utils.import_utils.define_import_structure
 that module runs and before anything calls it) with one that reads the table from a JSON file
 in a folder of ours, else builds it as before and writes it there. A file's name is a digest of
 what the table is built from: the folder scanned, the prefix, and the modification times of the
-folder and of every folder in it, which an install or upgrade of transformers changes. Whatever
+folder and of every package folder in it, which an install or upgrade of transformers changes
+(not of ``__pycache__``, which Python rewrites as it compiles). Whatever
 goes wrong (transformers renamed the function, a file that cannot be read or written, a table
 of a shape this module does not know) falls back to building the table as transformers does.
 """
@@ -130,7 +131,9 @@ def table_key(module_path: Path, prefix: str | None) -> str:
     stamps = [(".", scanned.stat().st_mtime_ns)]
     with os.scandir(scanned) as entries:
         stamps += sorted(
-            (entry.name, entry.stat().st_mtime_ns) for entry in entries if entry.is_dir()
+            (entry.name, entry.stat().st_mtime_ns)
+            for entry in entries
+            if entry.is_dir() and entry.name != "__pycache__"  # moves as Python writes .pyc
         )
     what = json.dumps([str(scanned.resolve()), prefix, stamps])
     return hashlib.sha256(what.encode()).hexdigest()[:24]
