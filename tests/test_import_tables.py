@@ -4,6 +4,7 @@ the first built and still finds every name, and a damaged file is built again.""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -97,3 +98,18 @@ def test_only_the_newest_tables_are_kept(tmp_path: Path) -> None:
         os.utime(tmp_path / f"imports-{number}.json", ns=(number, number))
     remove_oldest_tables(tmp_path, kept=2)
     assert sorted(file.name for file in tmp_path.iterdir()) == ["imports-3.json", "imports-4.json"]
+
+
+def test_the_finder_answers_for_transformers_utilities_once(tmp_path: Path) -> None:
+    """It finds nothing else, and the module only once: a reload is transformers' own."""
+    from meshd.runtime.import_tables import TABLE_MODULE, _TableFinder, _WrapAfterRun
+
+    package = importlib.util.find_spec("transformers")  # found, not run
+    assert package is not None and package.submodule_search_locations
+    utils = [str(Path(package.submodule_search_locations[0]) / "utils")]  # as the import gives
+    finder = _TableFinder(tmp_path)
+    assert finder.find_spec("json", None) is None
+    spec = finder.find_spec(TABLE_MODULE, utils)
+    assert spec is not None and isinstance(spec.loader, _WrapAfterRun)
+    assert spec.origin and spec.origin.endswith("import_utils.py")
+    assert finder.find_spec(TABLE_MODULE, utils) is None

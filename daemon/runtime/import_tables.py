@@ -65,20 +65,23 @@ def keep_transformers_import_table(folder: Path | None = None) -> bool:
 
 
 class _TableFinder(importlib.abc.MetaPathFinder):
-    """Finds transformers' import utilities as the path finder does, with a loader that
-    wraps the table function once the module has run; then steps aside."""
+    """Finds transformers' import utilities as the path finder does, once, with a loader that
+    wraps the table function once the module has run. It stays in ``sys.meta_path`` after
+    that, answering None (leaving it while the import system walks the list would make the
+    walk skip the finder after it)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        self.used = False
 
     def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
-        if fullname != TABLE_MODULE:
+        if fullname != TABLE_MODULE or self.used:
             return None
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self)
+        self.used = True  # a second import of the module (a reload) is transformers' own
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _WrapAfterRun(spec.loader, self.folder)
+        if spec is None or spec.loader is None:
+            return None  # transformers comes some other way (an editable install): not kept
+        spec.loader = _WrapAfterRun(spec.loader, self.folder)
         return spec
 
 
