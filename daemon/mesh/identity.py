@@ -8,13 +8,14 @@ and the daemon that started later refuses to run (see `meshd.mesh.membership`).
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from meshd.runtime.files import replace_text
 
 NODE_ID_FILE = "node_id"
 _VALID_NODE_ID = re.compile(r"^[a-z0-9][a-z0-9-]{2,62}$")
@@ -47,9 +48,7 @@ def load_or_create_node_id(state_dir: Path) -> str:
             )
         return node_id
     node_id = new_node_id()
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(node_id + "\n")
-    os.replace(tmp, path)
+    replace_text(path, node_id + "\n")
     return node_id
 
 

@@ -33,12 +33,13 @@ import contextlib
 import ctypes
 import ctypes.util
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+from meshd.runtime.files import replace_text
 
 MIB = 2**20
 OVERHEAD_FILE = "process_overhead.json"
@@ -129,12 +130,8 @@ def read_remembered(state_dir: Path) -> Remembered:
 
 def write_remembered(state_dir: Path, remembered: Remembered) -> None:
     """Atomically, like the profile cache."""
-    path = state_dir / OVERHEAD_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     document = {"high_water": remembered.high_water, "loaded_before": remembered.loaded_before}
-    partial.write_text(json.dumps(document) + "\n", encoding="utf-8")
-    os.replace(partial, path)
+    replace_text(state_dir / OVERHEAD_FILE, json.dumps(document) + "\n")
 
 
 class OverheadTracker:

@@ -64,6 +64,7 @@ from meshd.mesh.profile_dtypes import (
     rates_from_mapping,
 )
 from meshd.runtime.blas import blas_info
+from meshd.runtime.files import replace_text
 from partitioner.humanize import parse_size
 
 log = logging.getLogger(__name__)
@@ -718,11 +719,8 @@ def seed_profile(folder: Path) -> Path:
 
 def _write_cache(cache: Path, profile: NodeProfile) -> None:
     """Write atomically, so a crash mid-write leaves the old cache or none, never half."""
-    cache.parent.mkdir(parents=True, exist_ok=True)
     document = {"format": CACHE_FORMAT, "profile": profile.to_dict()}
-    partial = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-    partial.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(partial, cache)
+    replace_text(cache, json.dumps(document, indent=2, sort_keys=True) + "\n")
 
 
 def _cgroup_limit_files() -> list[Path]:

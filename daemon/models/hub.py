@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.models.share import NON_WEIGHT_FILES
+from meshd.runtime.files import replace_text
 
 HUB_PATH_PREFIX = "hf:"
 MANIFESTS_DIR = "hub"
@@ -491,10 +492,7 @@ def manifest_file(store_root: Path, repo_id: str, commit: str) -> Path:
 
 def save_manifest(store_root: Path, manifest: Manifest) -> Path:
     path = manifest_file(store_root, manifest.repo_id, manifest.commit)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_suffix(f".{os.getpid()}.tmp")
-    temp.write_text(manifest.to_json())
-    os.replace(temp, path)
+    replace_text(path, manifest.to_json())
     return path
 
 

@@ -29,11 +29,12 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from meshd.runtime.files import replace_text
 
 log = logging.getLogger("meshd.imports")
 
@@ -182,23 +183,16 @@ def read_table(file: Path) -> dict[frozenset[str], dict[str, set[str]]] | None:
 
 
 def write_table(file: Path, table: dict[Any, Any]) -> None:
-    """Write ``table`` to ``file`` whole or not at all (a temporary file, renamed), so that
-    processes starting together never read half of one; nothing where it cannot be."""
+    """Write ``table`` to ``file`` whole or not at all, so that processes starting together
+    never read half of one; nothing where it cannot be."""
     rows = encode_table(table)
     if rows is None:
         log.debug("transformers' import table has a shape this meshd does not know: not kept")
         return
     try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(
-            "w", dir=file.parent, prefix=".imports-", suffix=".tmp", delete=False
-        ) as out:
-            json.dump(rows, out)
-        os.replace(out.name, file)
+        replace_text(file, json.dumps(rows))
     except OSError as error:
         log.debug("could not keep transformers' import table in %s: %s", file, error)
-        with contextlib.suppress(OSError, UnboundLocalError):
-            os.unlink(out.name)
         return
     remove_oldest_tables(file.parent)
 
