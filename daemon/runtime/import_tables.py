@@ -20,7 +20,6 @@ of a shape this module does not know) falls back to building the table as transf
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import importlib.abc
@@ -34,7 +33,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from meshd.runtime.files import replace_text
+from meshd.runtime.files import remove_oldest, replace_text
 
 log = logging.getLogger("meshd.imports")
 
@@ -201,10 +200,4 @@ def remove_oldest_tables(folder: Path, kept: int = TABLES_KEPT) -> None:
     """Keep the ``kept`` newest tables in ``folder``: each upgrade of transformers writes a new
     set, and the newest are the installed one's (a table that is read is never rewritten, so
     age is the time of the install it belongs to, or later)."""
-    try:
-        tables = sorted(folder.glob("imports-*.json"), key=lambda table: table.stat().st_mtime_ns)
-    except OSError:  # one went while we looked: another process prunes too
-        return
-    for stale in tables[:-kept]:
-        with contextlib.suppress(OSError):
-            stale.unlink()
+    remove_oldest(folder, "imports-*.json", kept)
