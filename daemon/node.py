@@ -43,6 +43,7 @@ from meshd.mesh.peer_service import PeerService
 from meshd.mesh.speed_correction import Published, SpeedCorrector
 from meshd.models.hub_share import DownloadBoard, HubDownloads, HubFileServer
 from meshd.models.share import PartExporter
+from meshd.models.tokenizer_cache import TOKENIZERS_FOLDER
 from meshd.node_models import (
     check_model_type,
     hub_model_spec_dir,
@@ -217,6 +218,7 @@ class Node:
             draft_tokens=self.config.draft_tokens,
             prefix_cache=self.config.prefix_cache,
             report=lambda text: bridge.call_soon_in_trio(events.add, "%s", text),
+            tokenizer_folder=self.config.model_store / TOKENIZERS_FOLDER,
         )
         self.plans = PlanInstaller(
             self.membership,

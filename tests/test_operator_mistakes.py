@@ -3,6 +3,7 @@ directory, a model imported twice. Real daemon processes on loopback (no mDNS)."
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -75,6 +76,7 @@ def test_daemons_of_one_user_share_one_model_store(daemons, tiny_llama, model_st
     """A model in the user's store is loaded by name by any of the user's daemons (no copy in
     a state directory), and a daemon's state directory holds only per-node files."""
     from meshd.models.store import ModelStore
+    from meshd.models.tokenizer_cache import TOKENIZERS_FOLDER, tokenizer_key
     from meshd.runtime.import_tables import IMPORT_TABLES_FOLDER
     from meshd.wire import pb
 
@@ -90,5 +92,11 @@ def test_daemons_of_one_user_share_one_model_store(daemons, tiny_llama, model_st
         assert [m.path for m in shared] == [str(entry.path)]
         assert not (node.state_dir / "models").exists(), "a model store in the state directory"
     # A daemon that loaded a model keeps transformers' import table in the store, for the
-    # user's next daemon and its runners (meshd.runtime.import_tables).
+    # user's next daemon and its runners (meshd.runtime.import_tables), and a daemon that
+    # served it keeps its tokenizer there (meshd.models.tokenizer_cache).
     assert list((model_store / IMPORT_TABLES_FOLDER).glob("imports-*.json"))
+    request = pb.GenerateRequest(prompt="Hello", sampling=pb.Sampling(max_tokens=2))
+    assert list(client.stream_generation(nodes[0].api, request, timeout_s=60))[-1].done
+    eos = json.loads((entry.path / "config.json").read_text()).get("eos_token_id")
+    kept = model_store / TOKENIZERS_FOLDER / f"tokenizer-{tokenizer_key(entry.path, eos)}.pickle"
+    assert kept.is_file()

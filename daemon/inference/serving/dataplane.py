@@ -67,6 +67,7 @@ import os
 import resource
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -134,6 +135,7 @@ class DataPlane:
         runners: RunnerSupervisor | None = None,
         draft_tokens: int = 0,
         prefix_cache: bool = True,
+        tokenizer_folder: Path | None = None,
     ) -> None:
         self.node_id = node_id
         self.max_requests_per_stage = max_requests_per_stage
@@ -174,7 +176,9 @@ class DataPlane:
         )
         self.runners = runners or RunnerSupervisor(node_id)
         self.runners.set_on_change(self._publish_runners)
-        self.loaded_stages = LoadedStages(node_id, self._plans, self._compute)
+        self.loaded_stages = LoadedStages(
+            node_id, self._plans, self._compute, tokenizer_folder=tokenizer_folder
+        )
         # What `meshd status` shows of this node's runners: replaced whole on every change,
         # read from the trio thread (never mutated once published).
         self.runner_status: tuple[dict[str, Any], ...] = ()
