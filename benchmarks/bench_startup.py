@@ -1,10 +1,11 @@
 """What a daemon spends to start and serve its first answer, on the product: one real `meshd
 run` daemon with the embedded model, from its start to its API answering, its plan committed,
 the first streamed event of a short chat and the chat's end; the daemon's own CPU seconds at
-each point (from /proc) and the wall time. Rounds alternate between a model store whose
-transformers import tables (:mod:`meshd.runtime.import_tables`) were removed before the start
-("built": the daemon builds and writes them) and the same store with them kept ("kept"), so
-both are measured on the same machine in the same minutes; medians per column.
+each point (from /proc) and the wall time. Each round starts a daemon on a model store in each
+of three states, in turn, so all are measured on the same machine in the same minutes:
+"cold", with neither transformers' import tables (:mod:`meshd.runtime.import_tables`) nor the
+model's kept tokenizer (:mod:`meshd.models.tokenizer_cache`), which the daemon then makes and
+writes; "tables", with the import tables only; "kept", with both. Medians per column.
 
     .venv/bin/python benchmarks/bench_startup.py [--rounds 4] [--max-tokens 8]
 
@@ -35,6 +36,7 @@ from meshd.api.demo import plan_committed
 from meshd.api.launcher import DaemonProcess
 from meshd.mesh.profiling import PROFILE_SEED_ENV, seed_profile
 from meshd.models.store import ModelStore
+from meshd.models.tokenizer_cache import TOKENIZERS_FOLDER
 from meshd.runtime.import_tables import IMPORT_TABLES_FOLDER
 from meshd.wire import pb
 
@@ -90,19 +92,21 @@ def main() -> None:
         os.environ[PROFILE_SEED_ENV] = str(seed_profile(root / "profile"))
         store = root / "store"
         model = ModelStore(store).ensure_default().path
-        tables = store / IMPORT_TABLES_FOLDER
-        results: dict[str, list[dict[str, tuple]]] = {"built": [], "kept": []}
+        caches = {"tables": store / IMPORT_TABLES_FOLDER, "tokenizers": store / TOKENIZERS_FOLDER}
+        removed = {"cold": ("tables", "tokenizers"), "tables": ("tokenizers",), "kept": ()}
+        results: dict[str, list[dict[str, tuple]]] = {kind: [] for kind in removed}
         print(f"{time.strftime('%Y-%m-%d %H:%M')} load {os.getloadavg()[0]:.2f}", flush=True)
+        one_start(root, store, model, arguments.max_tokens)  # a start that writes both caches
         for number in range(arguments.rounds):
-            for kind in ("built", "kept") if number % 2 else ("kept", "built"):
-                if kind == "built":
-                    shutil.rmtree(tables, ignore_errors=True)
-                elif not tables.exists():  # the first round: a start that writes them
-                    one_start(root, store, model, arguments.max_tokens)
+            kinds = list(removed) if number % 2 else list(reversed(removed))
+            for kind in kinds:
+                # Each start writes what it did not find: the caches kept are there.
+                for cache in removed[kind]:
+                    shutil.rmtree(caches[cache], ignore_errors=True)
                 points = one_start(root, store, model, arguments.max_tokens)
                 results[kind].append(points)
                 cells = "  ".join(f"{p} {w:.2f} s / {c:.2f} s CPU" for p, (w, c) in points.items())
-                print(f"round {number + 1} {kind:<5}  {cells}", flush=True)
+                print(f"round {number + 1} {kind:<6}  {cells}", flush=True)
         print("medians (wall / CPU of the daemon):")
         for kind, rows in results.items():
             cells = "  ".join(
@@ -110,7 +114,7 @@ def main() -> None:
                 f"{statistics.median(r[point][1] for r in rows):.2f} s"
                 for point in POINTS
             )
-            print(f"  tables {kind:<5}  {cells}")
+            print(f"  {kind:<6}  {cells}")
         print(f"load {os.getloadavg()[0]:.2f} at the end")
     finally:
         shutil.rmtree(root, ignore_errors=True)
