@@ -40,12 +40,12 @@ AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx
 PROBE = textwrap.dedent(
     """
     import json, os, sys, time
-    started = time.perf_counter()
+    started = time.process_time()  # CPU, not wall: a loaded host must not fail the check
     if sys.argv[1] == "mlx-first":
         import mlx.core
     import meshd.runtime.blas as blas
     info = blas.enable_fast_blas()
-    enable_s = time.perf_counter() - started
+    enable_s = time.process_time() - started
     coretype_after = os.environ.get("OPENBLAS_CORETYPE")
     import mlx.core as mx
     # CPU time this process spends in the 0.3 s after a threaded matmul (before numpy's
@@ -116,6 +116,7 @@ def test_openblas_is_mapped_and_correct(env_changes: dict[str, str | None]) -> N
     assert result["blas_info"] == info
     assert any(info["path"] == path for path in result["mapped"]), result["mapped"]
     assert result["scaled_error"] < 1e-4, f"wrong matmul results with {info['name']}"
+    # ~0.07 s of CPU here; a bound 7x over it catches a probe or benchmark creeping in.
     assert result["enable_s"] < 0.5, "enable_fast_blas must stay cheap: it runs on import"
     # The core type is set only while OpenBLAS loads; the user's environment is restored.
     expected_after = user_coretype if OPENBLAS_CORETYPE_ENV not in env_changes else None
