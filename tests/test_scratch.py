@@ -2,14 +2,17 @@
 
 A stage load works in a temporary directory; a daemon or runner killed while it loads leaves
 it behind. Each carries its creator's PID, and a starting daemon removes those whose creator
-is gone (`meshd.runtime.scratch`).
+is gone (`meshd.runtime.scratch`), as does the launcher that killed it (`meshd demo`, the
+benchmarks and the tests).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -53,3 +56,16 @@ def test_a_scratch_directory_names_its_process_and_goes_with_its_block() -> None
         assert folder.is_dir()
         assert folder.name.startswith(f"{SCRATCH_PREFIX}{os.getpid()}-stage-")
     assert not folder.exists()
+
+
+def test_a_daemon_killed_by_its_launcher_leaves_no_scratch(daemons) -> None:
+    daemon = daemons(["--interface", "127.0.0.1", "--peer-host", "127.0.0.1", "--peer-port", "0"])
+    daemon.wait_ready()
+    # What a load the kill cut short leaves: a folder named by the daemon's PID.
+    left = Path(tempfile.gettempdir()) / f"{SCRATCH_PREFIX}{daemon.pid}-stage-cut"
+    (left / "inner").mkdir(parents=True)
+    try:
+        daemon.kill()
+        assert not left.exists()
+    finally:
+        shutil.rmtree(left, ignore_errors=True)

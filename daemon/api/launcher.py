@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from meshd.api import client
+from meshd.runtime.scratch import remove_orphaned_scratch
 from meshd.wire import pb
 
 READY_TIMEOUT_S = 30.0
@@ -120,13 +121,16 @@ class DaemonProcess:
             return self.kill()
 
     def kill(self) -> int | None:
-        """SIGKILL the daemon's whole process group (ip netns exec + python)."""
+        """SIGKILL the daemon's whole process group (ip netns exec + python), then remove the
+        scratch directories it can no longer remove itself (its next start would)."""
         self._status.close()
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        return self.proc.wait(10)
+        code = self.proc.wait(10)
+        remove_orphaned_scratch()
+        return code
 
 
 def alive_ids(status: pb.MeshStatus) -> set[str]:
