@@ -1,10 +1,12 @@
 """A model's tokenizer kept between processes (meshd.models.tokenizer_cache): the kept
-tokenizer of the embedded model answers as the one mlx-lm loads; a kept file that names
-anything but tokenizer parts, or that others may write, is not run but replaced; new files or
-other EOS ids give another key."""
+tokenizer of the embedded model answers as the one mlx-lm loads; a kept file not signed with
+this user's key, one that others may write, and one that names anything but tokenizer parts
+are never run but replaced; new files (in subfolders too) or other EOS ids give another key."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
 import os
 import pickle
@@ -18,11 +20,13 @@ import pytest
 from meshd.models import tokenizer_cache
 from meshd.models.store import ModelEntry
 from meshd.models.tokenizer_cache import (
+    KEY_FILE,
     RefusedPickle,
     _TokenizerUnpickler,
     load_tokenizer,
     read_tokenizer,
     tokenizer_key,
+    user_key,
 )
 
 pytestmark = pytest.mark.integration
@@ -103,25 +107,55 @@ def test_the_kept_tokenizer_answers_as_the_loaded_one(
     assert behaviour(kept)["detokenizer"] == "BPEStreamingDetokenizer"
 
 
+class Payload:
+    """A pickle that runs a command when it is loaded."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed-with-the-key"])
 def test_a_kept_file_naming_anything_else_is_not_run_but_replaced(
-    tmp_path: Path, model_dir: Path, counts: dict[str, int], caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    model_dir: Path,
+    counts: dict[str, int],
+    caplog: pytest.LogCaptureFixture,
+    signed: bool,
 ) -> None:
+    """Unsigned bytes (anyone's) are never unpickled; even bytes signed with this user's key
+    resolve tokenizer parts only."""
     folder = tmp_path / "tokenizers"
     marker = tmp_path / "ran"
-
-    class Payload:
-        def __reduce__(self) -> tuple[Any, tuple[str]]:
-            return (os.system, (f"touch {marker}",))
-
+    data = pickle.dumps(Payload(marker))
+    key = user_key(folder) if signed else b"\0" * 32
     file = folder / f"tokenizer-{tokenizer_key(model_dir, [2])}.pickle"
-    folder.mkdir()
-    file.write_bytes(pickle.dumps(Payload()))
+    folder.mkdir(exist_ok=True)
+    file.write_bytes(hmac.new(key, data, hashlib.sha256).digest() + data)
     file.chmod(0o600)
     tokenizer = load_tokenizer(model_dir, [2], folder)
     assert not marker.exists()
-    assert "names posix.system" in caplog.text
+    expected = "names posix.system" if signed else "not written by this user's meshd"
+    assert expected in caplog.text
     assert counts == {"read": 0, "loaded": 1}
-    assert tokenizer.encode("Hello") == read_tokenizer(file).encode("Hello")  # replaced
+    # Replaced by the tokenizer, signed:
+    assert tokenizer.encode("Hello") == read_tokenizer(file, user_key(folder)).encode("Hello")
+    assert (folder / KEY_FILE).stat().st_mode & 0o777 == 0o600
+
+
+def test_a_key_others_may_read_keeps_nothing(
+    tmp_path: Path, model_dir: Path, counts: dict[str, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "tokenizers"
+    user_key(folder)
+    (folder / KEY_FILE).chmod(0o644)
+    load_tokenizer(model_dir, None, folder)
+    load_tokenizer(model_dir, None, folder)
+    assert counts == {"read": 0, "loaded": 2}
+    assert "not a private file of this user" in caplog.text
+    assert not list(folder.glob("tokenizer-*.pickle"))
 
 
 def test_a_kept_file_others_may_write_is_ignored_and_replaced(
@@ -132,7 +166,7 @@ def test_a_kept_file_others_may_write_is_ignored_and_replaced(
     [file] = folder.glob("tokenizer-*.pickle")
     file.chmod(0o666)
     load_tokenizer(model_dir, None, folder)
-    assert "others may write it" in caplog.text
+    assert "not a private file of this user" in caplog.text
     assert counts == {"read": 0, "loaded": 2}
     assert file.stat().st_mode & 0o777 == 0o600
     load_tokenizer(model_dir, None, folder)
@@ -147,7 +181,12 @@ def test_other_files_or_eos_ids_give_another_key(model_dir: Path) -> None:
     assert tokenizer_key(model_dir, [2]) == key
     config = model_dir / "tokenizer_config.json"
     os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))
-    assert tokenizer_key(model_dir, [2]) != key
+    moved = tokenizer_key(model_dir, [2])
+    assert moved != key
+    templates = model_dir / "additional_chat_templates"  # transformers reads these too
+    templates.mkdir()
+    (templates / "tool_use.jinja").write_text("{{ messages }}")
+    assert tokenizer_key(model_dir, [2]) != moved
 
 
 @pytest.mark.parametrize(
@@ -159,6 +198,12 @@ def test_other_files_or_eos_ids_give_another_key(model_dir: Path) -> None:
         ("transformers.dynamic_module_utils", "get_class_from_dynamic_module"),
         ("mlx_lm.tokenizer_utils", "load"),  # a function of an allowed module
         ("antigravity", "geohash"),  # a module with side effects: refused before its import
+        # Dotted names reach through an allowed module to anything:
+        ("mlx_lm.tool_parsers.json_tools", "json.codecs.builtins.exec"),
+        ("mlx_lm.tokenizer_utils", "inspect.attrgetter"),
+        ("mlx_lm.tool_parsers.json_tools", "json"),  # a module, not its parser
+        ("transformers.tokenization_utils_base", "BatchEncoding"),  # not a tokenizer class
+        ("transformers.tokenization_utils_tokenizers", "AddedToken"),  # re-exported
     ],
 )
 def test_the_unpickler_resolves_tokenizer_parts_only(module: str, name: str) -> None:
@@ -168,3 +213,5 @@ def test_the_unpickler_resolves_tokenizer_parts_only(module: str, name: str) -> 
     assert "antigravity" not in sys.modules
     assert unpickler.find_class("tokenizers", "Tokenizer").__name__ == "Tokenizer"
     assert unpickler.find_class("functools", "partial").__name__ == "partial"
+    parser = unpickler.find_class("mlx_lm.tool_parsers.json_tools", "parse_tool_call")
+    assert parser.__module__ == "mlx_lm.tool_parsers.json_tools"

@@ -8,26 +8,31 @@ finished wrapper, pickled, loads in ~0.13 s.
 
 Reading a pickle is running code, so a kept tokenizer is read only where:
 
-* the file is this user's and no one else may write it (checked on the opened file);
-* it names nothing but tokenizer parts (:class:`_TokenizerUnpickler`): classes of the
-  ``tokenizers`` package, of transformers' tokenization modules and of mlx-lm's tokenizer
-  module, mlx-lm's tool-call parsers and chat templates, ``functools.partial``, sets. A module
-  outside that list is refused before it is imported.
+* it carries a valid HMAC-SHA256 of its bytes under this user's key (``key`` in the same
+  folder, made at random on first use, readable by this user only): bytes that anyone else
+  wrote, copied or linked there do not verify, and are never unpickled;
+* the file is a regular file of this user with one link, that no one else may write, opened
+  without following links;
+* it names only the tokenizer parts mlx-lm's wrapper is made of (:class:`_TokenizerUnpickler`):
+  exact (module, name) pairs, the name defined in that module (no dotted path, no re-export).
 
 Anything else (no file, a file of another version, one that fails those checks or does not
 load) costs only the time: the tokenizer is loaded as mlx-lm does and kept again. A file's
-name is a digest of the model folder, its files but the weights (name, size, modification
-time), the EOS ids asked for, and the versions of Python, mlx-lm, transformers and tokenizers.
+name is a digest of the model folder, its files but the weights (every file below it: names,
+sizes and, up to 16 MiB, contents), the EOS ids asked for, and the versions of Python, mlx-lm,
+transformers and tokenizers.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import json
 import logging
 import os
 import pickle
+import secrets
 import stat
 import sys
 from pathlib import Path
@@ -38,19 +43,33 @@ from meshd.runtime.files import remove_oldest, replace_bytes
 log = logging.getLogger("meshd.models.tokenizers")
 
 TOKENIZERS_FOLDER = "tokenizers"  # in the model store
+KEY_FILE = "key"  # this user's HMAC key, in that folder
 KEPT = 16  # files; past that the oldest go (tokenizers of models or versions since replaced)
+HASHED_UP_TO = 16 * 1024 * 1024  # bytes: larger non-weight files enter the key by size and time
+WEIGHT_SUFFIXES = {".safetensors", ".gguf", ".bin", ".pt", ".pth", ".npz"}
+MAC_BYTES = 32
 
 # How many tokenizers this process read from files, and how many it loaded as mlx-lm does.
 counts = {"read": 0, "loaded": 0}
 
-# Modules a kept tokenizer may name: exact names, and prefixes of packages.
-_MODULES = {"tokenizers", "mlx_lm.tokenizer_utils", "functools", "builtins", "collections"}
-_CLASS_PACKAGES = ("tokenizers.",)
-_FUNCTION_PACKAGES = ("mlx_lm.tool_parsers.", "mlx_lm.chat_templates.")  # parsers, templates
-_NAMES = {
-    "functools": {"partial"},
-    "builtins": {"set", "frozenset"},
-    "collections": {"OrderedDict"},
+# What mlx-lm's TokenizerWrapper of a Hugging Face tokenizer is made of: (module, name) pairs,
+# and the modules whose functions mlx-lm keeps on it (tool-call parsers, chat templates).
+_CLASSES = {
+    ("mlx_lm.tokenizer_utils", "TokenizerWrapper"),
+    ("mlx_lm.tokenizer_utils", "NaiveStreamingDetokenizer"),
+    ("mlx_lm.tokenizer_utils", "SPMStreamingDetokenizer"),
+    ("mlx_lm.tokenizer_utils", "BPEStreamingDetokenizer"),
+    ("tokenizers", "Tokenizer"),
+    ("tokenizers", "AddedToken"),
+    ("tokenizers.models", "Model"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("collections", "OrderedDict"),
+    ("functools", "partial"),  # mlx-lm's SPM detokenizer without its leading space
+}
+_FUNCTIONS = {
+    "mlx_lm.tool_parsers": "parse_tool_call",
+    "mlx_lm.chat_templates": "apply_chat_template",
 }
 
 
@@ -59,26 +78,37 @@ class RefusedPickle(pickle.UnpicklingError):
 
 
 class _TokenizerUnpickler(pickle.Unpickler):
-    """An unpickler that resolves tokenizer parts only (see the module docstring)."""
+    """An unpickler that resolves the parts of mlx-lm's tokenizer wrapper only (see the module
+    docstring): checked by name before any module is imported, then by what was found."""
 
     def find_class(self, module: str, name: str) -> Any:
-        transformers_tokenization = module.startswith("transformers.") and (
-            "tokenization" in module.rsplit(".", 1)[-1]
-        )
-        if not (
-            module in _MODULES
-            or module.startswith(_CLASS_PACKAGES + _FUNCTION_PACKAGES)
-            or transformers_tokenization
+        package = module.rpartition(".")[0]
+        if "." in name or not (
+            (module, name) in _CLASSES
+            or _FUNCTIONS.get(package) == name
+            or (_is_transformers_tokenization(module) and name[:1].isupper())
         ):
             raise RefusedPickle(f"names {module}.{name}")
-        if module in _NAMES and name not in _NAMES[module]:
-            raise RefusedPickle(f"names {module}.{name}")
         found = super().find_class(module, name)
-        if module in _NAMES or module.startswith(_FUNCTION_PACKAGES):
-            return found  # the listed builtins, mlx-lm's parsers and templates
-        if not isinstance(found, type):
-            raise RefusedPickle(f"names {module}.{name}, which is not a class")
+        defined_here = (
+            getattr(found, "__module__", None) == module
+            and getattr(found, "__qualname__", None) == name
+        )
+        if not defined_here:
+            raise RefusedPickle(f"names {module}.{name}, which is not defined there")
+        if _is_transformers_tokenization(module) and not _is_tokenizer_class(found):
+            raise RefusedPickle(f"names {module}.{name}, which is not a tokenizer class")
         return found
+
+
+def _is_transformers_tokenization(module: str) -> bool:
+    return module.startswith("transformers.") and "tokenization" in module.rsplit(".", 1)[-1]
+
+
+def _is_tokenizer_class(found: Any) -> bool:
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    return isinstance(found, type) and issubclass(found, PreTrainedTokenizerBase)
 
 
 def load_tokenizer(model_dir: Path, eos_token_ids: Any, folder: Path | None) -> Any:
@@ -87,32 +117,38 @@ def load_tokenizer(model_dir: Path, eos_token_ids: Any, folder: Path | None) -> 
     loaded and kept there; without a folder, loaded."""
     from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
 
-    if folder is None:
-        return mlx_lm_load_tokenizer(model_dir, eos_token_ids=eos_token_ids)
-    try:
-        file = folder / f"tokenizer-{tokenizer_key(model_dir, eos_token_ids)}.pickle"
-    except OSError as error:  # the folder went or cannot be listed: mlx-lm will say
-        log.debug("no key for the tokenizer of %s: %s", model_dir, error)
-        return mlx_lm_load_tokenizer(model_dir, eos_token_ids=eos_token_ids)
-    kept = read_tokenizer(file)
-    if kept is not None:
-        counts["read"] += 1
-        return kept
+    key, file = None, None
+    if folder is not None:
+        try:
+            key = user_key(folder)
+            file = folder / f"tokenizer-{tokenizer_key(model_dir, eos_token_ids)}.pickle"
+        except PermissionError as error:  # a key file that is not private: said, not used
+            log.warning("tokenizers are not kept: %s", error)
+        except OSError as error:  # no folder of ours (a read-only store): load each time
+            log.debug("tokenizers are not kept in %s: %s", folder, error)
+    if key is not None and file is not None:
+        kept = read_tokenizer(file, key)
+        if kept is not None:
+            counts["read"] += 1
+            return kept
     tokenizer = mlx_lm_load_tokenizer(model_dir, eos_token_ids=eos_token_ids)
     counts["loaded"] += 1
-    write_tokenizer(file, tokenizer)
+    if key is not None and file is not None:
+        write_tokenizer(file, tokenizer, key)
     return tokenizer
 
 
 def tokenizer_files(model_dir: Path) -> list[tuple[str, int, int]]:
-    """Name, size and modification time of every file of ``model_dir`` but the weights: what
-    a tokenizer is loaded from (a folder rewritten with another model's files differs)."""
+    """Path (below ``model_dir``), size and modification time of every file of ``model_dir``
+    but the weights: what a tokenizer is loaded from (a folder rewritten with another model's
+    files differs), subfolders such as ``additional_chat_templates`` included."""
+    root = Path(model_dir)
     files = []
-    for path in sorted(Path(model_dir).iterdir()):
-        if path.suffix == ".safetensors" or not path.is_file():
+    for path in sorted(root.rglob("*")):
+        if path.suffix in WEIGHT_SUFFIXES or not path.is_file():
             continue
         status = path.stat()
-        files.append((path.name, status.st_size, status.st_mtime_ns))
+        files.append((str(path.relative_to(root)), status.st_size, status.st_mtime_ns))
     return files
 
 
@@ -123,32 +159,74 @@ def tokenizer_key(model_dir: Path, eos_token_ids: Any) -> str:
     import tokenizers
     import transformers
 
+    digest = hashlib.sha256()
     versions = [sys.version, mlx_lm.__version__, transformers.__version__, tokenizers.__version__]
-    what = [str(Path(model_dir).resolve()), tokenizer_files(model_dir), eos_token_ids, versions]
-    return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]
+    digest.update(json.dumps([str(Path(model_dir).resolve()), eos_token_ids, versions]).encode())
+    for name, size, mtime in tokenizer_files(model_dir):
+        digest.update(json.dumps([name, size, mtime]).encode())
+        if size <= HASHED_UP_TO:
+            digest.update(hashlib.sha256((Path(model_dir) / name).read_bytes()).digest())
+    return digest.hexdigest()[:24]
 
 
-def read_tokenizer(file: Path) -> Any | None:
-    """The tokenizer kept in ``file``; None where there is none or it may not or cannot be
-    read (then it is loaded and written again)."""
+def user_key(folder: Path) -> bytes:
+    """This user's HMAC key in ``folder``, made on first use (OSError where there is none of
+    this user's own that no one else may read, and none can be made)."""
+    file = folder / KEY_FILE
     try:
-        with open(file, "rb") as opened:
-            status = os.fstat(opened.fileno())
-            if status.st_uid != os.getuid() or status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                log.warning(
-                    "ignoring the kept tokenizer %s: it is another user's or others may write "
-                    "it (remove it; meshd writes its own)",
-                    file,
-                )
-                return None
-            data = opened.read()
+        return _read_private(file, MAC_BYTES)
+    except FileNotFoundError:
+        pass
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        descriptor = os.open(file, flags, 0o600)
+    except FileExistsError:  # another daemon made it first
+        return _read_private(file, MAC_BYTES)
+    with os.fdopen(descriptor, "wb") as opened:
+        opened.write(secrets.token_bytes(MAC_BYTES))
+    return _read_private(file, MAC_BYTES)
+
+
+def _read_private(file: Path, size: int | None = None) -> bytes:
+    """The bytes of ``file``, a regular file of this user with one link that only this user
+    may write (and, for a key, read); opened without following a link or blocking on a pipe.
+    PermissionError naming what is wrong otherwise."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    with open(os.open(file, flags), "rb") as opened:
+        status = os.fstat(opened.fileno())
+        others = stat.S_IRWXG | stat.S_IRWXO if size is not None else stat.S_IWGRP | stat.S_IWOTH
+        if (
+            not stat.S_ISREG(status.st_mode)
+            or status.st_nlink != 1
+            or status.st_uid != os.getuid()
+            or status.st_mode & others
+        ):
+            raise PermissionError(
+                f"{file} is not a private file of this user (remove it; meshd writes its own)"
+            )
+        data = opened.read()
+    if size is not None and len(data) != size:
+        raise PermissionError(f"{file} is not a key of {size} bytes (remove it)")
+    return data
+
+
+def read_tokenizer(file: Path, key: bytes) -> Any | None:
+    """The tokenizer kept in ``file`` under ``key``; None where there is none or it may not or
+    cannot be read (then it is loaded and written again)."""
+    try:
+        data = _read_private(file)
     except FileNotFoundError:
         return None
     except OSError as error:
-        log.debug("kept tokenizer %s is unreadable (%s): loading it", file, error)
+        log.warning("ignoring the kept tokenizer %s: %s", file, error)
+        return None
+    mac, kept = data[:MAC_BYTES], data[MAC_BYTES:]
+    if not hmac.compare_digest(mac, hmac.new(key, kept, hashlib.sha256).digest()):
+        log.warning("ignoring the kept tokenizer %s: it was not written by this user's meshd", file)
         return None
     try:
-        return _TokenizerUnpickler(io.BytesIO(data)).load()
+        return _TokenizerUnpickler(io.BytesIO(kept)).load()
     except RefusedPickle as refusal:
         log.warning("ignoring the kept tokenizer %s: it %s (loading the tokenizer)", file, refusal)
     except Exception as error:  # a file of another version: load instead
@@ -156,9 +234,10 @@ def read_tokenizer(file: Path) -> Any | None:
     return None
 
 
-def write_tokenizer(file: Path, tokenizer: Any) -> None:
-    """Keep ``tokenizer`` in ``file`` (readable by this user only), where it pickles and reads
-    back through :class:`_TokenizerUnpickler`; nothing where it cannot be."""
+def write_tokenizer(file: Path, tokenizer: Any, key: bytes) -> None:
+    """Keep ``tokenizer`` in ``file`` (readable by this user only, with its HMAC under
+    ``key``), where it pickles and reads back through :class:`_TokenizerUnpickler`; nothing
+    where it cannot be."""
     try:
         data = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
         _TokenizerUnpickler(io.BytesIO(data)).load()
@@ -166,7 +245,7 @@ def write_tokenizer(file: Path, tokenizer: Any) -> None:
         log.debug("the tokenizer for %s is not kept: %r", file, error)
         return
     try:
-        replace_bytes(file, data, mode=0o600)
+        replace_bytes(file, hmac.new(key, data, hashlib.sha256).digest() + data, mode=0o600)
     except OSError as error:
         log.debug("could not keep the tokenizer in %s: %s", file, error)
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from pathlib import Path
 
 
@@ -14,16 +15,21 @@ def replace_text(path: Path, text: str) -> None:
 
 def replace_bytes(path: Path, data: bytes, mode: int | None = None) -> None:
     """Write ``data`` to ``path`` (making its folder) through a partial file beside it, named
-    by this process and renamed over ``path``: a reader, or a daemon killed mid-write, sees the
-    old file or the new one, never half of one. The partial file goes where the write fails.
-    ``mode``: the file's permissions, set before it takes the name (else the umask's).
+    by this process and thread and renamed over ``path``: a reader, or a daemon killed
+    mid-write, sees the old file or the new one, never half of one. The partial file is made
+    new (never through a link planted at its name) and goes where the write fails. ``mode``:
+    the file's permissions from its first byte (else the umask's).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    partial.unlink(missing_ok=True)  # a partial file of a killed process that had our PID
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    descriptor = os.open(partial, flags, 0o666 if mode is None else mode)
     try:
-        partial.write_bytes(data)
-        if mode is not None:
-            partial.chmod(mode)
+        with os.fdopen(descriptor, "wb") as opened:
+            if mode is not None:
+                os.fchmod(opened.fileno(), mode)
+            opened.write(data)
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)
