@@ -5,8 +5,6 @@ are never run but replaced; new files (in subfolders too) or other EOS ids give 
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import io
 import os
 import pickle
@@ -22,6 +20,7 @@ from meshd.models.store import ModelEntry
 from meshd.models.tokenizer_cache import (
     KEY_FILE,
     RefusedPickle,
+    _signature,
     _TokenizerUnpickler,
     load_tokenizer,
     read_tokenizer,
@@ -133,7 +132,7 @@ def test_a_kept_file_naming_anything_else_is_not_run_but_replaced(
     key = user_key(folder) if signed else b"\0" * 32
     file = folder / f"tokenizer-{tokenizer_key(model_dir, [2])}.pickle"
     folder.mkdir(exist_ok=True)
-    file.write_bytes(hmac.new(key, data, hashlib.sha256).digest() + data)
+    file.write_bytes(_signature(key, file, data) + data)
     file.chmod(0o600)
     tokenizer = load_tokenizer(model_dir, [2], folder)
     assert not marker.exists()
@@ -143,6 +142,20 @@ def test_a_kept_file_naming_anything_else_is_not_run_but_replaced(
     # Replaced by the tokenizer, signed:
     assert tokenizer.encode("Hello") == read_tokenizer(file, user_key(folder)).encode("Hello")
     assert (folder / KEY_FILE).stat().st_mode & 0o777 == 0o600
+
+
+def test_a_kept_file_renamed_to_another_key_is_not_read(
+    tmp_path: Path, model_dir: Path, counts: dict[str, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The signature covers the name: one model's tokenizer (or EOS ids) never serves another."""
+    folder = tmp_path / "tokenizers"
+    load_tokenizer(model_dir, [2], folder)
+    [kept] = folder.glob("tokenizer-*.pickle")
+    kept.rename(folder / f"tokenizer-{tokenizer_key(model_dir, [0])}.pickle")
+    tokenizer = load_tokenizer(model_dir, [0], folder)
+    assert "not written by this user's meshd" in caplog.text
+    assert counts == {"read": 0, "loaded": 2}
+    assert 0 in tokenizer.eos_token_ids
 
 
 def test_a_key_others_may_read_keeps_nothing(

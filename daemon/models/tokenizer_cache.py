@@ -48,6 +48,7 @@ KEPT = 16  # files; past that the oldest go (tokenizers of models or versions si
 HASHED_UP_TO = 16 * 1024 * 1024  # bytes: larger non-weight files enter the key by size and time
 WEIGHT_SUFFIXES = {".safetensors", ".gguf", ".bin", ".pt", ".pth", ".npz"}
 MAC_BYTES = 32
+LARGEST_KEPT = 256 * 1024 * 1024  # bytes: a kept tokenizer larger than this is not ours
 
 # How many tokenizers this process read from files, and how many it loaded as mlx-lm does.
 counts = {"read": 0, "loaded": 0}
@@ -75,6 +76,10 @@ _FUNCTIONS = {
 
 class RefusedPickle(pickle.UnpicklingError):
     """A kept tokenizer names something that is not a tokenizer part."""
+
+
+class NotPrivate(OSError):
+    """A key or kept tokenizer that is not this user's private file, or not of its size."""
 
 
 class _TokenizerUnpickler(pickle.Unpickler):
@@ -122,7 +127,7 @@ def load_tokenizer(model_dir: Path, eos_token_ids: Any, folder: Path | None) -> 
         try:
             key = user_key(folder)
             file = folder / f"tokenizer-{tokenizer_key(model_dir, eos_token_ids)}.pickle"
-        except PermissionError as error:  # a key file that is not private: said, not used
+        except NotPrivate as error:  # a key file that is not private: said, not used
             log.warning("tokenizers are not kept: %s", error)
         except OSError as error:  # no folder of ours (a read-only store): load each time
             log.debug("tokenizers are not kept in %s: %s", folder, error)
@@ -178,20 +183,23 @@ def user_key(folder: Path) -> bytes:
     except FileNotFoundError:
         pass
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    # Written whole under a name of this process, then linked to ``key``: a daemon killed
+    # while writing leaves no short key, and of two daemons making one, one link wins.
+    partial = folder / f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    replace_bytes(partial, secrets.token_bytes(MAC_BYTES), mode=0o600)
     try:
-        descriptor = os.open(file, flags, 0o600)
-    except FileExistsError:  # another daemon made it first
-        return _read_private(file, MAC_BYTES)
-    with os.fdopen(descriptor, "wb") as opened:
-        opened.write(secrets.token_bytes(MAC_BYTES))
+        os.link(partial, file)
+    except FileExistsError:
+        pass
+    finally:
+        partial.unlink(missing_ok=True)
     return _read_private(file, MAC_BYTES)
 
 
 def _read_private(file: Path, size: int | None = None) -> bytes:
     """The bytes of ``file``, a regular file of this user with one link that only this user
     may write (and, for a key, read); opened without following a link or blocking on a pipe.
-    PermissionError naming what is wrong otherwise."""
+    :class:`NotPrivate` naming what is wrong otherwise; ``size``: a key's exact size."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     with open(os.open(file, flags), "rb") as opened:
         status = os.fstat(opened.fileno())
@@ -202,12 +210,14 @@ def _read_private(file: Path, size: int | None = None) -> bytes:
             or status.st_uid != os.getuid()
             or status.st_mode & others
         ):
-            raise PermissionError(
+            raise NotPrivate(
                 f"{file} is not a private file of this user (remove it; meshd writes its own)"
             )
+        if status.st_size > (size or LARGEST_KEPT):
+            raise NotPrivate(f"{file} is larger than meshd writes it (remove it)")
         data = opened.read()
     if size is not None and len(data) != size:
-        raise PermissionError(f"{file} is not a key of {size} bytes (remove it)")
+        raise NotPrivate(f"{file} is not a key of {size} bytes (remove it)")
     return data
 
 
@@ -222,7 +232,7 @@ def read_tokenizer(file: Path, key: bytes) -> Any | None:
         log.warning("ignoring the kept tokenizer %s: %s", file, error)
         return None
     mac, kept = data[:MAC_BYTES], data[MAC_BYTES:]
-    if not hmac.compare_digest(mac, hmac.new(key, kept, hashlib.sha256).digest()):
+    if not hmac.compare_digest(mac, _signature(key, file, kept)):
         log.warning("ignoring the kept tokenizer %s: it was not written by this user's meshd", file)
         return None
     try:
@@ -245,8 +255,14 @@ def write_tokenizer(file: Path, tokenizer: Any, key: bytes) -> None:
         log.debug("the tokenizer for %s is not kept: %r", file, error)
         return
     try:
-        replace_bytes(file, hmac.new(key, data, hashlib.sha256).digest() + data, mode=0o600)
+        replace_bytes(file, _signature(key, file, data) + data, mode=0o600)
     except OSError as error:
         log.debug("could not keep the tokenizer in %s: %s", file, error)
         return
     remove_oldest(file.parent, "tokenizer-*.pickle", KEPT)
+
+
+def _signature(key: bytes, file: Path, data: bytes) -> bytes:
+    """HMAC-SHA256 of a kept tokenizer's bytes and its file name (which names the model files,
+    EOS ids and versions it was loaded for: a file renamed to another key does not verify)."""
+    return hmac.new(key, file.name.encode() + b"\0" + data, hashlib.sha256).digest()
