@@ -11,7 +11,7 @@ writes; "tables", with the import tables only; "kept", with both. Medians per co
 
 Everything is in a temporary folder removed at the end (state, model store, a profile measured
 once and given to each daemon as `meshd demo` does); the daemon listens on 127.0.0.1 only and
-is killed by PID. Linux only (/proc).
+is killed by PID.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -46,8 +48,8 @@ POINTS = ("answers", "plan", "first event", "done")
 
 def cpu_seconds(pid: int) -> float:
     """User and system CPU seconds of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def one_start(root: Path, store: Path, model: Path, max_tokens: int) -> dict[str, tuple]:
